@@ -1,0 +1,98 @@
+"""Attention over a paged KV cache, and the batch description every layer reads.
+
+A micro-batch is flattened to `T` tokens. Each sequence in it is either a decode (one new token) or a
+prefill chunk (`n` new tokens after `kv_len - n` cached ones). New K/V are written to the cache at
+`slot_mapping`; attention then reads only each sequence's own slots (never the whole cache).
+
+Without a cache (`ForwardBatch.no_cache`) the batch is one sequence attending causally to itself: the
+reference path tests compare against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSeq:
+    row: int  # first row of this chunk in the flattened batch
+    num_new: int  # tokens in this chunk
+    ctx_slots: torch.Tensor  # [kv_len] cache slots of the whole context, this chunk included
+
+
+@dataclass
+class ForwardBatch:
+    positions: torch.Tensor  # [T] absolute position of each token
+    logit_rows: torch.Tensor  # [S] row whose logits are sampled, one per sequence that samples
+    slot_mapping: torch.Tensor | None = None  # [T] cache slot each new token's K/V goes to
+    decode_rows: torch.Tensor | None = None  # [B] row of each decode token
+    decode_slots: torch.Tensor | None = None  # [B, Lmax] context slots per decode, padded
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, Lmax] True where a slot is real
+    prefills: list[PrefillSeq] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+    @property
+    def uses_cache(self) -> bool:
+        return self.slot_mapping is not None
+
+    @classmethod
+    def no_cache(cls, num_tokens: int, device: torch.device | str = "cpu") -> ForwardBatch:
+        """One sequence of `num_tokens` attending causally to itself; logits for every row."""
+        rows = torch.arange(num_tokens, device=device)
+        return cls(positions=rows, logit_rows=rows)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D], rotary applied
+    k: torch.Tensor,  # [T, KVH, D]
+    v: torch.Tensor,  # [T, KVH, D]
+    batch: ForwardBatch,
+    k_cache: torch.Tensor | None,  # [num_slots, KVH, D]
+    v_cache: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """Returns `[T, H, D]`."""
+    if not batch.uses_cache:
+        return _sdpa(q, k, v, scale, causal=True)
+    assert k_cache is not None and v_cache is not None
+    k_cache[batch.slot_mapping] = k
+    v_cache[batch.slot_mapping] = v
+    out = torch.empty_like(q)
+    if batch.decode_rows is not None and batch.decode_rows.numel():
+        out[batch.decode_rows] = _decode(q, k_cache, v_cache, batch, scale)
+    for p in batch.prefills:
+        rows = slice(p.row, p.row + p.num_new)
+        kp, vp = k_cache[p.ctx_slots], v_cache[p.ctx_slots]
+        out[rows] = _sdpa(q[rows], kp, vp, scale, causal=True)
+    return out
+
+
+def _decode(q, k_cache, v_cache, batch: ForwardBatch, scale: float) -> torch.Tensor:
+    qd = q[batch.decode_rows].unsqueeze(2)  # [B, H, 1, D]
+    kd = k_cache[batch.decode_slots].transpose(1, 2)  # [B, KVH, Lmax, D]
+    vd = v_cache[batch.decode_slots].transpose(1, 2)
+    out = F.scaled_dot_product_attention(
+        qd, kd, vd, attn_mask=batch.decode_mask, scale=scale, enable_gqa=qd.shape[1] != kd.shape[1]
+    )
+    return out.squeeze(2)  # [B, H, D]
+
+
+def _sdpa(q, k, v, scale: float, causal: bool) -> torch.Tensor:
+    """Causal attention of `n` queries that are the last `n` of `kv_len` keys. Shapes `[n|kv_len, h, D]`."""
+    n, kv_len = q.shape[0], k.shape[0]
+    qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    gqa = qt.shape[0] != kt.shape[0]
+    if n == kv_len:
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=scale, enable_gqa=gqa)
+    else:
+        # Query i sits at position kv_len - n + i and sees keys up to and including it.
+        qpos = torch.arange(kv_len - n, kv_len, device=q.device).unsqueeze(1)
+        mask = torch.arange(kv_len, device=q.device).unsqueeze(0) <= qpos
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return out.transpose(0, 1)

