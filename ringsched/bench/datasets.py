@@ -1,0 +1,101 @@
+"""Benchmark request datasets: random token-id prompts, or prompts read from a JSONL file.
+
+Contract: each loader returns exactly `num_prompts` `SampleRequest`s, deterministic for a given seed.
+A prompt is either a string or a list of token ids (the OpenAI completions API accepts both); `prompt_len`
+is the input token count when the client knows it (token ids, or a `prompt_len` field in the file) and
+`None` when only the server can tell (the client then takes it from the response's usage).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+# Low ids are where tokenizers keep special and control tokens; random prompts stay above them so that a
+# random prompt never contains an EOS or a chat-template marker.
+SPECIAL_TOKEN_IDS = 1000
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    """One benchmark request: the prompt, its length in tokens if known, and the `max_tokens` to ask for."""
+
+    prompt: str | list[int]
+    prompt_len: int | None
+    output_len: int
+
+
+def length_range(length: int, range_ratio: float) -> tuple[int, int]:
+    """The inclusive `[low, high]` for `--random-range-ratio`, as vLLM computes it (never below 1)."""
+    low = max(1, math.floor(length * (1 - range_ratio)))
+    high = max(low, math.ceil(length * (1 + range_ratio)))
+    return low, high
+
+
+def random_requests(
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float = 0.0,
+    vocab_size: int = 10000,
+    seed: int = 0,
+) -> list[SampleRequest]:
+    """Prompts of random token ids in `[offset, vocab_size)`, lengths uniform in the range-ratio window.
+
+    `vocab_size` is the model's vocabulary size (ids at or past it would be rejected by the server); the
+    offset skips the special-token ids, shrinking for the tiny vocabularies of test models.
+    """
+    if input_len < 1 or output_len < 1:
+        raise ValueError("--random-input-len and --random-output-len must be at least 1")
+    if not 0.0 <= range_ratio < 1.0:
+        raise ValueError(f"--random-range-ratio must be in [0, 1), got {range_ratio}")
+    if vocab_size < 2:
+        raise ValueError(f"--random-vocab-size must be at least 2, got {vocab_size}")
+    rng = np.random.default_rng(seed)
+    in_low, in_high = length_range(input_len, range_ratio)
+    out_low, out_high = length_range(output_len, range_ratio)
+    input_lens = rng.integers(in_low, in_high + 1, size=num_prompts)
+    output_lens = rng.integers(out_low, out_high + 1, size=num_prompts)
+    offset = min(SPECIAL_TOKEN_IDS, vocab_size // 2)
+    requests = []
+    for n_in, n_out in zip(input_lens, output_lens, strict=True):
+        ids = rng.integers(offset, vocab_size, size=int(n_in)).tolist()
+        requests.append(SampleRequest(prompt=ids, prompt_len=len(ids), output_len=int(n_out)))
+    return requests
+
+
+def jsonl_requests(path: str | Path, num_prompts: int) -> list[SampleRequest]:
+    """The first `num_prompts` lines of a JSONL file, repeated in order if the file has fewer.
+
+    Each line is `{"prompt": str | list[int], "output_len": int}`, optionally with `"prompt_len": int`.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"--dataset-path {path} does not exist; pass a JSONL file of prompts")
+    samples = []
+    with path.open() as f:
+        for lineno, line in enumerate(f, start=1):
+            if line.strip():
+                samples.append(_parse_line(line, f"{path}:{lineno}"))
+    if not samples:
+        raise ValueError(f"--dataset-path {path} has no requests; each line needs a prompt and output_len")
+    return [samples[i % len(samples)] for i in range(num_prompts)]
+
+
+def _parse_line(line: str, where: str) -> SampleRequest:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not valid JSON ({e})") from e
+    prompt, output_len = row.get("prompt"), row.get("output_len")
+    is_ids = isinstance(prompt, list) and bool(prompt) and all(isinstance(t, int) for t in prompt)
+    if not (isinstance(prompt, str) or is_ids):
+        raise ValueError(f'{where}: "prompt" must be a string or a list of token ids')
+    if not isinstance(output_len, int) or output_len < 1:
+        raise ValueError(f'{where}: "output_len" must be a positive integer, got {output_len!r}')
+    prompt_len = row.get("prompt_len", len(prompt) if is_ids else None)
+    return SampleRequest(prompt=prompt, prompt_len=prompt_len, output_len=output_len)

@@ -1,0 +1,117 @@
+"""The typed messages that travel over ZMQ, with one msgpack codec.
+
+Each message is a dataclass registered under a short tag; `encode`/`decode` are the only way objects go on
+the wire. Tensors never travel here (they go over `torch.distributed`, see `tensor_channel.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+import msgpack
+
+
+@dataclass
+class NewRequest:
+    """Front end -> stage 0."""
+
+    rid: str
+    token_ids: list[int]
+    params: dict  # SamplingParams.to_dict()
+    prompt_len: int = 0  # in announcements, where token_ids is left empty
+
+
+@dataclass
+class AbortRequest:
+    """Front end -> stage 0. Stage 0 decides; the other stages learn of it through a plan's `frees`."""
+
+    rid: str
+
+
+@dataclass
+class PlanEntry:
+    rid: str
+    start: int  # position of the first token in this entry
+    token_ids: list[int]  # the tokens this micro-batch computes for the request
+    samples: bool  # the entry ends at the last known token: the last stage samples the next one
+    new_blocks: list[int] = field(default_factory=list)  # KV blocks stage 0 allocated for this entry
+
+
+@dataclass
+class BatchPlan:
+    """Stage k -> k+1: the whole decision for one micro-batch, made once by stage 0."""
+
+    slot: int
+    seq: int
+    entries: list[PlanEntry] = field(default_factory=list)
+    announce: list[NewRequest] = field(default_factory=list)  # requests scheduled for the first time
+    frees: list[str] = field(default_factory=list)  # free KV before this batch (finished, aborted, preempted)
+    drops: list[str] = field(default_factory=list)  # forget entirely (finished or aborted)
+    shutdown: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(e.token_ids) for e in self.entries)
+
+    @property
+    def num_samples(self) -> int:
+        return sum(e.samples for e in self.entries)
+
+
+@dataclass
+class TokenOutput:
+    """Stage 0 -> front end: new tokens of one request, and its end when `finish_reason` is set."""
+
+    rid: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
+    error: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass
+class OutputBatch:
+    outputs: list[TokenOutput] = field(default_factory=list)
+    stats: dict | None = None  # stage 0's scheduler gauges, sent now and then
+
+
+@dataclass
+class StageStatus:
+    """Stage -> its launcher: ready (with its capacity and layers), stats, or a fatal error."""
+
+    rank: int
+    state: str  # "ready", "stats", "error", "exited"
+    info: dict = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass
+class Shutdown:
+    reason: str = ""
+
+
+_TYPES: dict[str, type] = {
+    "new": NewRequest,
+    "abort": AbortRequest,
+    "plan": BatchPlan,
+    "out": OutputBatch,
+    "status": StageStatus,
+    "shutdown": Shutdown,
+}
+_TAGS = {cls: tag for tag, cls in _TYPES.items()}
+
+
+def encode(msg: object) -> bytes:
+    return msgpack.packb([_TAGS[type(msg)], asdict(msg)], use_bin_type=True)
+
+
+def decode(data: bytes) -> object:
+    tag, body = msgpack.unpackb(data, raw=False)
+    cls = _TYPES[tag]
+    if cls is BatchPlan:
+        body["entries"] = [PlanEntry(**e) for e in body["entries"]]
+        body["announce"] = [NewRequest(**n) for n in body["announce"]]
+    elif cls is OutputBatch:
+        body["outputs"] = [TokenOutput(**o) for o in body["outputs"]]
+    return cls(**{f.name: body[f.name] for f in fields(cls) if f.name in body})

@@ -1,0 +1,57 @@
+"""ZMQ PUSH/PULL endpoints that speak `messages.encode`/`decode`. Addresses come from the config."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+
+import zmq
+
+from ringsched.comm.messages import decode, encode
+
+
+def new_ipc_dir() -> str:
+    """A private directory for this engine's ipc sockets (no ports to collide)."""
+    return tempfile.mkdtemp(prefix=f"ringsched-{os.getpid()}-{uuid.uuid4().hex[:6]}-")
+
+
+def ipc_addr(ipc_dir: str, name: str) -> str:
+    return f"ipc://{os.path.join(ipc_dir, name)}"
+
+
+class Pusher:
+    def __init__(self, ctx: zmq.Context, addr: str, bind: bool = False) -> None:
+        self.sock = ctx.socket(zmq.PUSH)
+        self.sock.setsockopt(zmq.LINGER, 1000)
+        self.sock.setsockopt(zmq.SNDHWM, 0)  # never drop: plans and outputs must all arrive
+        (self.sock.bind if bind else self.sock.connect)(addr)
+
+    def send(self, msg: object) -> None:
+        self.sock.send(encode(msg), copy=False)
+
+    def close(self, linger_ms: int = 500) -> None:
+        """Closing waits up to `linger_ms` for queued messages: a closed socket must not drop a Shutdown."""
+        self.sock.close(linger=linger_ms)
+
+
+class Puller:
+    def __init__(self, ctx: zmq.Context, addr: str, bind: bool = True) -> None:
+        self.sock = ctx.socket(zmq.PULL)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        (self.sock.bind if bind else self.sock.connect)(addr)
+
+    def recv(self, timeout_ms: int | None = None) -> object | None:
+        """One message, or None after `timeout_ms` (None: wait forever)."""
+        if timeout_ms is not None and not self.sock.poll(timeout_ms, zmq.POLLIN):
+            return None
+        return decode(self.sock.recv(copy=False).bytes)
+
+    def drain(self) -> list[object]:
+        out = []
+        while self.sock.poll(0, zmq.POLLIN):
+            out.append(decode(self.sock.recv(copy=False).bytes))
+        return out
+
+    def close(self) -> None:
+        self.sock.close(linger=0)

@@ -1,0 +1,154 @@
+"""The engine's configuration: one frozen dataclass, validated where it is built.
+
+Every field mirrors a launcher flag (`pp_async_batch_depth` is `--pp-async-batch-depth`); errors name the flag
+and say what to do. Values that depend on the model (layer count, context length) are checked by
+`EngineConfig.check_against(model_cfg)` once the model is known.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from ringsched.partition import PartitionError, resolve_partition
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+class ConfigError(ValueError):
+    """A bad flag value; the message names the flag and the fix."""
+
+
+def parse_memory(value: str | int | float) -> int | float:
+    """`--kv-cache-memory`: bytes (`536870912`, `512M`, `2GiB`) or a fraction of free memory (`0.3`)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        num, unit = float(value), ""
+    else:
+        m = _SIZE.match(str(value))
+        if not m:
+            raise ConfigError(
+                f"--kv-cache-memory {value!r}: give bytes (e.g. 2G, 512MiB) or a fraction like 0.3"
+            )
+        num, unit = float(m.group(1)), (m.group(2) or "").lower().rstrip("b").rstrip("i")
+    if 0 < num <= 1 and unit == "":
+        return num
+    if num < 1:
+        raise ConfigError(f"--kv-cache-memory {value!r} must be positive")
+    return int(num * _UNITS[unit])
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "smollm2-135m-instruct"
+    pp_size: int = 1
+    pp_async_batch_depth: int = 0
+    max_running_requests: int = 128
+    pp_max_micro_batch_size: int | None = None
+    chunked_prefill_size: int = 512
+    kv_cache_memory: str | int | float = "1G"
+    max_model_len: int | None = None
+    dtype: str = "float32"
+    device: str = "auto"
+    threads_per_stage: int | None = None
+    pp_layer_partition: str | None = None
+    dist_init_addr: str | None = None
+    stage_timeout: float = 60.0
+    block_size: int = 16
+    seed: int = 0
+    log_level: str = "info"
+    # Filled in by the launcher, not by people:
+    ipc_dir: str = field(default="", repr=False)
+
+    def __post_init__(self) -> None:
+        _require(self.pp_size >= 1, f"--pp-size must be >= 1, got {self.pp_size}")
+        _require(
+            self.pp_async_batch_depth >= 0,
+            f"--pp-async-batch-depth must be >= 0 (0 = exactly pp_size micro-batches), got "
+            f"{self.pp_async_batch_depth}",
+        )
+        _require(
+            self.max_running_requests >= 1,
+            f"--max-running-requests must be >= 1, got {self.max_running_requests}",
+        )
+        if self.pp_max_micro_batch_size is not None:
+            _require(
+                self.pp_max_micro_batch_size >= 1,
+                f"--pp-max-micro-batch-size must be >= 1, got {self.pp_max_micro_batch_size}",
+            )
+        _require(
+            self.chunked_prefill_size >= 1,
+            f"--chunked-prefill-size must be >= 1, got {self.chunked_prefill_size}",
+        )
+        _require(
+            self.dtype in _DTYPES, f"--dtype {self.dtype!r} is not supported; use one of {', '.join(_DTYPES)}"
+        )
+        _require(self.device in ("auto", "cpu", "cuda"), f"--device {self.device!r}: use auto, cpu or cuda")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("--device cuda was asked for but CUDA is not available; use --device cpu")
+        if self.dtype == "float16" and self.resolved_device == "cpu":
+            raise ConfigError("--dtype float16 is for GPUs; on CPU use float32 or bfloat16")
+        if self.threads_per_stage is not None:
+            _require(
+                self.threads_per_stage >= 1, f"--threads-per-stage must be >= 1, got {self.threads_per_stage}"
+            )
+        _require(self.stage_timeout > 0, f"--stage-timeout must be > 0 seconds, got {self.stage_timeout}")
+        _require(self.block_size >= 1, f"block size must be >= 1, got {self.block_size}")
+        if self.max_model_len is not None:
+            _require(self.max_model_len >= 2, f"--max-model-len must be >= 2, got {self.max_model_len}")
+        parse_memory(self.kv_cache_memory)
+
+    @property
+    def pp_loop_size(self) -> int:
+        """Micro-batch slots in flight: one per stage plus the async depth."""
+        return self.pp_size + self.pp_async_batch_depth
+
+    @property
+    def micro_batch_size(self) -> int:
+        if self.pp_max_micro_batch_size is not None:
+            return self.pp_max_micro_batch_size
+        return max(self.max_running_requests // self.pp_size, 1)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def resolved_device(self) -> str:
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.resolved_device == "cuda" else "gloo"
+
+    @property
+    def threads(self) -> int:
+        if self.threads_per_stage is not None:
+            return self.threads_per_stage
+        return max((os.cpu_count() or 1) // self.pp_size, 1)
+
+    def partition(self, num_layers: int) -> list[int]:
+        try:
+            return resolve_partition(num_layers, self.pp_size, self.pp_layer_partition)
+        except PartitionError as e:
+            raise ConfigError(str(e)) from None
+
+    def context_len(self, model_max: int) -> int:
+        if self.max_model_len is None:
+            return model_max
+        if self.max_model_len > model_max:
+            raise ConfigError(
+                f"--max-model-len {self.max_model_len} exceeds the model's {model_max} positions; use <= {model_max}"
+            )
+        return self.max_model_len
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)

@@ -1,0 +1,184 @@
+"""The offline engine: `with Engine(model=..., pp_size=2) as llm: llm.generate(prompts, params)`.
+
+It starts the stage processes (via `Supervisor`), sends requests to stage 0 and collects the tokens stage 0
+streams back. Keyword arguments mirror the launcher's flags. Leaving the `with` block, an error, or
+`shutdown()` stops every stage process.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import zmq
+
+from ringsched.comm.messages import AbortRequest, NewRequest, OutputBatch, TokenOutput
+from ringsched.comm.zmq_io import Puller, Pusher
+from ringsched.config import EngineConfig
+from ringsched.models.config import ModelConfig
+from ringsched.models.fetch import resolve_model
+from ringsched.sampling import SamplingParams
+from ringsched.supervisor import Supervisor
+from ringsched.tokenizer import Tokenizer
+
+
+@dataclass
+class RequestOutput:
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)  # generated only
+    text: str = ""
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class StreamEvent:
+    index: int  # which prompt
+    token_ids: list[int]
+    finish_reason: str | None = None
+
+
+class Engine:
+    def __init__(self, model: str = "smollm2-135m-instruct", **kwargs) -> None:
+        self.model_dir = str(resolve_model(model, quiet=False))
+        self.cfg = EngineConfig(model=self.model_dir, **kwargs)
+        self.model_config = ModelConfig.from_dir(self.model_dir)
+        self.cfg.partition(self.model_config.num_layers)  # fail here, not in a child, on a bad partition
+        self.max_len = self.cfg.context_len(self.model_config.max_position_embeddings)
+        self.tokenizer = Tokenizer(self.model_dir)
+        self.supervisor = Supervisor(self.cfg, self.model_dir)
+        self._ctx = zmq.Context()
+        self._out = Puller(self._ctx, self.supervisor.addrs.front_out)
+        self._in = Pusher(self._ctx, self.supervisor.addrs.front_in)
+        self._ids = itertools.count()
+        self.last_stats: dict = {}
+        self._closed = False
+        try:
+            self.supervisor.start()
+        except BaseException:
+            self._close_sockets()
+            raise
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # -- requests ------------------------------------------------------------------------------------------
+    def submit(
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None, rid: str | None = None
+    ) -> str:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        params = params or SamplingParams()
+        rid = rid or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        self._in.send(NewRequest(rid, ids, params.to_dict()))
+        return rid
+
+    def abort(self, rid: str) -> None:
+        self._in.send(AbortRequest(rid))
+
+    def poll(self, timeout: float = 0.1) -> list[TokenOutput]:
+        """Outputs that arrived within `timeout`; raises `StageFailure` if a stage died."""
+        self.supervisor.check()
+        msg = self._out.recv(timeout_ms=int(timeout * 1000))
+        msgs = [msg] + self._out.drain() if msg is not None else []
+        outs: list[TokenOutput] = []
+        for m in msgs:
+            assert isinstance(m, OutputBatch)
+            outs += m.outputs
+            if m.stats:
+                self.last_stats = m.stats
+        if not msgs:
+            self.supervisor.check()
+        return outs
+
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]] | str,
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; results in prompt order."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        results: dict[int, RequestOutput] = {}
+        for _ in self._run(prompts, params, results):
+            pass
+        return [results[i] for i in range(len(prompts))]
+
+    def stream(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> Iterator[StreamEvent]:
+        """Yield tokens as they come, per prompt index."""
+        yield from self._run(prompts, params, {})
+
+    def _run(self, prompts, params, results: dict[int, RequestOutput]) -> Iterator[StreamEvent]:
+        plist = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(
+                f"got {len(plist)} SamplingParams for {len(prompts)} prompts; give one or one each"
+            )
+        index: dict[str, int] = {}
+        for i, (p, sp) in enumerate(zip(prompts, plist, strict=True)):
+            ids = self.tokenizer.encode(p) if isinstance(p, str) else [int(t) for t in p]
+            results[i] = RequestOutput(prompt_token_ids=ids)
+            index[self.submit(ids, sp)] = i
+        pending = set(index)
+        try:
+            while pending:
+                for o in self.poll(0.2):
+                    i = index.get(o.rid)
+                    if i is None:
+                        continue
+                    r = results[i]
+                    r.token_ids += o.token_ids
+                    if o.finish_reason:
+                        r.finish_reason, r.error = o.finish_reason, o.error
+                        r.text = self.tokenizer.decode(r.token_ids)
+                        pending.discard(o.rid)
+                    yield StreamEvent(i, list(o.token_ids), o.finish_reason)
+        finally:
+            for rid in pending:  # the caller stopped early: nothing stays running
+                self.abort(rid)
+
+    def stats(self) -> dict:
+        self.supervisor.check()
+        return dict(self.last_stats)
+
+    def wait_idle(self, timeout: float = 10.0) -> dict:
+        """Wait until stage 0 reports no running or waiting request and an empty KV pool; its last stats."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.poll(0.1)
+            s = self.last_stats
+            if s and s["running"] == 0 and s["waiting"] == 0 and s["kv_usage"] == 0:
+                return s
+        return self.last_stats
+
+    # -- lifecycle -----------------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.supervisor.stop()
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        self._out.close()
+        self._in.close()
+        self._ctx.destroy(linger=0)
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:
+            pass

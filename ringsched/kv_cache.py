@@ -1,0 +1,115 @@
+"""Paged KV cache: a block allocator (plain data) and the per-layer cache tensors of one stage.
+
+Every stage runs the same `BlockTable` with the same capacity (the minimum over stages) and applies the same
+sequence of `free`/`ensure` calls in plan order, so block numbers agree on every stage without ever being
+sent. Only stage 0 decides; the others replay.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ringsched.models.config import ModelConfig
+
+
+class BlockTable:
+    """Which blocks each request holds. Deterministic: the same calls give the same blocks."""
+
+    def __init__(self, num_blocks: int, block_size: int, follower: bool = False) -> None:
+        if num_blocks < 1:
+            raise ValueError("the KV pool holds no block; raise --kv-cache-memory")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.follower = follower  # takes its block numbers from plans (`assign`), never allocates
+        self._used = 0
+        # Popped from the end: lowest block numbers first, and freed blocks are reused first.
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self.tables: dict[str, list[int]] = {}
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def free_blocks(self) -> int:
+        return self.num_blocks - self._used
+
+    @property
+    def used_blocks(self) -> int:
+        return self._used
+
+    @property
+    def usage(self) -> float:
+        return self.used_blocks / self.num_blocks
+
+    def blocks_needed(self, rid: str, num_tokens: int) -> int:
+        have = len(self.tables.get(rid, ()))
+        return max(-(-num_tokens // self.block_size) - have, 0)
+
+    def can_hold(self, rid: str, num_tokens: int) -> bool:
+        return self.blocks_needed(rid, num_tokens) <= self.free_blocks
+
+    def ensure(self, rid: str, num_tokens: int) -> bool:
+        """Grow `rid` to hold `num_tokens` tokens; False (and no change) when the pool is short."""
+        need = self.blocks_needed(rid, num_tokens)
+        if need > len(self._free):
+            return False
+        table = self.tables.setdefault(rid, [])
+        for _ in range(need):
+            table.append(self._free.pop())
+        self._used += need
+        return True
+
+    def assign(self, rid: str, blocks: list[int]) -> None:
+        """Follow stage 0's allocation (non-first stages)."""
+        self.tables.setdefault(rid, []).extend(blocks)
+        self._used += len(blocks)
+
+    def free(self, rid: str) -> None:
+        table = self.tables.pop(rid, [])
+        self._used -= len(table)
+        if not self.follower:
+            self._free.extend(reversed(table))
+
+    def slots(self, rid: str, start: int, end: int) -> torch.Tensor:
+        """Cache slot of each position in `[start, end)`."""
+        table = torch.tensor(self.tables[rid], dtype=torch.long)
+        pos = torch.arange(start, end)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def padded_slots(self, rids: list[str], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`[B, Lmax]` slots of positions `0..len-1` per request (padding points at slot 0) and the mask."""
+        lmax = max(lengths)
+        nblk = -(-lmax // self.block_size)
+        tables = torch.zeros(len(rids), nblk, dtype=torch.long)
+        for i, rid in enumerate(rids):
+            t = self.tables[rid][:nblk]
+            tables[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+        pos = torch.arange(lmax)
+        slots = tables[:, pos // self.block_size] * self.block_size + pos % self.block_size
+        mask = pos.unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
+        return slots.masked_fill(~mask, 0), mask
+
+
+def kv_bytes_per_token(cfg: ModelConfig, num_layers: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_kv_heads * cfg.head_dim * elem * num_layers
+
+
+def blocks_for_memory(
+    cfg: ModelConfig, num_layers: int, dtype: torch.dtype, nbytes: int, block_size: int
+) -> int:
+    return nbytes // (kv_bytes_per_token(cfg, num_layers, dtype) * block_size)
+
+
+class KVPool:
+    """The cache tensors of one stage's own layers: `[num_blocks * block_size, kv_heads, head_dim]` each."""
+
+    def __init__(
+        self, cfg: ModelConfig, num_layers: int, num_blocks: int, block_size: int, dtype, device
+    ) -> None:
+        shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.caches = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(num_layers)
+        ]
+        self.nbytes = sum(k.numel() * k.element_size() * 2 for k, _ in self.caches)

@@ -1,0 +1,215 @@
+"""Next-token sampling on the last pipeline stage.
+
+Contract: `sample(logits [S, V], params, histories, generators)` returns `[S]` int64 token ids, one per row.
+Greedy rows (`temperature == 0` or `top_k == 1`) take the argmax of the (repetition-penalised) logits.
+Random rows apply repetition penalty, temperature, top-k, top-p, min-p and draw with their own generator,
+so a row's token depends only on its own logits, params and generator state, never on its batch companions.
+Stop tokens, stop strings, `ignore_eos` and `min_tokens` are the caller's: it knows the eos id and how many
+tokens a request has produced, and passes `banned` ids while a request is still under `min_tokens`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+
+
+def _require(ok: bool, name: str, rule: str, value: Any) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {rule}, got {value!r}")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)  # bool is an int subclass, but never a count
+
+
+def _is_num(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 => greedy (as vLLM)
+    top_p: float = 1.0  # (0, 1]
+    top_k: int = -1  # -1 or 0 => disabled; else >= 1
+    min_p: float = 0.0  # [0, 1]
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings: the front end applies them; kept so the params travel whole
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0  # > 0; as HF/vLLM, over prompt + generated tokens
+    min_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        # JSON and msgpack hand us lists (and the OpenAI API a bare string or null for `stop`).
+        stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
+        ids = () if self.stop_token_ids is None else self.stop_token_ids
+        object.__setattr__(self, "stop", tuple(stop))
+        object.__setattr__(self, "stop_token_ids", tuple(ids))
+
+        n = self.max_tokens
+        _require(_is_int(n) and n >= 1, "max_tokens", "an int >= 1", n)
+        t = self.temperature
+        _require(_is_num(t) and math.isfinite(t), "temperature", "a finite number", t)
+        _require(t >= 0, "temperature", ">= 0", t)
+        _require(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
+        _require(_is_int(self.top_k) and self.top_k >= -1, "top_k", "-1 or 0 (disabled) or >= 1", self.top_k)
+        _require(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
+        seed_ok = self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**64)
+        _require(seed_ok, "seed", "None or an int in [-2**63, 2**64) (torch's range)", self.seed)
+        ids_ok = all(_is_int(i) and i >= 0 for i in self.stop_token_ids)
+        _require(ids_ok, "stop_token_ids", "a list of ints >= 0", self.stop_token_ids)
+        stop_ok = all(isinstance(s, str) and s for s in self.stop)
+        _require(stop_ok, "stop", "a string or a list of non-empty strings", self.stop)
+        _require(isinstance(self.ignore_eos, bool), "ignore_eos", "a bool", self.ignore_eos)
+        p = self.repetition_penalty
+        _require(_is_num(p) and math.isfinite(p), "repetition_penalty", "a finite number", p)
+        _require(p > 0, "repetition_penalty", "> 0 (1.0 disables it)", p)
+        min_ok = _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens
+        _require(min_ok, "min_tokens", f"an int in [0, max_tokens={self.max_tokens}]", self.min_tokens)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain types only (lists, not tuples), for msgpack and JSON."""
+        d = asdict(self)
+        d["stop_token_ids"] = list(self.stop_token_ids)
+        d["stop"] = list(self.stop)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(d) - set(known))
+        if unknown:
+            raise ValueError(f"unknown SamplingParams field(s) {unknown}; known fields: {known}")
+        return cls(**d)
+
+
+def make_generator(seed: int, device: str | torch.device = "cpu") -> torch.Generator:
+    """One generator per request, seeded once. A CPU one is fine for GPU logits (and cheapest: a row takes
+    one number per step from it); a generator on the logits' device works too."""
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g
+
+
+def apply_repetition_penalty(
+    logits: torch.Tensor, penalties: Sequence[float], histories: Sequence[Sequence[int]]
+) -> torch.Tensor:
+    """HF/vLLM penalty, in place on float `logits` [S, V]: a seen token's logit > 0 is divided by the
+    penalty, any other multiplied, so a penalty > 1 always makes it less likely. Returns `logits`."""
+    rows = [i for i, p in enumerate(penalties) if p != 1.0 and len(histories[i]) > 0]
+    if not rows:
+        return logits
+    width = max(len(histories[i]) for i in rows)
+    # Pad each history with its own first token: a repeated id gets the same new value, written twice.
+    padded = [list(histories[i]) + [histories[i][0]] * (width - len(histories[i])) for i in rows]
+    cols = torch.tensor(padded, dtype=torch.int64, device=logits.device)  # [R, width]
+    row_ids = torch.tensor(rows, device=logits.device)[:, None]  # [R, 1]
+    pen = torch.tensor([penalties[i] for i in rows], dtype=logits.dtype, device=logits.device)[:, None]
+    # Touch only the seen entries (R x width, not R x V); all are read before any is written.
+    seen = logits[row_ids, cols]
+    logits[row_ids, cols] = torch.where(seen > 0, seen / pen, seen * pen)
+    return logits
+
+
+def _cutoff(logits: torch.Tensor, k: int, top_p: torch.Tensor) -> torch.Tensor:
+    """Smallest logit each row keeps under top-k `k` then top-p `top_p` [G, 1]; returns [G, 1].
+
+    Only sorted values are used, never indices, so the order a sort gives ties cannot change the answer;
+    ties with the cutoff are all kept (as HF and vLLM do for top-k)."""
+    vocab = logits.shape[-1]
+    vals = logits.topk(k, dim=-1).values if k < vocab else logits.sort(dim=-1, descending=True).values
+    probs = vals.softmax(dim=-1)  # [G, k]: top-p is measured within the top-k, as in HF
+    # Keep a token while the mass ranked above it is < top_p: the smallest prefix whose mass reaches top_p,
+    # never empty. Rows with top_p == 1 keep everything, so rounding in cumsum cannot clip their tail.
+    above = torch.nn.functional.pad(probs.cumsum(dim=-1)[:, :-1], (1, 0))  # exclusive cumsum, monotone
+    keep = (above < top_p) | (top_p >= 1)
+    return vals.gather(1, keep.sum(dim=-1, keepdim=True) - 1)
+
+
+def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p on [R, V] logits with per-row knobs; returns renormalised probs.
+
+    Every op works row by row on a width fixed by the row's own params (rows are grouped by top_k), so a
+    row's result does not depend on which rows share its batch."""
+    dev, vocab = logits.device, logits.shape[-1]
+    # Below 1e-5 (vLLM's epsilon) logits / T can overflow to inf and softmax to nan, hence the clamp.
+    temps = torch.tensor([max(p.temperature, 1e-5) for p in params], device=dev)[:, None]
+    logits = logits / temps
+    top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
+    top_p = torch.tensor([p.top_p for p in params], device=dev)[:, None]
+    cutoff = torch.full_like(top_p, -math.inf)  # [R, 1]
+    filtered = False
+    for k in set(top_k):
+        rows = [i for i, rk in enumerate(top_k) if rk == k]
+        if k < vocab or any(params[i].top_p < 1 for i in rows):
+            cutoff[rows] = _cutoff(logits[rows], k, top_p[rows])
+            filtered = True
+    if filtered:
+        logits = logits.masked_fill(logits < cutoff, -math.inf)
+    probs = logits.softmax(dim=-1)
+    if any(p.min_p > 0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=dev)[:, None]
+        # min_p <= 1, so the most likely token always survives.
+        probs = probs * (probs >= min_p * probs.amax(dim=-1, keepdim=True))
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def _draw(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """Inverse CDF with one float64 uniform per row from that row's own generator: every call advances a
+    generator by exactly one draw whatever the batch holds, and costs one number, not V, per row."""
+    u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64, device=g.device) for g in generators])
+    cdf = probs.double().cumsum(dim=-1)  # [R, V]; float64 so rare tokens keep their share
+    target = (u.to(probs.device) * cdf[:, -1])[:, None]  # scaled by the row total, which rounding moves off 1
+    # right=True skips zero-probability tokens (their cdf step is flat); the clamp only guards against
+    # u * total rounding up to total, a 1e-16 event.
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
+
+
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    histories: list[list[int]],
+    generators: list[torch.Generator | None],
+    banned: list[Sequence[int]] | None = None,
+) -> torch.Tensor:
+    """Next token per row of `logits` [S, V] (float32 or bf16); returns [S] int64.
+
+    `histories[i]` is row i's prompt + generated ids (for the repetition penalty); `generators[i]` may be None
+    only when row i is greedy. `banned[i]`, if given, lists ids row i must not draw this step (stop ids and
+    eos while under `min_tokens`)."""
+    n = logits.shape[0]
+    if not len(params) == len(histories) == len(generators) == n or (banned is not None and len(banned) != n):
+        raise ValueError(
+            f"sample() needs one params/history/generator(/banned) per logits row: {n} rows, got "
+            f"{len(params)} params, {len(histories)} histories, {len(generators)} generators"
+        )
+    if banned is None and all(p.greedy and p.repetition_penalty == 1.0 for p in params):
+        return logits.argmax(dim=-1)  # the hot path: one kernel, no copy
+    logits = logits.to(torch.float32, copy=True)  # we edit it in place; the caller's tensor stays intact
+    for i, ids in enumerate(banned or []):
+        if ids:
+            logits[i, list(ids)] = -math.inf
+    apply_repetition_penalty(logits, [p.repetition_penalty for p in params], histories)
+    tokens = logits.argmax(dim=-1)  # final for greedy rows; random rows are overwritten below
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if rows:
+        missing = [i for i in rows if generators[i] is None]
+        if missing:
+            raise ValueError(
+                f"rows {missing} sample randomly (temperature > 0, top_k != 1) but have no generator; "
+                "give each such request one from make_generator(seed)"
+            )
+        probs = _filtered_probs(logits[rows], [params[i] for i in rows])
+        tokens[rows] = _draw(probs, [generators[i] for i in rows])
+    return tokens

@@ -1,0 +1,215 @@
+"""Stage 0's scheduler: it alone decides what each micro-batch holds.
+
+`plan(slot, seq)` composes a micro-batch: first the running requests that are not in flight (oldest first:
+a decode costs one token, a prefill chunk up to the token budget), then new requests admitted in arrival
+order. It allocates KV blocks and writes the block numbers into the plan, so the other stages never run an
+allocator of their own. When the pool is short, the newest running request that is not in flight is
+preempted: its KV is freed and it is recomputed later (nothing is lost).
+
+`on_output(seq, tokens)` takes the sampled tokens of a micro-batch when they come back around the ring,
+decides finishes, and returns what the front end should see. KV of a finished or aborted request is freed
+in the next plan, which every stage applies before that plan's batch: no in-flight batch still holds it,
+because a request is freed only when it is not in flight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections import OrderedDict, deque
+
+from ringsched.comm.messages import BatchPlan, NewRequest, PlanEntry, TokenOutput
+from ringsched.kv_cache import BlockTable
+from ringsched.sampling import SamplingParams
+from ringsched.scheduler.request import Request, Status
+
+
+class Planner:
+    def __init__(
+        self,
+        blocks: BlockTable,
+        micro_batch_size: int,
+        max_running: int,
+        token_budget: int,
+        eos_ids: tuple[int, ...],
+        max_len: int,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.blocks = blocks
+        self.micro_batch_size, self.max_running, self.token_budget = (
+            micro_batch_size,
+            max_running,
+            token_budget,
+        )
+        self.eos_ids, self.max_len = eos_ids, max_len
+        self.waiting: deque[Request] = deque()
+        self.running: OrderedDict[str, Request] = OrderedDict()  # admission order
+        self.requests: dict[str, Request] = {}
+        self.flight: dict[int, list[PlanEntry]] = {}
+        self._frees: list[tuple[str, bool]] = []  # (rid, forget entirely) for the next plan
+        self._arrivals = 0
+        self._rng = rng or random.Random(0)
+        self.num_preemptions = 0
+
+    # -- intake ----------------------------------------------------------------------------------------
+    def add(self, new: NewRequest) -> TokenOutput | None:
+        """Queue a request; an error output instead when it can never be served."""
+        params = SamplingParams.from_dict(new.params)
+        if params.seed is None and not params.greedy:
+            # Decided once, here: the last stage then samples reproducibly whatever the batch or pp size.
+            params = dataclasses.replace(params, seed=self._rng.randrange(2**31))
+        need = len(new.token_ids) + params.max_tokens
+        error = None
+        if not new.token_ids:
+            error = "the prompt is empty"
+        elif len(new.token_ids) >= self.max_len:
+            error = (
+                f"the prompt has {len(new.token_ids)} tokens; the maximum context length is {self.max_len}"
+            )
+        elif min(need, self.max_len) > self.blocks.capacity_tokens:
+            error = f"the request needs {need} tokens of KV but the pool holds {self.blocks.capacity_tokens}"
+        elif new.rid in self.requests:
+            error = f"request id {new.rid!r} is already in use"
+        if error:
+            return TokenOutput(new.rid, [], "error", error, len(new.token_ids), 0)
+        r = Request(new.rid, list(new.token_ids), params, self._arrivals)
+        self._arrivals += 1
+        self.requests[r.rid] = r
+        self.waiting.append(r)
+        return None
+
+    def abort(self, rid: str) -> TokenOutput | None:
+        r = self.requests.get(rid)
+        if r is None or r.aborted or r.status is Status.FINISHED:
+            return None
+        r.aborted = True
+        if r.status is Status.WAITING:
+            self.waiting.remove(r)
+            self._finish(r, free_now=True)
+        elif r.in_flight is None:
+            self._finish(r, free_now=True)
+        # else: freed when its micro-batch comes back (on_output)
+        return TokenOutput(rid, [], "abort", None, len(r.prompt_ids), len(r.output_ids))
+
+    # -- planning --------------------------------------------------------------------------------------
+    def plan(self, slot: int, seq: int) -> BatchPlan:
+        plan = BatchPlan(slot=slot, seq=seq)
+        for rid, forget in self._frees:
+            self.blocks.free(rid)
+            plan.frees.append(rid)
+            if forget:
+                plan.drops.append(rid)
+        self._frees.clear()
+        budget = self.token_budget
+        for r in list(self.running.values()):
+            if len(plan.entries) >= self.micro_batch_size:
+                break
+            if r.in_flight is not None or r.status is not Status.RUNNING:
+                continue
+            n = 1 if r.remaining == 1 else min(r.remaining, budget)
+            if n <= 0 or not self._grow(r, n, plan):
+                continue
+            self._schedule(r, n, seq, plan)
+            budget -= n
+        while self.waiting and budget > 0 and len(plan.entries) < self.micro_batch_size:
+            if len(self.running) >= self.max_running:
+                break
+            r = self.waiting[0]
+            n = min(r.remaining, budget)
+            if not self.blocks.can_hold(r.rid, r.num_computed + n):
+                break
+            self.waiting.popleft()
+            r.status = Status.RUNNING
+            self.running[r.rid] = r
+            self._schedule(r, n, seq, plan)
+            budget -= n
+        if plan.entries:
+            self.flight[seq] = plan.entries
+        return plan
+
+    def _schedule(self, r: Request, n: int, seq: int, plan: BatchPlan) -> None:
+        start = r.num_computed
+        before = len(self.blocks.tables.get(r.rid, ()))
+        ok = self.blocks.ensure(r.rid, start + n)
+        assert ok, "caller checked the pool"
+        new_blocks = self.blocks.tables[r.rid][before:]
+        if not r.announced:
+            plan.announce.append(NewRequest(r.rid, [], r.params.to_dict(), len(r.prompt_ids)))
+            r.announced = True
+        samples = start + n == r.num_tokens
+        plan.entries.append(PlanEntry(r.rid, start, r.all_ids[start : start + n], samples, list(new_blocks)))
+        r.num_computed = start + n
+        r.in_flight = seq
+
+    def _grow(self, r: Request, n: int, plan: BatchPlan) -> bool:
+        """Make room for `n` more tokens of `r`, preempting newer idle requests; False if `r` must wait."""
+        while not self.blocks.can_hold(r.rid, r.num_computed + n):
+            victim = next(
+                (v for v in reversed(self.running.values()) if v.in_flight is None and v is not r), None
+            )
+            if victim is None:
+                if len(self.running) > 1:
+                    self._preempt(r, plan)  # give way to the older in-flight ones
+                return False
+            self._preempt(victim, plan)
+        return True
+
+    def _preempt(self, r: Request, plan: BatchPlan) -> None:
+        self.blocks.free(r.rid)
+        plan.frees.append(r.rid)
+        del self.running[r.rid]
+        r.status, r.num_computed = Status.WAITING, 0
+        r.num_preemptions += 1
+        self.num_preemptions += 1
+        # Back to the front: it was admitted before everything still waiting.
+        self.waiting.appendleft(r)
+
+    # -- results ---------------------------------------------------------------------------------------
+    def on_output(self, seq: int, tokens: list[int]) -> list[TokenOutput]:
+        entries = self.flight.pop(seq, [])
+        sampled = [e for e in entries if e.samples]
+        if len(sampled) != len(tokens):
+            raise RuntimeError(
+                f"micro-batch {seq}: expected {len(sampled)} sampled tokens, got {len(tokens)}"
+            )
+        outs: list[TokenOutput] = []
+        it = iter(tokens)
+        for e in entries:
+            r = self.requests[e.rid]
+            r.in_flight = None
+            tok = next(it) if e.samples else None
+            if r.aborted:
+                self._finish(r, free_now=True)
+                continue
+            if tok is None:
+                continue
+            r.output_ids.append(tok)
+            reason = r.check_finish(self.eos_ids, self.max_len)
+            outs.append(TokenOutput(r.rid, [tok], reason, None, len(r.prompt_ids), len(r.output_ids)))
+            if reason:
+                self._finish(r, free_now=True)
+        return outs
+
+    def _finish(self, r: Request, free_now: bool) -> None:
+        r.status = Status.FINISHED
+        self.running.pop(r.rid, None)
+        self.requests.pop(r.rid, None)
+        if free_now:
+            self._frees.append((r.rid, r.announced))
+
+    # -- state -----------------------------------------------------------------------------------------
+    @property
+    def in_flight(self) -> int:
+        return len(self.flight)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.flight or self._frees)
+
+    def stats(self) -> dict:
+        return {
+            "running": len(self.running),
+            "waiting": len(self.waiting),
+            "kv_usage": self.blocks.usage,
+            "preemptions": self.num_preemptions,
+        }

@@ -1,0 +1,54 @@
+"""A request as stage 0's scheduler tracks it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from ringsched.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: int  # admission order
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose KV is in the cache (planned, possibly still in flight)
+    in_flight: int | None = None  # seq of the micro-batch holding it, None when it is free to schedule
+    status: Status = Status.WAITING
+    announced: bool = False  # the other stages know its parameters
+    finish_reason: str | None = None
+    aborted: bool = False
+    num_preemptions: int = 0
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to compute before the next sample."""
+        return self.num_tokens - self.num_computed
+
+    def check_finish(self, eos_ids: tuple[int, ...], max_len: int) -> str | None:
+        """Finish reason after the newest output token, or None to go on."""
+        p, out = self.params, self.output_ids
+        last = out[-1]
+        if len(out) >= p.min_tokens:
+            if last in p.stop_token_ids or (not p.ignore_eos and last in eos_ids):
+                return "stop"
+        if len(out) >= p.max_tokens or self.num_tokens >= max_len:
+            return "length"
+        return None

@@ -1,0 +1,60 @@
+"""What the last stage remembers per request to sample: parameters, a seeded generator, the token history.
+
+The history is indexed by position and rewritten from each plan entry, so a request recomputed after
+preemption does not duplicate tokens; its generator carries on, so seeded output does not depend on
+preemption, batch composition or the number of stages.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ringsched.comm.messages import BatchPlan
+from ringsched.sampling import SamplingParams, make_generator, sample
+
+
+class SamplerState:
+    def __init__(self, device: torch.device, eos_ids: tuple[int, ...] = ()) -> None:
+        self.device, self.eos_ids = device, eos_ids
+        self.prompt_len: dict[str, int] = {}
+        self.params: dict[str, SamplingParams] = {}
+        self.generators: dict[str, torch.Generator | None] = {}
+        self.history: dict[str, list[int]] = {}
+
+    def apply(self, plan: BatchPlan) -> None:
+        for rid in plan.drops:
+            self.params.pop(rid, None)
+            self.generators.pop(rid, None)
+            self.history.pop(rid, None)
+            self.prompt_len.pop(rid, None)
+        for new in plan.announce:
+            p = SamplingParams.from_dict(new.params)
+            self.params[new.rid] = p
+            # Stage 0 gives every request a seed, so even unseeded sampling replays identically.
+            self.generators[new.rid] = None if p.greedy else make_generator(p.seed or 0, self.device)
+            self.history[new.rid] = []
+            self.prompt_len[new.rid] = new.prompt_len
+        for e in plan.entries:
+            h = self.history[e.rid]
+            del h[e.start :]
+            h.extend(e.token_ids)
+
+    def sample(self, plan: BatchPlan, logits: torch.Tensor) -> torch.Tensor:
+        rids = [e.rid for e in plan.entries if e.samples]
+        params = [self.params[r] for r in rids]
+        needs_history = any(p.repetition_penalty != 1.0 for p in params)
+        histories = [self.history[r] if needs_history else [] for r in rids]
+        return sample(
+            logits, params, histories, [self.generators[r] for r in rids], self._banned(rids, params)
+        )
+
+    def _banned(self, rids: list[str], params: list[SamplingParams]) -> list[list[int]] | None:
+        """Under `min_tokens`, a request may not draw its stop ids (nor EOS unless it ignores EOS)."""
+        if all(p.min_tokens == 0 for p in params):
+            return None
+        out = []
+        for rid, p in zip(rids, params, strict=True):
+            generated = len(self.history[rid]) - self.prompt_len[rid]
+            stop = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_ids))
+            out.append(stop if generated < p.min_tokens else [])
+        return out

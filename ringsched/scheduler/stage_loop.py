@@ -1,0 +1,268 @@
+"""The ring loop every stage runs, one micro-batch slot after another.
+
+For micro-batch `t` in slot `t % pp_loop_size`, every stage runs the same steps (design brief, "The stage
+loop"):
+
+1. take in new requests and aborts (stage 0, from the front end);
+2. stage 0 plans micro-batch `t` and sends the plan on; the others receive it, check its sequence number and
+   forward it;
+3. non-first stages receive the `"proxy"` tensors of `t`;
+4. run this stage's layers (the last stage also samples);
+5. non-last stages post the `"proxy"` send of `t` (async; posted before step 6 so the next stage can start
+   while this one waits);
+6. the output exchange: the last stage sends the sampled tokens of `t - depth`, stage 0 receives those of
+   `t - pp_loop_size + 1` and updates its requests.
+
+Stage 0 receives the results of a slot's previous micro-batch just before it plans that slot again, so a
+request is in at most one in-flight micro-batch and no stage waits in a full pipeline.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ringsched.comm.messages import AbortRequest, BatchPlan, NewRequest, OutputBatch, Shutdown
+from ringsched.comm.tensor_channel import SequenceMismatch, TensorChannel
+from ringsched.comm.zmq_io import Puller, Pusher
+from ringsched.config import EngineConfig
+from ringsched.kv_cache import BlockTable, KVPool
+from ringsched.models.llama import StageModel
+from ringsched.scheduler.batch_builder import build_forward_batch
+from ringsched.scheduler.planner import Planner
+from ringsched.scheduler.sampler_state import SamplerState
+from ringsched.stage import StageInfo
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StageTimes:
+    """Where a stage's wall time goes (seconds since the first micro-batch)."""
+
+    compute: float = 0.0
+    wait_prev: float = 0.0  # blocked on the previous stage (plan or proxy): the bubble
+    wait_output: float = 0.0  # stage 0: blocked on the sampled tokens coming back
+    idle: float = 0.0  # nothing to do at all
+    start: float = field(default_factory=time.perf_counter)
+    batches: int = 0
+    tokens: int = 0
+
+    def snapshot(self) -> dict:
+        wall = max(time.perf_counter() - self.start - self.idle, 1e-9)
+        return {
+            "busy_fraction": self.compute / wall,
+            "bubble_fraction": (self.wait_prev + self.wait_output) / wall,
+            "compute_s": self.compute,
+            "wall_s": wall,
+            "batches": self.batches,
+            "tokens": self.tokens,
+        }
+
+
+@dataclass
+class StageIO:
+    chan: TensorChannel
+    plan_in: Puller | None  # from the previous stage (non-first)
+    plan_out: Pusher | None  # to the next stage (non-last)
+    front_in: Puller | None  # stage 0: new requests and aborts
+    front_out: Pusher | None  # stage 0: outputs for the front end
+    alive: Callable[[], None]  # raises when this process should stop (parent gone)
+    report: Callable[[dict], None]  # per-stage stats to the launcher
+
+
+class StageLoop:
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        stage: StageInfo,
+        model: StageModel,
+        blocks: BlockTable,
+        pool: KVPool,
+        io: StageIO,
+        planner: Planner | None,
+        device: torch.device,
+        eos_ids: tuple[int, ...] = (),
+    ) -> None:
+        self.cfg, self.stage, self.model, self.blocks, self.pool, self.io = (
+            cfg,
+            stage,
+            model,
+            blocks,
+            pool,
+            io,
+        )
+        self.planner, self.device = planner, device
+        self.sampler = SamplerState(device, eos_ids) if stage.is_last else None
+        self.pending_outputs: deque[tuple[int, torch.Tensor]] = deque()
+        self.times = StageTimes()
+        self.stopping = False
+        self._last_stats = 0.0
+
+    def run(self) -> None:
+        t = 0
+        while True:
+            self.maybe_report()
+            plan = self.next_plan(t)
+            if plan is None:
+                continue
+            if plan.shutdown:
+                if self.io.plan_out:
+                    self.io.plan_out.send(plan)
+                return
+            self.step(plan)
+            t += 1
+
+    def step(self, plan: BatchPlan) -> None:
+        t, last = plan.seq, self.stage.is_last
+        self.apply(plan)
+        proxy = self.recv_proxy(plan) if not self.stage.is_first and plan.entries else None
+        out = self.forward(plan, proxy)
+        if not last and plan.entries:
+            self.io.chan.send(self.stage.next, "proxy", plan.slot, t, [out["hidden_states"], out["residual"]])
+        if last:
+            self.pending_outputs.append((t, out))
+        self.exchange_outputs(t)
+
+    # -- 1, 2: plans --------------------------------------------------------------------------------------
+    def next_plan(self, t: int) -> BatchPlan | None:
+        if self.stage.is_first:
+            return self.make_plan(t)
+        start = time.perf_counter()
+        while True:
+            plan = self.io.plan_in.recv(timeout_ms=200)
+            if plan is not None:
+                break
+            self.io.alive()
+            self.maybe_report()
+        waited = time.perf_counter() - start
+        # A long wait with an empty pipeline is idleness, not a bubble.
+        if waited > 0.1:
+            self.times.idle += waited
+        else:
+            self.times.wait_prev += waited
+        if not plan.shutdown and plan.seq != t:
+            raise SequenceMismatch(f"stage {self.stage.rank} expected plan {t}, got {plan.seq}")
+        if self.io.plan_out:
+            self.io.plan_out.send(plan)
+        return plan
+
+    def make_plan(self, t: int) -> BatchPlan | None:
+        self.take_in(timeout_ms=0)
+        if self.stopping and not self.planner.has_work:
+            plan = BatchPlan(slot=t % self.cfg.pp_loop_size, seq=t, shutdown=True)
+        elif not self.planner.has_work:
+            start = time.perf_counter()
+            self.take_in(timeout_ms=100)
+            self.times.idle += time.perf_counter() - start
+            self.io.alive()
+            return None
+        else:
+            plan = self.planner.plan(t % self.cfg.pp_loop_size, t)
+        if self.io.plan_out:
+            self.io.plan_out.send(plan)
+        return plan
+
+    def take_in(self, timeout_ms: int) -> None:
+        msgs = self.io.front_in.drain()
+        if not msgs and timeout_ms:
+            first = self.io.front_in.recv(timeout_ms=timeout_ms)
+            msgs = [first] if first is not None else []
+        errors = []
+        for m in msgs:
+            if isinstance(m, NewRequest):
+                err = self.planner.add(m)
+                if err:
+                    errors.append(err)
+            elif isinstance(m, AbortRequest):
+                out = self.planner.abort(m.rid)
+                if out:
+                    errors.append(out)
+            elif isinstance(m, Shutdown):
+                # Stop now: everything still queued or running ends as aborted; in-flight batches drain.
+                self.stopping = True
+                for rid in list(self.planner.requests):
+                    out = self.planner.abort(rid)
+                    if out:
+                        errors.append(out)
+        if errors:
+            self.io.front_out.send(OutputBatch(errors))
+
+    def apply(self, plan: BatchPlan) -> None:
+        if not self.stage.is_first:  # stage 0's planner already did this
+            for rid in plan.frees:
+                self.blocks.free(rid)
+            for e in plan.entries:
+                if e.new_blocks:
+                    self.blocks.assign(e.rid, e.new_blocks)
+        if self.sampler:
+            self.sampler.apply(plan)
+
+    # -- 3, 4: compute ------------------------------------------------------------------------------------
+    def recv_proxy(self, plan: BatchPlan) -> dict[str, torch.Tensor]:
+        start = time.perf_counter()
+        msg = self.io.chan.recv(self.stage.prev, "proxy", plan.seq)
+        self.times.wait_prev += time.perf_counter() - start
+        return {"hidden_states": msg.tensors[0], "residual": msg.tensors[1]}
+
+    @torch.inference_mode()
+    def forward(self, plan: BatchPlan, proxy):
+        if not plan.entries:
+            return torch.empty(0, dtype=torch.long) if self.stage.is_last else None
+        start = time.perf_counter()
+        batch, ids = build_forward_batch(plan, self.blocks, self.device)
+        out = self.model(
+            batch, input_ids=ids if self.stage.is_first else None, proxy=proxy, kv_caches=self.pool.caches
+        )
+        if self.stage.is_last:
+            out = self.sampler.sample(plan, self.model.compute_logits(out)).cpu()
+        self.times.compute += time.perf_counter() - start
+        self.times.batches += 1
+        self.times.tokens += plan.num_tokens
+        return out
+
+    # -- 6: outputs ---------------------------------------------------------------------------------------
+    def exchange_outputs(self, t: int) -> None:
+        depth, loop = self.cfg.pp_async_batch_depth, self.cfg.pp_loop_size
+        to_send = None
+        if self.stage.is_last and len(self.pending_outputs) > depth:
+            to_send = self.pending_outputs.popleft()
+        if self.stage.is_last and not self.stage.is_first and to_send is not None:
+            seq, tokens = to_send
+            self.io.chan.send(0, "output", seq % loop, seq, [tokens] if tokens.numel() else [])
+        if not self.stage.is_first or t - loop + 1 < 0:
+            return
+        if self.stage.is_last:  # one stage: the outputs never leave the process
+            seq, tokens = to_send
+        else:
+            start = time.perf_counter()
+            msg = self.io.chan.recv(self.stage.prev, "output", t - loop + 1)
+            self.times.wait_output += time.perf_counter() - start
+            seq, tokens = msg.seq, (msg.tensors[0] if msg.tensors else torch.empty(0, dtype=torch.long))
+        outs = self.planner.on_output(seq, tokens.tolist())
+        if outs:
+            self.io.front_out.send(OutputBatch(outs))
+
+    def stage_stats(self) -> dict:
+        return {
+            "rank": self.stage.rank,
+            "kv_usage": self.blocks.usage,
+            "kv_used_blocks": self.blocks.used_blocks,
+            **self.times.snapshot(),
+        }
+
+    def maybe_report(self, period: float = 0.5) -> None:
+        """Now and then: this stage's stats to the launcher; stage 0 adds the scheduler's to the front end."""
+        now = time.perf_counter()
+        if now - self._last_stats < period:
+            return
+        self._last_stats = now
+        stats = self.stage_stats()
+        self.io.report(stats)
+        if self.stage.is_first:
+            self.io.front_out.send(OutputBatch([], {**self.planner.stats(), **stats}))

@@ -1,0 +1,184 @@
+"""One stage process: set up (threads, process group, weights, KV pool, sockets), report ready, run the loop.
+
+Any exception is reported to the launcher as a `StageStatus("error")` with the traceback before the process
+exits non-zero, so the launcher can stop the others and say which stage failed and why.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import random
+import traceback
+from dataclasses import dataclass
+
+import torch
+import zmq
+
+from ringsched.comm.messages import StageStatus
+from ringsched.comm.tensor_channel import TensorChannel
+from ringsched.comm.zmq_io import Puller, Pusher
+from ringsched.config import EngineConfig, parse_memory
+from ringsched.kv_cache import BlockTable, KVPool, blocks_for_memory
+from ringsched.models.config import ModelConfig
+from ringsched.models.loader import load_stage_model, weights_bytes
+from ringsched.partition import log_partition, stage_ranges
+from ringsched.scheduler.planner import Planner
+from ringsched.scheduler.stage_loop import StageIO, StageLoop
+from ringsched.stage import StageInfo
+
+logger = logging.getLogger("ringsched.stage")
+
+
+@dataclass(frozen=True)
+class StageAddrs:
+    ctl: str  # stage -> launcher status
+    front_in: str  # front end -> stage 0
+    front_out: str  # stage 0 -> front end
+    plans: tuple[str, ...]  # plans[k]: stage k-1 -> stage k (index 0 unused)
+
+
+class ParentGone(RuntimeError):
+    pass
+
+
+def stage_main(cfg: EngineConfig, rank: int, model_dir: str, addrs: StageAddrs, local_rank: int = 0) -> None:
+    logging.basicConfig(
+        level=cfg.log_level.upper(),
+        format=f"[stage {rank}] %(asctime)s %(levelname)s %(message)s",
+        force=True,
+    )
+    ctx = zmq.Context()
+    ctl = Pusher(ctx, addrs.ctl)
+    try:
+        loop = _setup(cfg, rank, model_dir, addrs, ctx, ctl, local_rank)
+        loop.run()
+        ctl.send(StageStatus(rank, "exited"))
+        logger.info("stopped")
+    except BaseException as e:  # report everything, KeyboardInterrupt included
+        if not isinstance(e, (KeyboardInterrupt, ParentGone)):
+            ctl.send(StageStatus(rank, "error", error=f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+            logger.error("failed: %s", e)
+        ctl.close()
+        ctx.destroy(linger=1000)
+        os._exit(1)
+    ctl.close()
+    ctx.destroy(linger=1000)
+    os._exit(0)  # skip interpreter teardown: a peer's pending gloo work must not hang our exit
+
+
+def _setup(cfg, rank, model_dir, addrs, ctx, ctl, local_rank) -> StageLoop:
+    parent = os.getppid()
+
+    def alive() -> None:
+        if os.getppid() != parent:
+            raise ParentGone("the launcher is gone")
+
+    torch.set_num_threads(cfg.threads)
+    _pin_cpus(cfg, rank)
+    device = torch.device("cpu")
+    if cfg.resolved_device == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    if cfg.pp_size > 1:
+        torch.distributed.init_process_group(
+            cfg.backend,
+            init_method=f"tcp://{cfg.dist_init_addr}",
+            rank=rank,
+            world_size=cfg.pp_size,
+            timeout=datetime.timedelta(seconds=cfg.stage_timeout),
+        )
+    mcfg = ModelConfig.from_dir(model_dir)
+    counts = cfg.partition(mcfg.num_layers)
+    start, end = stage_ranges(counts)[rank]
+    stage = StageInfo(rank, cfg.pp_size, start, end)
+    if rank == 0:
+        log_partition(counts, cfg.pp_layer_partition)
+    model = load_stage_model(model_dir, stage, cfg.torch_dtype, device)
+    num_blocks = _kv_blocks(cfg, mcfg, stage, device)
+    pool = KVPool(mcfg, stage.num_layers, num_blocks, cfg.block_size, cfg.torch_dtype, device)
+    blocks = BlockTable(num_blocks, cfg.block_size, follower=not stage.is_first)
+    info = {
+        "layers": [start, end],
+        "weights_bytes": weights_bytes(model),
+        "kv_bytes": pool.nbytes,
+        "kv_tokens": blocks.capacity_tokens,
+        "pid": os.getpid(),
+    }
+    logger.info(
+        "layers %d-%d (%d), weights %.1f MiB, KV pool %.1f MiB = %d tokens",
+        start,
+        end - 1,
+        stage.num_layers,
+        info["weights_bytes"] / 2**20,
+        pool.nbytes / 2**20,
+        blocks.capacity_tokens,
+    )
+    planner = None
+    eos_ids = _eos_ids(model_dir, mcfg)
+    if stage.is_first:
+        max_len = cfg.context_len(mcfg.max_position_embeddings)
+        planner = Planner(
+            blocks,
+            cfg.micro_batch_size,
+            cfg.max_running_requests,
+            cfg.chunked_prefill_size,
+            eos_ids,
+            max_len,
+            random.Random(cfg.seed),
+        )
+    io = StageIO(
+        chan=TensorChannel(device),
+        plan_in=Puller(ctx, addrs.plans[rank]) if not stage.is_first else None,
+        plan_out=Pusher(ctx, addrs.plans[rank + 1]) if not stage.is_last else None,
+        front_in=Puller(ctx, addrs.front_in) if stage.is_first else None,
+        front_out=Pusher(ctx, addrs.front_out) if stage.is_first else None,
+        alive=alive,
+        report=lambda stats: ctl.send(StageStatus(rank, "stats", stats)),
+    )
+    ctl.send(StageStatus(rank, "ready", info))
+    return StageLoop(cfg, stage, model, blocks, pool, io, planner, device, eos_ids)
+
+
+def _kv_blocks(cfg: EngineConfig, mcfg: ModelConfig, stage: StageInfo, device: torch.device) -> int:
+    budget = parse_memory(cfg.kv_cache_memory)
+    if isinstance(budget, float):
+        if device.type == "cuda":
+            free = torch.cuda.mem_get_info(device)[0]
+        else:
+            import psutil
+
+            free = psutil.virtual_memory().available // cfg.pp_size  # the stages on a node share its memory
+        budget = int(free * budget)
+    blocks = blocks_for_memory(mcfg, stage.num_layers, cfg.torch_dtype, budget, cfg.block_size)
+    if cfg.pp_size > 1:
+        # Stage 0 admits against the smallest pool; every stage allocates just that much.
+        t = torch.tensor([blocks], dtype=torch.long, device=device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+        blocks = int(t.item())
+    if blocks < 1:
+        raise RuntimeError(f"--kv-cache-memory {cfg.kv_cache_memory} holds no KV block; raise it")
+    return blocks
+
+
+def _eos_ids(model_dir: str, mcfg: ModelConfig) -> tuple[int, ...]:
+    import json
+    from pathlib import Path
+
+    ids = set(mcfg.eos_token_ids)
+    gen = Path(model_dir) / "generation_config.json"
+    if gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return tuple(sorted(ids))
+
+
+def _pin_cpus(cfg: EngineConfig, rank: int) -> None:
+    """Give each stage its own cores when there are enough, so two stages do not fight over one."""
+    if not hasattr(os, "sched_setaffinity") or cfg.resolved_device == "cuda":
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    need = cfg.threads * cfg.pp_size
+    if len(cpus) >= need:
+        os.sched_setaffinity(0, cpus[rank * cfg.threads : (rank + 1) * cfg.threads])

@@ -1,0 +1,152 @@
+"""Start the stage processes of this node, wait until each is ready, watch them, stop them.
+
+Used by the offline `Engine` and by the launcher. Stages are spawned (not forked), named `ringsched-stageK`,
+and report over a ZMQ status channel. If any stage dies or reports an error, `check()` raises `StageFailure`
+naming the stage and its error; `stop()` always leaves no child behind (shutdown message, then terminate,
+then kill).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import socket
+import time
+from dataclasses import replace
+
+import zmq
+
+from ringsched.comm.messages import Shutdown, StageStatus
+from ringsched.comm.zmq_io import Puller, Pusher, ipc_addr, new_ipc_dir
+from ringsched.config import EngineConfig
+from ringsched.scheduler.stage_worker import StageAddrs, stage_main
+
+logger = logging.getLogger("ringsched.launch")
+
+
+class StageFailure(RuntimeError):
+    pass
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class Supervisor:
+    def __init__(self, cfg: EngineConfig, model_dir: str) -> None:
+        ipc_dir = cfg.ipc_dir or new_ipc_dir()
+        if cfg.dist_init_addr is None:
+            cfg = replace(cfg, dist_init_addr=f"127.0.0.1:{free_port()}")
+        self.cfg, self.model_dir, self.ipc_dir = replace(cfg, ipc_dir=ipc_dir), model_dir, ipc_dir
+        self.addrs = StageAddrs(
+            ctl=ipc_addr(ipc_dir, "ctl"),
+            front_in=ipc_addr(ipc_dir, "front-in"),
+            front_out=ipc_addr(ipc_dir, "front-out"),
+            plans=tuple(ipc_addr(ipc_dir, f"plan-{k}") for k in range(cfg.pp_size)),
+        )
+        self.ctx = zmq.Context()
+        self.ctl = Puller(self.ctx, self.addrs.ctl)
+        self.procs: list[mp.Process] = []
+        self.info: dict[int, dict] = {}
+        self.stats: dict[int, dict] = {}
+        self.failure: str | None = None
+
+    def start(self, timeout: float = 600.0) -> None:
+        spawn = mp.get_context("spawn")
+        for rank in range(self.cfg.pp_size):
+            p = spawn.Process(
+                target=stage_main,
+                args=(self.cfg, rank, self.model_dir, self.addrs, rank),
+                name=f"ringsched-stage{rank}",
+                daemon=True,
+            )
+            p.start()
+            self.procs.append(p)
+        deadline = time.monotonic() + timeout
+        while len(self.info) < self.cfg.pp_size:
+            if time.monotonic() > deadline:
+                self.stop()
+                raise StageFailure(
+                    f"stages {sorted(set(range(self.cfg.pp_size)) - set(self.info))} not ready "
+                    f"after {timeout:.0f}s"
+                )
+            try:
+                self.check(timeout_ms=200)
+            except StageFailure:
+                self.stop()
+                raise
+        for rank in sorted(self.info):
+            i = self.info[rank]
+            logger.info(
+                "stage %d ready: layers %d-%d, weights %.1f MiB, KV %d tokens (pid %d)",
+                rank,
+                i["layers"][0],
+                i["layers"][1] - 1,
+                i["weights_bytes"] / 2**20,
+                i["kv_tokens"],
+                i["pid"],
+            )
+
+    def check(self, timeout_ms: int = 0) -> None:
+        """Take in status messages; raise `StageFailure` if a stage reported an error or died."""
+        msg = self.ctl.recv(timeout_ms) if timeout_ms else None
+        for m in ([msg] if msg else []) + self.ctl.drain():
+            assert isinstance(m, StageStatus)
+            if m.state == "ready":
+                self.info[m.rank] = m.info
+            elif m.state == "stats":
+                self.stats[m.rank] = m.info
+            elif m.state == "error" and self.failure is None:
+                self.failure = f"stage {m.rank} failed: {m.error}"
+        if self.failure is None:
+            for rank, p in enumerate(self.procs):
+                if p.exitcode is not None:
+                    time.sleep(0.2)  # let its last status message arrive: it says why
+                    for m in self.ctl.drain():
+                        if m.state == "error":
+                            self.failure = f"stage {m.rank} failed: {m.error}"
+                            break
+                    else:
+                        self.failure = (
+                            f"stage {rank} (pid {p.pid}) exited unexpectedly with code {p.exitcode}"
+                        )
+                    break
+        if self.failure:
+            raise StageFailure(self.failure)
+
+    @property
+    def alive(self) -> bool:
+        return self.failure is None and all(p.exitcode is None for p in self.procs)
+
+    def stop(self, grace: float = 5.0) -> None:
+        """Ask stage 0 to stop the ring, then make sure every child is gone."""
+        if any(p.exitcode is None for p in self.procs):
+            try:
+                push = Pusher(self.ctx, self.addrs.front_in)
+                push.send(Shutdown("stop"))
+                push.close()
+            except zmq.ZMQError:
+                pass
+        deadline = time.monotonic() + grace
+        for p in self.procs:
+            p.join(max(deadline - time.monotonic(), 0.05))
+        for p in self.procs:
+            if p.exitcode is None:
+                logger.warning("%s did not stop within %.0fs; terminating it", p.name, grace)
+                p.terminate()
+        for p in self.procs:
+            p.join(2.0)
+            if p.exitcode is None:
+                p.kill()
+                p.join(2.0)
+        self.ctl.close()
+        self.ctx.destroy(linger=0)
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs if p.pid is not None] + [os.getpid()]

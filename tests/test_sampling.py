@@ -1,0 +1,206 @@
+import math
+
+import msgpack
+import pytest
+import torch
+
+from ringsched.sampling import SamplingParams, apply_repetition_penalty, make_generator, sample
+
+RANDOM = SamplingParams(temperature=1.0)
+
+
+def draw_many(logits_row: torch.Tensor, params: SamplingParams, n: int, seed: int = 0) -> torch.Tensor:
+    """n draws of one row in one call: the same generator on every row advances once per row, in order."""
+    g = make_generator(seed)
+    return sample(logits_row.expand(n, -1), [params] * n, [[] for _ in range(n)], [g] * n)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"max_tokens": 0}, "max_tokens must be an int >= 1, got 0"),
+        ({"max_tokens": 2.5}, "max_tokens must be"),
+        ({"temperature": -1}, "temperature must be >= 0, got -1"),
+        ({"temperature": math.nan}, "temperature must be a finite number"),
+        ({"top_p": 0.0}, r"top_p must be in \(0, 1\], got 0.0"),
+        ({"top_p": 1.5}, "top_p must be in"),
+        ({"top_k": -2}, "top_k must be -1 or 0 .* or >= 1, got -2"),
+        ({"min_p": -0.1}, r"min_p must be in \[0, 1\]"),
+        ({"min_p": 1.1}, "min_p must be in"),
+        ({"seed": 2**64}, "seed must be None or an int"),
+        ({"seed": "7"}, "seed must be None or an int"),
+        ({"stop_token_ids": [1, -2]}, "stop_token_ids must be a list of ints >= 0"),
+        ({"stop": ["ok", ""]}, "stop must be a string or a list of non-empty strings"),
+        ({"ignore_eos": 1}, "ignore_eos must be a bool"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0"),
+        ({"repetition_penalty": math.inf}, "repetition_penalty must be a finite number"),
+        ({"min_tokens": -1}, r"min_tokens must be an int in \[0, max_tokens=16\]"),
+        ({"min_tokens": 17}, "min_tokens must be"),
+    ],
+)
+def test_params_validation_names_field_and_range(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_params_normalise_lists_and_single_stop_string():
+    p = SamplingParams(stop_token_ids=[2, 3], stop="###")
+    assert p.stop_token_ids == (2, 3) and p.stop == ("###",)
+    assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
+    assert SamplingParams(stop=None).stop == ()
+    assert SamplingParams(temperature=0).greedy and SamplingParams(top_k=1).greedy
+    assert not SamplingParams().greedy and hash(p)  # frozen and hashable once normalised
+
+
+def test_to_dict_from_dict_round_trip():
+    p = SamplingParams(
+        max_tokens=9, temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=123, stop_token_ids=(2,),
+        stop=("\n\n",), ignore_eos=True, repetition_penalty=1.2, min_tokens=3,
+    )  # fmt: skip
+    d = p.to_dict()
+    assert d["stop_token_ids"] == [2] and d["stop"] == ["\n\n"]
+    assert SamplingParams.from_dict(d) == p
+    assert SamplingParams.from_dict(msgpack.unpackb(msgpack.packb(d))) == p
+    assert SamplingParams.from_dict({}) == SamplingParams()
+    with pytest.raises(ValueError, match="unknown SamplingParams field.*'temp'"):
+        SamplingParams.from_dict({"temp": 0.5})
+
+
+def test_greedy_equals_argmax_float_and_bf16():
+    logits = torch.randn(8, 100, generator=make_generator(0))
+    params = [SamplingParams(temperature=0)] * 8
+    out = sample(logits, params, [[] for _ in range(8)], [None] * 8)
+    assert out.dtype == torch.int64 and torch.equal(out, logits.argmax(-1))
+    bf16 = logits.bfloat16()
+    assert torch.equal(sample(bf16, params, [[1]] * 8, [None] * 8), bf16.float().argmax(-1))
+
+
+def test_repetition_penalty_changes_argmax_and_leaves_input_alone():
+    logits = torch.tensor([[3.0, 2.5, -1.0, 0.0]])
+    before = logits.clone()
+    greedy_pen = SamplingParams(temperature=0, repetition_penalty=2.0)
+    assert sample(logits, [greedy_pen], [[0, 0, 2]], [None]).item() == 1  # 3.0 / 2 = 1.5 < 2.5
+    assert sample(logits, [SamplingParams(temperature=0)], [[0]], [None]).item() == 0
+    assert torch.equal(logits, before)
+    # A penalty < 1 favours seen tokens: 2.5 / 0.5 = 5.0 beats 3.0.
+    assert sample(logits, [SamplingParams(temperature=0, repetition_penalty=0.5)], [[1]], [None]).item() == 1
+
+
+def test_repetition_penalty_matches_hf_formula():
+    logits = torch.randn(3, 50, generator=make_generator(1))
+    histories = [[1, 5, 5, 49, 0], [], [7, 8, 9]]
+    penalties = [1.3, 1.3, 0.8]
+    ours = apply_repetition_penalty(logits.clone(), penalties, histories)
+    for i, (hist, pen) in enumerate(zip(histories, penalties, strict=True)):
+        expected = logits[i].clone()
+        if hist:
+            idx = torch.tensor(hist)
+            score = expected.gather(0, idx)
+            expected.scatter_(0, idx, torch.where(score < 0, score * pen, score / pen))  # HF's formula
+        assert torch.equal(ours[i], expected)
+
+
+def test_repetition_penalty_matches_hf_processor():
+    logits_process = pytest.importorskip("transformers.generation.logits_process")
+    logits = torch.randn(2, 50, generator=make_generator(3))
+    histories = [[1, 5, 5, 49, 0], [7, 8, 9, 10, 7]]  # equal lengths: HF takes a [B, L] tensor
+    hf = logits_process.RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor(histories), logits.clone())
+    assert torch.equal(apply_repetition_penalty(logits.clone(), [1.3, 1.3], histories), hf)
+
+
+def test_banned_ids_are_never_drawn():
+    logits = torch.tensor([[5.0, 4.0, 0.0]])
+    assert sample(logits, [SamplingParams(temperature=0)], [[]], [None], banned=[[0]]).item() == 1
+    g = make_generator(0)
+    out = sample(logits.expand(200, -1), [RANDOM] * 200, [[]] * 200, [g] * 200, banned=[[0, 1]] * 200)
+    assert set(out.tolist()) == {2}
+
+
+def test_top_k_1_and_tiny_top_p_equal_greedy():
+    logits = torch.randn(16, 64, generator=make_generator(2))
+    gens = [make_generator(s) for s in range(16)]
+    hist = [[] for _ in range(16)]
+    assert torch.equal(sample(logits, [SamplingParams(top_k=1)] * 16, hist, gens), logits.argmax(-1))
+    tiny_p = [SamplingParams(temperature=1.5, top_p=1e-6)] * 16
+    assert torch.equal(sample(logits, tiny_p, hist, gens), logits.argmax(-1))
+    tiny_t = [SamplingParams(temperature=1e-30)] * 16  # stays finite rather than turning into nan
+    assert torch.equal(sample(logits * 100, tiny_t, hist, gens), logits.argmax(-1))
+
+
+def test_top_k_and_top_p_keep_the_right_set():
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
+    assert set(draw_many(logits, SamplingParams(top_k=2), 2000).tolist()) == {0, 1}
+    # 0.5 + 0.3 >= 0.75: the smallest prefix reaching top_p is the first two tokens.
+    assert set(draw_many(logits, SamplingParams(top_p=0.75), 2000).tolist()) == {0, 1}
+    assert set(draw_many(logits, SamplingParams(top_p=0.45), 500).tolist()) == {0}
+    assert set(draw_many(logits, SamplingParams(top_k=100), 2000).tolist()) == {0, 1, 2, 3}  # k > V: no-op
+    # Ties with the cutoff all stay (as HF and vLLM), so the kept set never depends on how a sort orders ties.
+    tied = torch.tensor([1.0, 1.0, 1.0, -5.0])
+    assert set(draw_many(tied, SamplingParams(top_k=2), 2000).tolist()) == {0, 1, 2}
+
+
+def test_min_p_filters_below_threshold():
+    logits = torch.tensor([0.4, 0.3, 0.2, 0.05, 0.05]).log()
+    # Threshold 0.3 * 0.4 = 0.12: tokens 3 and 4 can never be drawn; 0, 1, 2 all show up.
+    assert set(draw_many(logits, SamplingParams(min_p=0.3), 4000).tolist()) == {0, 1, 2}
+    assert set(draw_many(logits, SamplingParams(), 4000).tolist()) == {0, 1, 2, 3, 4}
+
+
+def test_same_seed_same_sequence_different_seed_different():
+    flat = torch.zeros(1, 1000)
+
+    def run(seed: int) -> list[int]:
+        g = make_generator(seed)
+        return [sample(flat, [RANDOM], [[]], [g]).item() for _ in range(20)]
+
+    assert run(42) == run(42)
+    assert run(42) != run(43)  # equal by chance with probability 1e-60
+
+
+def test_row_token_independent_of_batch_companions_and_order():
+    torch.manual_seed(0)
+    steps = [torch.randn(1, 300) for _ in range(10)]
+    target = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.01, repetition_penalty=1.1, seed=7)
+    companions = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.3),
+        SamplingParams(top_k=5, repetition_penalty=1.5),
+        SamplingParams(top_p=0.3, min_p=0.2),
+    ]
+
+    def run(n_before: int, n_after: int, order: list[int]) -> list[int]:
+        g = make_generator(7)
+        comp_gens = [make_generator(100 + i) for i in range(len(companions))]
+        picked = [companions[i] for i in order]
+        tokens = []
+        for logits in steps:
+            rows = [torch.randn(1, 300) for _ in range(n_before)] + [logits]
+            rows += [torch.randn(1, 300) for _ in range(n_after)]
+            params = picked[:n_before] + [target] + picked[n_before : n_before + n_after]
+            gens = [comp_gens[i] for i in order[:n_before]] + [g]
+            gens += [comp_gens[i] for i in order[n_before : n_before + n_after]]
+            out = sample(torch.cat(rows), params, [[3, 4, 5]] * len(params), gens)
+            tokens.append(out[n_before].item())
+        return tokens
+
+    alone = run(0, 0, [])
+    assert run(2, 2, [0, 1, 2, 3]) == alone
+    assert run(3, 1, [3, 2, 0, 1]) == alone
+    assert run(0, 4, [1, 3, 0, 2]) == alone
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_temperature_distribution_matches_softmax(temperature):
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
+    n = 20000
+    counts = torch.bincount(draw_many(logits, SamplingParams(temperature=temperature), n), minlength=4)
+    expected = (logits / temperature).softmax(-1)
+    assert torch.allclose(counts / n, expected, atol=0.02)
+
+
+def test_errors_for_missing_generator_and_length_mismatch():
+    logits = torch.zeros(2, 5)
+    with pytest.raises(ValueError, match=r"rows \[1\] sample randomly .* make_generator"):
+        sample(logits, [SamplingParams(temperature=0), RANDOM], [[], []], [None, None])
+    with pytest.raises(ValueError, match="one params/history/generator"):
+        sample(logits, [RANDOM], [[]], [make_generator(0)])
