@@ -3,9 +3,12 @@
 import pytest
 import torch
 
+from ringsched.comm.messages import BatchPlan, PlanEntry
+from ringsched.kv_cache import BlockTable, KVPool
 from ringsched.models.attention import ForwardBatch
 from ringsched.models.config import ModelConfig
 from ringsched.models.loader import load_stage_model
+from ringsched.scheduler.batch_builder import build_forward_batch
 from ringsched.stage import StageInfo
 
 transformers = pytest.importorskip("transformers")
@@ -36,12 +39,18 @@ def logits_of(model, ids):
 
 @torch.no_grad()
 def greedy(model, ids, n):
-    ids = list(ids)
-    out = []
+    """Greedy through the paged KV cache, one prefill then one decode per token (the engine's code path)."""
+    cfg = model.cfg
+    blocks = BlockTable(64, 16)
+    pool = KVPool(cfg, cfg.num_layers, 64, 16, torch.float32, "cpu")
+    out, start, chunk = [], 0, list(ids)
     for _ in range(n):
-        nxt = int(logits_of(model, ids)[-1].argmax())
+        blocks.ensure("r", start + len(chunk))
+        plan = BatchPlan(slot=0, seq=0, entries=[PlanEntry("r", start, chunk, True)])
+        batch, x = build_forward_batch(plan, blocks, torch.device("cpu"))
+        nxt = int(model.compute_logits(model(batch, input_ids=x, kv_caches=pool.caches))[-1].argmax())
         out.append(nxt)
-        ids.append(nxt)
+        start, chunk = start + len(chunk), [nxt]
     return out
 
 
@@ -90,10 +99,15 @@ def test_logits_match_transformers(smollm2_dir, hf_smol):
         assert diff < 1e-3, (i, diff)
 
 
+@pytest.fixture(scope="module")
+def smol(smollm2_dir):
+    return full_model(smollm2_dir)
+
+
 @pytest.mark.parametrize("i", range(8))
-def test_greedy_64_tokens_match_transformers(smollm2_dir, hf_smol, i):
+def test_greedy_64_tokens_match_transformers(smol, hf_smol, i):
     hf, tok = hf_smol
-    ours = full_model(smollm2_dir)
+    ours = smol
     ids = prompt_ids(tok, i)
     assert greedy(ours, ids, 64) == hf_greedy(hf, ids, 64)
 

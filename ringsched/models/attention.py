@@ -24,13 +24,21 @@ class PrefillSeq:
 
 
 @dataclass
+class DecodeGroup:
+    """Decodes of similar context length, padded to the longest of them."""
+
+    rows: torch.Tensor  # [b] row of each decode token
+    slots: torch.Tensor  # [b * Lmax] context slots, row-major, padding points at a valid slot
+    mask: torch.Tensor  # [b, 1, 1, Lmax] True where a slot is real
+    max_len: int
+
+
+@dataclass
 class ForwardBatch:
     positions: torch.Tensor  # [T] absolute position of each token
     logit_rows: torch.Tensor  # [S] row whose logits are sampled, one per sequence that samples
     slot_mapping: torch.Tensor | None = None  # [T] cache slot each new token's K/V goes to
-    decode_rows: torch.Tensor | None = None  # [B] row of each decode token
-    decode_slots: torch.Tensor | None = None  # [B, Lmax] context slots per decode, padded
-    decode_mask: torch.Tensor | None = None  # [B, 1, 1, Lmax] True where a slot is real
+    decodes: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSeq] = field(default_factory=list)
 
     @property
@@ -61,26 +69,26 @@ def paged_attention(
     if not batch.uses_cache:
         return _sdpa(q, k, v, scale, causal=True)
     assert k_cache is not None and v_cache is not None
-    k_cache[batch.slot_mapping] = k
-    v_cache[batch.slot_mapping] = v
+    k_cache.index_copy_(0, batch.slot_mapping, k)
+    v_cache.index_copy_(0, batch.slot_mapping, v)
     out = torch.empty_like(q)
-    if batch.decode_rows is not None and batch.decode_rows.numel():
-        out[batch.decode_rows] = _decode(q, k_cache, v_cache, batch, scale)
+    for g in batch.decodes:
+        out.index_copy_(0, g.rows, _decode(q, k_cache, v_cache, g, scale))
     for p in batch.prefills:
         rows = slice(p.row, p.row + p.num_new)
-        kp, vp = k_cache[p.ctx_slots], v_cache[p.ctx_slots]
+        kp, vp = k_cache.index_select(0, p.ctx_slots), v_cache.index_select(0, p.ctx_slots)
         out[rows] = _sdpa(q[rows], kp, vp, scale, causal=True)
     return out
 
 
-def _decode(q, k_cache, v_cache, batch: ForwardBatch, scale: float) -> torch.Tensor:
-    qd = q[batch.decode_rows].unsqueeze(2)  # [B, H, 1, D]
-    kd = k_cache[batch.decode_slots].transpose(1, 2)  # [B, KVH, Lmax, D]
-    vd = v_cache[batch.decode_slots].transpose(1, 2)
-    out = F.scaled_dot_product_attention(
-        qd, kd, vd, attn_mask=batch.decode_mask, scale=scale, enable_gqa=qd.shape[1] != kd.shape[1]
-    )
-    return out.squeeze(2)  # [B, H, D]
+def _decode(q, k_cache, v_cache, g: DecodeGroup, scale: float) -> torch.Tensor:
+    # index_select on a flat index is several times faster than advanced indexing on CPU.
+    b, kvh, d = g.rows.shape[0], k_cache.shape[1], k_cache.shape[2]
+    qd = q.index_select(0, g.rows).unsqueeze(2)  # [b, H, 1, D]
+    kd = k_cache.index_select(0, g.slots).view(b, g.max_len, kvh, d).transpose(1, 2)  # [b, KVH, Lmax, D]
+    vd = v_cache.index_select(0, g.slots).view(b, g.max_len, kvh, d).transpose(1, 2)
+    out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale, enable_gqa=qd.shape[1] != kvh)
+    return out.squeeze(2)  # [b, H, D]
 
 
 def _sdpa(q, k, v, scale: float, causal: bool) -> torch.Tensor:

@@ -6,7 +6,11 @@ import torch
 
 from ringsched.comm.messages import BatchPlan
 from ringsched.kv_cache import BlockTable
-from ringsched.models.attention import ForwardBatch, PrefillSeq
+from ringsched.models.attention import DecodeGroup, ForwardBatch, PrefillSeq
+
+# A decode joins the current length group while its context is at least this share of the group's longest:
+# padding stays under ~40% of what the group reads, and a step has only a few groups.
+GROUP_SHARE = 0.6
 
 
 def build_forward_batch(
@@ -41,9 +45,27 @@ def build_forward_batch(
         slot_mapping=torch.cat(slot_parts).to(device),
         prefills=prefills,
     )
-    if dec_rows:
-        slots, mask = blocks.padded_slots(dec_rids, dec_lens)
-        batch.decode_rows = torch.tensor(dec_rows, dtype=torch.long, device=device)
-        batch.decode_slots = slots.to(device)
-        batch.decode_mask = mask[:, None, None, :].to(device)
+    batch.decodes = _decode_groups(dec_rows, dec_rids, dec_lens, blocks, device)
     return batch, torch.tensor(ids, dtype=torch.long, device=device)
+
+
+def _decode_groups(rows: list[int], rids: list[str], lens: list[int], blocks: BlockTable, device) -> list[DecodeGroup]:
+    order = sorted(range(len(rows)), key=lambda i: -lens[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and lens[i] >= GROUP_SHARE * lens[groups[-1][0]]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    out = []
+    for g in groups:
+        slots, mask = blocks.padded_slots([rids[i] for i in g], [lens[i] for i in g])
+        out.append(
+            DecodeGroup(
+                rows=torch.tensor([rows[i] for i in g], dtype=torch.long, device=device),
+                slots=slots.reshape(-1).to(device),
+                mask=mask[:, None, None, :].to(device),
+                max_len=slots.shape[1],
+            )
+        )
+    return out

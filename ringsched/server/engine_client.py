@@ -1,0 +1,237 @@
+"""The front end's link to the ring: starts the stages, sends requests and aborts, routes their tokens.
+
+Contract: `EngineClient(cfg, model_dir)` starts every stage (blocking, as the offline `Engine` does) and binds
+the output socket; `client.start_routing()`, called on the server's event loop, starts the task that routes each
+`TokenOutput` to the queue of its request and watches the stages. `generate(rid, ids, params)` yields a
+request's `TokenOutput`s until one carries a `finish_reason`; it raises `EngineError` when the request ends in
+an error or was aborted by anyone but its caller. Leaving the iteration early (the client went away) aborts the
+request on the ring, which frees its KV on every stage. When a stage dies, every open request ends with an
+`EngineError`, `healthy` turns False and `on_failure` is called. `shutdown(timeout)` lets running requests
+finish for up to `timeout` seconds, ends the rest with an error, and stops every stage process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+
+from ringsched.comm.messages import AbortRequest, NewRequest, OutputBatch, TokenOutput, decode
+from ringsched.comm.zmq_io import Pusher
+from ringsched.config import EngineConfig
+from ringsched.sampling import SamplingParams
+from ringsched.supervisor import StageFailure, Supervisor
+
+logger = logging.getLogger("ringsched.server")
+
+_WATCH_PERIOD_S = 0.25  # how often the stages' status channel is read: sets how fast a dead stage is seen
+
+
+class EngineError(RuntimeError):
+    """A request that could not be served. `status` is the HTTP status a non-streaming reply should carry."""
+
+    def __init__(self, message: str, status: int = 500) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class RequestCounters:
+    """Front-end totals since start, for metrics and the throughput log."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+
+
+class EngineClient:
+    def __init__(self, cfg: EngineConfig, model_dir: str) -> None:
+        self.cfg = cfg
+        self.supervisor = Supervisor(cfg, model_dir)
+        # The output socket is bound (by a plain socket) before the stages start, so no early message is lost;
+        # `run()` wraps it for asyncio on the server's loop.
+        self._zctx = zmq.Context()
+        self._out_sync = self._zctx.socket(zmq.PULL)
+        self._out_sync.setsockopt(zmq.RCVHWM, 0)
+        self._out_sync.bind(self.supervisor.addrs.front_out)
+        # PUSH with no high-water mark never blocks, so sends (aborts included) are plain calls, safe in finally.
+        self._in = Pusher(self._zctx, self.supervisor.addrs.front_in)
+        self._queues: dict[str, asyncio.Queue[TokenOutput | EngineError]] = {}
+        self._task: asyncio.Task | None = None
+        self.sched_stats: dict = {}  # stage 0's latest scheduler gauges
+        self.counters = RequestCounters()
+        self.healthy = False
+        self.accepting = False
+        self.failure: str | None = None
+        self.on_failure: Callable[[str], None] | None = None
+        self._closed = False
+        try:
+            self.supervisor.start()
+        except BaseException:  # Ctrl-C or SIGTERM while loading included: no stage may outlive us
+            self.supervisor.stop()
+            self._close_sockets()
+            raise
+        self.healthy = self.accepting = True
+
+    # -- the background task ------------------------------------------------------------------------------
+    def start_routing(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._route(), name="engine-client")
+        self._task.add_done_callback(self._route_ended)
+
+    def _route_ended(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None and self.failure is None:
+            self._fail(f"the front end's output task failed: {task.exception()!r}")
+
+    async def _route(self) -> None:
+        """Route outputs to their requests' queues, and watch the stages, until cancelled by `close()`."""
+        sock = zmq.asyncio.Socket.from_socket(self._out_sync)
+        watch = asyncio.create_task(self._watch())
+        try:
+            while not self._closed:
+                msg = decode(await sock.recv(copy=False))
+                assert isinstance(msg, OutputBatch), f"unexpected message on the output channel: {msg!r}"
+                if msg.stats:
+                    self.sched_stats = msg.stats
+                for out in msg.outputs:
+                    q = self._queues.get(out.rid)
+                    if q is not None:  # None: its caller left (an abort's acknowledgement, say)
+                        q.put_nowait(out)
+        finally:
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
+            sock.close(linger=0)  # unregisters it from the loop
+
+    async def _watch(self) -> None:
+        while not self._closed:
+            try:
+                self.supervisor.check()
+            except StageFailure as e:
+                self._fail(str(e))
+                return
+            await asyncio.sleep(_WATCH_PERIOD_S)
+
+    def _fail(self, error: str) -> None:
+        first, _, details = error.partition("\n")
+        # A stage killed from outside reports nothing, and its peer's report ("connection reset") would hide
+        # the cause: name the killed stages first.
+        killed = [
+            f"stage {rank} (pid {p.pid}) was killed by {signal.Signals(-p.exitcode).name}"
+            for rank, p in enumerate(self.supervisor.procs)
+            if p.exitcode is not None and p.exitcode < 0 and f"pid {p.pid}" not in first
+        ]
+        summary = "; then ".join([*killed, first])
+        self.failure, self.healthy, self.accepting = summary, False, False
+        logger.error("the engine failed, ending %d open request(s) with an error: %s", len(self._queues), summary)
+        if details:
+            logger.error("details:\n%s", details)
+        self._end_all(EngineError(f"the engine failed: {summary}", 503))
+        if self.on_failure:
+            self.on_failure(summary)
+
+    def _end_all(self, error: EngineError) -> None:
+        """End every open request with `error`; aborting each frees its KV on the ring if the ring still runs."""
+        for rid, q in list(self._queues.items()):
+            self._in.send(AbortRequest(rid))
+            q.put_nowait(error)
+
+    # -- requests -----------------------------------------------------------------------------------------
+    @property
+    def num_open(self) -> int:
+        """Requests sent to the ring and not yet finished."""
+        return len(self._queues)
+
+    def num_waiting(self) -> int:
+        """Requests not yet admitted by stage 0: beyond its running limit for sure, or as it last reported."""
+        over = max(self.num_open - self.cfg.max_running_requests, 0)
+        return max(over, int(self.sched_stats.get("waiting", 0)))
+
+    async def generate(self, rid: str, token_ids: Sequence[int], params: SamplingParams) -> AsyncIterator[TokenOutput]:
+        if not self.accepting:
+            raise EngineError(self.failure or "the server is shutting down", 503)
+        if rid in self._queues:
+            raise EngineError(f"request id {rid!r} is already in use", 400)
+        q: asyncio.Queue[TokenOutput | EngineError] = asyncio.Queue()
+        self._queues[rid] = q
+        self._in.send(NewRequest(rid, list(token_ids), params.to_dict()))
+        self.counters.prompt_tokens += len(token_ids)
+        done = False
+        try:
+            while True:
+                out = await q.get()
+                if isinstance(out, EngineError):  # ended by the front end (shutdown, a dead stage): aborted there
+                    done = True
+                    raise out
+                self.counters.generation_tokens += len(out.token_ids)
+                if out.finish_reason == "error":  # stage 0 refused it: about the request, not the server
+                    done = True
+                    raise EngineError(out.error or "the request failed", 400)
+                if out.finish_reason == "abort":  # not ours (we drop our queue first): the ring is stopping
+                    done = True
+                    raise EngineError("the request was aborted: the server is shutting down", 503)
+                done = out.finish_reason is not None
+                yield out
+                if done:
+                    return
+        finally:
+            del self._queues[rid]
+            if not done:  # the caller stopped early: free the request's KV on every stage
+                self.abort(rid)
+
+    def abort(self, rid: str) -> None:
+        if not self._closed:
+            self._in.send(AbortRequest(rid))
+
+    # -- stats --------------------------------------------------------------------------------------------
+    def stage_stats(self) -> dict[int, dict]:
+        """Per stage: kv_usage, busy_fraction, bubble_fraction of its last report."""
+        return dict(self.supervisor.stats)
+
+    def kv_capacity_tokens(self) -> int:
+        """KV tokens a request can use: every stage allocates the smallest pool."""
+        return min(i["kv_tokens"] for i in self.supervisor.info.values())
+
+    # -- lifecycle ----------------------------------------------------------------------------------------
+    async def drain(self, timeout: float) -> None:
+        """Stop accepting; wait up to `timeout` s for open requests; end the rest with an error."""
+        self.accepting = False
+        deadline = time.monotonic() + timeout
+        if self._queues:
+            logger.info("shutting down: waiting up to %.0fs for %d open request(s)", timeout, len(self._queues))
+        while self._queues and time.monotonic() < deadline and self.healthy:
+            await asyncio.sleep(0.05)
+        if self._queues:
+            logger.warning("shutting down: aborting %d unfinished request(s)", len(self._queues))
+            self._end_all(EngineError("the request was aborted: the server is shutting down", 503))
+
+    async def close(self) -> None:
+        """Stop every stage process (blocking work, run off the loop) and close the sockets."""
+        if self._closed:
+            return
+        self._closed = True
+        self.accepting = self.healthy = False
+        if self._task is not None:  # before stopping: the task reads the status channel stop() closes
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await asyncio.to_thread(self.supervisor.stop)
+        self._close_sockets()
+
+    def close_sync(self) -> None:
+        """For exits that never reached the event loop (or left it by an exception)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.supervisor.stop()
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        self._in.close(linger_ms=0)
+        self._out_sync.close(linger=0)
+        self._zctx.destroy(linger=0)

@@ -1,0 +1,98 @@
+"""Prometheus metrics (prefix `ringsched:`, after vLLM's and SGLang's names) and the throughput log line.
+
+Contract: `ServerMetrics()` owns its `CollectorRegistry` (two servers in one process never collide);
+`request_finished(...)` records one request's latencies, tokens and finish reason; `render(client)` refreshes
+the gauges from the engine client's latest stage reports and returns the exposition text. `log_throughput`
+logs one line every few seconds while the server is busy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from ringsched.server.engine_client import EngineClient
+
+logger = logging.getLogger("ringsched.server")
+
+# Latency buckets in seconds; CPU stages are slow, so the buckets reach further than vLLM's.
+_TTFT = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_TPOT = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+_E2E = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        p = "ringsched:"
+        self.ttft = Histogram(f"{p}time_to_first_token_seconds", "Time to first token.", buckets=_TTFT, registry=r)
+        self.tpot = Histogram(
+            f"{p}time_per_output_token_seconds", "Mean time per output token after the first, per request.",
+            buckets=_TPOT, registry=r,
+        )  # fmt: skip
+        self.e2e = Histogram(f"{p}e2e_request_latency_seconds", "End-to-end latency.", buckets=_E2E, registry=r)
+        self.running = Gauge(f"{p}num_requests_running", "Requests stage 0 is running.", registry=r)
+        self.waiting = Gauge(f"{p}num_requests_waiting", "Requests waiting for admission.", registry=r)
+        self.kv_usage = Gauge(f"{p}kv_cache_usage_perc", "KV pool usage (0-1) per stage.", ["stage"], registry=r)
+        self.busy = Gauge(
+            f"{p}stage_busy_fraction", "Share of the last window a stage computed.", ["stage"], registry=r
+        )
+        self.bubble = Gauge(
+            f"{p}stage_bubble_fraction", "Share of the last window a stage waited on a neighbour.", ["stage"],
+            registry=r,
+        )  # fmt: skip
+        self.prompt_tokens = Counter(f"{p}prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.generation_tokens = Counter(f"{p}generation_tokens", "Generated tokens.", registry=r)
+        self.finished = Counter(
+            f"{p}request_success", "Finished requests by finish reason (stop, length, abort, error).",
+            ["finished_reason"], registry=r,
+        )  # fmt: skip
+
+    def request_finished(
+        self,
+        reason: str,
+        prompt_tokens: int,
+        completion_tokens: int,
+        arrival: float,
+        first_token: float | None,
+        end: float,
+    ) -> None:
+        self.finished.labels(finished_reason=reason).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(completion_tokens)
+        self.e2e.observe(end - arrival)
+        if first_token is not None:
+            self.ttft.observe(first_token - arrival)
+            if completion_tokens > 1:
+                self.tpot.observe((end - first_token) / (completion_tokens - 1))
+
+    def render(self, client: EngineClient) -> bytes:
+        sched = client.sched_stats
+        self.running.set(sched.get("running", 0))
+        self.waiting.set(client.num_waiting())
+        for rank, s in client.stage_stats().items():
+            self.kv_usage.labels(stage=str(rank)).set(s.get("kv_usage", 0.0))
+            self.busy.labels(stage=str(rank)).set(s.get("busy_fraction", 0.0))
+            self.bubble.labels(stage=str(rank)).set(s.get("bubble_fraction", 0.0))
+        return generate_latest(self.registry)
+
+
+async def log_throughput(client: EngineClient, period: float = 5.0) -> None:
+    """Every `period` seconds while busy: running, waiting, prompt and generation tokens/s, KV usage."""
+    last = time.monotonic()
+    prompt, gen = client.counters.prompt_tokens, client.counters.generation_tokens
+    while True:
+        await asyncio.sleep(period)
+        now = time.monotonic()
+        c, dt = client.counters, now - last
+        running, waiting = client.sched_stats.get("running", 0), client.num_waiting()
+        if c.generation_tokens > gen or c.prompt_tokens > prompt or running or waiting:
+            kv = ", ".join(f"{s.get('kv_usage', 0.0):.1%}" for _, s in sorted(client.stage_stats().items()))
+            logger.info(
+                "running %d, waiting %d, prompt %.1f tok/s, generation %.1f tok/s, KV usage per stage %s",
+                running, waiting, (c.prompt_tokens - prompt) / dt, (c.generation_tokens - gen) / dt, kv or "-",
+            )  # fmt: skip
+        last, prompt, gen = now, c.prompt_tokens, c.generation_tokens

@@ -1,0 +1,281 @@
+"""Request validation, the OpenAI way: every bad request becomes an `APIError` before it reaches the ring.
+
+Contract: `parse_completion`, `parse_chat` and `parse_generate` take the decoded JSON body and return a
+`Prepared` request (prompt token ids, `SamplingParams`, stream flags) or raise `APIError`, whose `body()` is
+OpenAI's `{"error": {"message", "type", "param", "code"}}`. Field types are checked strictly (a string is not a
+number, a float is not an int), values by `SamplingParams`, and prompt plus completion against the context
+length with OpenAI's message.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ringsched.sampling import SamplingParams
+from ringsched.tokenizer import Tokenizer
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+# Fields a client may send only with their default value: we do not implement them, and silently ignoring
+# them would return something other than what was asked for.
+_UNSUPPORTED = {"n": (1, None), "best_of": (1, None), "echo": (False, None), "logprobs": (None, False, 0),
+                "top_logprobs": (None, 0), "suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []),
+                "response_format": (None, {"type": "text"}), "presence_penalty": (None, 0, 0.0),
+                "frequency_penalty": (None, 0, 0.0)}  # fmt: skip
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# -- request bodies ------------------------------------------------------------------------------------------
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+
+class ContentPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+
+
+class GenerateRequest(_Strict):
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    stream: bool = False
+
+
+@dataclass
+class Prepared:
+    """A validated request, ready for the engine."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool = False
+    include_usage: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the server can hold: the context length and the KV tokens of the smallest stage's pool."""
+
+    max_len: int
+    kv_tokens: int
+    vocab_size: int
+    model_name: str
+
+
+# -- parsing -------------------------------------------------------------------------------------------------
+def load_json(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"We could not parse the JSON body of your request: {e}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, f"The request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _validate(model: type[BaseModel], body: dict) -> Any:
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = _param(err["loc"])
+        raise APIError(400, f"{param}: {err['msg']} (got {err.get('input')!r})", param=param) from None
+
+
+def _param(loc: tuple) -> str:
+    """`messages[0].role` from pydantic's `('messages', 0, 'role')`; union member tags are dropped."""
+    out = str(loc[0])
+    if out == "messages" and len(loc) > 1 and isinstance(loc[1], int):
+        out += f"[{loc[1]}]"
+        if len(loc) > 2 and loc[2] in ("role", "content", "name"):
+            out += f".{loc[2]}"
+    return out
+
+
+def _check_common(body: dict, req: _Sampling | GenerateRequest, limits: Limits) -> None:
+    for name, allowed in _UNSUPPORTED.items():
+        if name in body and body[name] not in allowed:
+            raise APIError(400, f"{name}={body[name]!r} is not supported by this server", param=name)
+    model = getattr(req, "model", None)
+    if model is not None and model != limits.model_name:
+        raise APIError(
+            404, f"The model `{model}` does not exist; this server serves `{limits.model_name}`",
+            param="model", code="model_not_found",
+        )  # fmt: skip
+
+
+def _params(fields: dict[str, Any], rename: dict[str, str] | None = None) -> SamplingParams:
+    """SamplingParams from the fields that were given; its ValueError starts with the field's name."""
+    given = {k: v for k, v in fields.items() if v is not None}
+    try:
+        return SamplingParams(**given)
+    except (ValueError, TypeError) as e:
+        msg = str(e)
+        name = msg.split()[0] if msg else ""
+        shown = (rename or {}).get(name, name)
+        raise APIError(400, shown + msg[len(name) :], param=shown or None) from None
+
+
+def _sampling_fields(req: _Sampling, max_tokens: int) -> dict[str, Any]:
+    return {
+        "max_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
+        "min_p": req.min_p, "seed": req.seed, "stop": req.stop, "stop_token_ids": req.stop_token_ids,
+        "ignore_eos": req.ignore_eos, "repetition_penalty": req.repetition_penalty, "min_tokens": req.min_tokens,
+    }  # fmt: skip
+
+
+def check_context(prompt_len: int, max_tokens: int, limits: Limits, where: str) -> None:
+    """Prompt plus completion must fit the context and the KV pool; `where` is "prompt" or "messages"."""
+    total = prompt_len + max_tokens
+    if total > limits.max_len:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {limits.max_len} tokens. However, you requested {total} "
+            f"tokens ({prompt_len} in the {where}, {max_tokens} in the completion). Please reduce the length of "
+            f"the {where} or completion.",
+            param=where, code="context_length_exceeded",
+        )  # fmt: skip
+    if total > limits.kv_tokens:
+        raise APIError(
+            400,
+            f"The request needs {total} tokens of KV cache ({prompt_len} in the {where}, {max_tokens} in the "
+            f"completion) but the KV pool holds {limits.kv_tokens}. Reduce max_tokens or the {where}, or start "
+            "the server with a larger --kv-cache-memory.",
+            param="max_tokens",
+        )
+
+
+def _check_ids(ids: list[int], limits: Limits, param: str) -> list[int]:
+    if not ids:
+        raise APIError(400, f"{param} is empty; give at least one token", param=param)
+    bad = [i for i in ids if not 0 <= i < limits.vocab_size]
+    if bad:
+        raise APIError(400, f"{param} has token ids outside [0, {limits.vocab_size}): {bad[:5]}", param=param)
+    return ids
+
+
+def _default_max(prompt_len: int, limits: Limits) -> int:
+    """As vLLM: no max_tokens means up to the context's end (at least 1, so the check reports the overflow)."""
+    return max(min(limits.max_len, limits.kv_tokens) - prompt_len, 1)
+
+
+def parse_completion(body: dict, tok: Tokenizer, limits: Limits) -> Prepared:
+    req: CompletionRequest = _validate(CompletionRequest, body)
+    _check_common(body, req, limits)
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise APIError(400, f"batched prompts are not supported: send {len(prompt)} requests", param="prompt")
+        prompt = prompt[0]
+    ids = _check_ids(tok.encode(prompt) if isinstance(prompt, str) else list(prompt), limits, "prompt")
+    max_tokens = req.max_tokens if req.max_tokens is not None else 16  # OpenAI's default for completions
+    params = _params(_sampling_fields(req, max_tokens))
+    check_context(len(ids), max_tokens, limits, "prompt")
+    return Prepared(ids, params, req.stream, bool(req.stream_options and req.stream_options.include_usage))
+
+
+def parse_chat(body: dict, tok: Tokenizer, limits: Limits) -> Prepared:
+    req: ChatRequest = _validate(ChatRequest, body)
+    _check_common(body, req, limits)
+    messages = []
+    for i, m in enumerate(req.messages):
+        if m.role not in ROLES:
+            raise APIError(
+                400, f"messages[{i}].role {m.role!r} is not a known role; use one of {', '.join(ROLES)}",
+                param=f"messages[{i}].role",
+            )  # fmt: skip
+        text = m.content if isinstance(m.content, str) or m.content is None else "".join(p.text for p in m.content)
+        messages.append({"role": m.role, "content": text or ""})
+    try:
+        ids = tok.apply_chat_template(messages)
+    except Exception as e:  # the template's raise_exception, or a model without one
+        raise APIError(
+            400, f"the messages could not be rendered with the chat template: {e}", param="messages"
+        ) from None
+    _check_ids(ids, limits, "messages")
+    given = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    max_tokens = given if given is not None else _default_max(len(ids), limits)
+    name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    params = _params(_sampling_fields(req, max_tokens), {"max_tokens": name})
+    check_context(len(ids), max_tokens, limits, "messages")
+    return Prepared(ids, params, req.stream, bool(req.stream_options and req.stream_options.include_usage))
+
+
+_GENERATE_RENAME = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_seed": "seed"}
+_GENERATE_KEYS = set(_GENERATE_RENAME) | {
+    "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos", "repetition_penalty", "seed",
+}  # fmt: skip
+
+
+def parse_generate(body: dict, tok: Tokenizer, limits: Limits) -> Prepared:
+    """SGLang's native `/generate`: `text` or `input_ids`, `sampling_params` with SGLang's names."""
+    req: GenerateRequest = _validate(GenerateRequest, body)
+    if (req.text is None) == (req.input_ids is None):
+        raise APIError(400, "give exactly one of `text` and `input_ids`", param="text")
+    unknown = sorted(set(req.sampling_params) - _GENERATE_KEYS)
+    if unknown:
+        known = sorted(_GENERATE_KEYS)
+        raise APIError(400, f"unknown sampling_params {unknown}; known: {known}", param="sampling_params")
+    ids = _check_ids(tok.encode(req.text) if req.text is not None else list(req.input_ids), limits, "input_ids")
+    fields = {_GENERATE_RENAME.get(k, k): v for k, v in req.sampling_params.items()}
+    fields.setdefault("max_tokens", 128)  # SGLang's default max_new_tokens
+    params = _params(fields, {v: k for k, v in _GENERATE_RENAME.items()})
+    check_context(len(ids), params.max_tokens, limits, "prompt")
+    return Prepared(ids, params, req.stream)

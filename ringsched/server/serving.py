@@ -1,0 +1,109 @@
+"""One request from validated input to text: engine tokens -> detokenizer -> stop strings -> deltas.
+
+Contract: `text_deltas(ctx, rid, prepared)` yields `Delta`s (text safe to show, and on the last one the finish
+reason and token counts) and records the request's metrics however it ends. A stop string ends the request
+early: the generator is closed, which aborts it on the ring. `sse(events)` turns dict events into server-sent
+events ending with `data: [DONE]`; an `EngineError` mid-stream becomes an error chunk, never a hang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from ringsched.server.detokenizer import TextStream
+from ringsched.server.engine_client import EngineClient, EngineError
+from ringsched.server.metrics import ServerMetrics
+from ringsched.server.protocol import Limits, Prepared
+from ringsched.tokenizer import Tokenizer
+
+
+@dataclass
+class ServerContext:
+    """What every handler needs; built once by `create_app`."""
+
+    client: EngineClient
+    tokenizer: Tokenizer
+    metrics: ServerMetrics
+    limits: Limits  # context length, KV tokens, vocabulary, served model name
+    api_key: str | None = None
+    max_queued_requests: int | None = None
+
+    @property
+    def model_name(self) -> str:
+        return self.limits.model_name
+
+
+@dataclass
+class Delta:
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str | None = None  # "stop" or "length" on the last delta
+    matched_stop: str | int | None = None  # the stop string or token that ended it, if any
+
+
+async def text_deltas(ctx: ServerContext, rid: str, req: Prepared) -> AsyncIterator[Delta]:
+    stream = TextStream(ctx.tokenizer, req.prompt_ids, req.params.stop)
+    arrival, first, n, reason = time.monotonic(), None, 0, "abort"  # "abort" unless it ends otherwise
+    try:
+        async with contextlib.aclosing(ctx.client.generate(rid, req.prompt_ids, req.params)) as outs:
+            async for out in outs:
+                first = first or time.monotonic()
+                n = out.completion_tokens or n + len(out.token_ids)
+                text = stream.add(out.token_ids)
+                if stream.stopped:  # a stop string: leaving the loop closes `outs`, which aborts the request
+                    reason = "stop"
+                    yield Delta(text, len(req.prompt_ids), n, "stop", stream.stops.matched)
+                    return
+                if out.finish_reason:
+                    text += stream.finish()
+                    reason = out.finish_reason
+                    matched = out.token_ids[-1] if reason == "stop" and out.token_ids else None
+                    yield Delta(text, len(req.prompt_ids), n, reason, matched)
+                    return
+                if text:
+                    yield Delta(text, len(req.prompt_ids), n)
+    except EngineError:
+        reason = "error"
+        raise
+    finally:
+        ctx.metrics.request_finished(reason, len(req.prompt_ids), n, arrival, first, time.monotonic())
+
+
+async def collect(deltas: AsyncIterator[Delta]) -> tuple[str, Delta]:
+    """All the text of a non-streaming request, and its last delta (finish reason, token counts)."""
+    parts: list[str] = []
+    last = None
+    async with contextlib.aclosing(deltas) as it:
+        async for d in it:
+            parts.append(d.text)
+            last = d
+    assert last is not None and last.finish_reason, "the engine ended a request without a finish reason"
+    return "".join(parts), last
+
+
+def usage(d: Delta) -> dict:
+    return {
+        "prompt_tokens": d.prompt_tokens,
+        "completion_tokens": d.completion_tokens,
+        "total_tokens": d.prompt_tokens + d.completion_tokens,
+    }
+
+
+def error_event(e: EngineError) -> dict:
+    kind = "invalid_request_error" if e.status == 400 else "service_unavailable_error"
+    return {"error": {"message": str(e), "type": kind, "param": None, "code": e.status}}
+
+
+async def sse(events: AsyncIterator[dict]) -> AsyncIterator[bytes]:
+    async with contextlib.aclosing(events) as it:
+        try:
+            async for ev in it:
+                yield b"data: " + json.dumps(ev, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+        except EngineError as e:
+            yield b"data: " + json.dumps(error_event(e), separators=(",", ":")).encode() + b"\n\n"
+    yield b"data: [DONE]\n\n"

@@ -1,0 +1,144 @@
+"""The server's ends: a full waiting queue (503), SIGTERM under load, and a stage that dies mid-stream.
+
+Each test starts its own real server (SmolLM2, two stages) because each one ends it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import time
+
+import httpx
+import pytest
+
+from ringsched.server.testing import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+BASE = ["--pp-size", "2", "--threads-per-stage", "1", "--kv-cache-memory", "64M", "--max-model-len", "1024"]
+
+
+async def read_stream(hc: httpx.AsyncClient, url: str, body: dict, first: asyncio.Event | None = None) -> dict:
+    """Every event of one SSE stream: the parsed chunks, the error chunk if any, and whether [DONE] came."""
+    out: dict = {"chunks": [], "error": None, "done": False}
+    async with hc.stream("POST", url, json={**body, "stream": True}) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                out["done"] = True
+                continue
+            ev = json.loads(line[6:])
+            if "error" in ev:
+                out["error"] = ev["error"]
+            else:
+                out["chunks"].append(ev)
+                if first is not None and ev["choices"][0]["text"]:
+                    first.set()
+    return out
+
+
+def finish_reason(result: dict) -> str | None:
+    reasons = [c["choices"][0]["finish_reason"] for c in result["chunks"] if c["choices"]]
+    return reasons[-1] if reasons else None
+
+
+def wait_exit(srv: ServerProcess, timeout: float) -> int | None:
+    try:
+        return srv.proc.wait(timeout)
+    except Exception:
+        return None
+
+
+def assert_tree_gone(srv: ServerProcess, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while srv.leftovers() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert srv.leftovers() == [], [p.cmdline() for p in srv.leftovers()]
+
+
+def waiting(srv: ServerProcess) -> float:
+    text = httpx.get(f"{srv.url}/metrics", timeout=10).text
+    m = re.search(r"^ringsched:num_requests_waiting ([0-9.]+)$", text, re.M)
+    return float(m.group(1)) if m else -1
+
+
+def test_queue_full_then_sigterm_drains_and_exits():
+    args = [*BASE, "--max-running-requests", "2", "--max-queued-requests", "2", "--shutdown-timeout", "3"]
+    with ServerProcess(args) as srv:
+        url = f"{srv.url}/v1/completions"
+        body = {"prompt": "Once upon a time", "ignore_eos": True, "temperature": 0}
+
+        async def scenario() -> tuple[list[dict], float]:
+            async with httpx.AsyncClient(timeout=60) as hc:
+                firsts = [asyncio.Event() for _ in range(4)]
+                lengths = [20, 400, 400, 400]  # two run (one short), two wait
+                tasks = [
+                    asyncio.create_task(read_stream(hc, url, {**body, "max_tokens": n}, ev))
+                    for n, ev in zip(lengths, firsts, strict=True)
+                ]
+                await asyncio.wait_for(asyncio.gather(firsts[0].wait(), firsts[1].wait()), 60)
+                deadline = time.monotonic() + 10
+                while waiting(srv) < 2 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.1)
+                r = await hc.post(url, json={**body, "max_tokens": 4})
+                assert r.status_code == 503, r.text
+                assert r.headers["retry-after"] == "1"
+                assert r.json()["error"]["code"] == "queue_full"
+                assert (await hc.get(f"{srv.url}/v1/models")).status_code == 200  # still answering
+
+                srv.descendants()  # remember the whole tree before it goes
+                os.kill(srv.proc.pid, signal.SIGTERM)
+                t0 = time.monotonic()
+                results = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+                return results, t0
+
+        results, t0 = asyncio.run(scenario())
+        for r in results:
+            assert r["done"], r
+            assert (finish_reason(r) in ("length", "stop")) != (r["error"] is not None), r
+        errors = [r["error"] for r in results if r["error"]]
+        assert errors and all("shutting down" in e["message"] for e in errors)
+        code = wait_exit(srv, 3 + 15)
+        assert code == 0, srv.log()[-3000:]
+        assert time.monotonic() - t0 < 3 + 15
+        assert_tree_gone(srv)
+        assert "every stage process has exited" in srv.log()
+
+
+def test_stage_death_ends_streams_with_an_error():
+    with ServerProcess(BASE) as srv:
+        url = f"{srv.url}/v1/completions"
+        body = {"prompt": "Once upon a time", "ignore_eos": True, "max_tokens": 500}
+
+        async def scenario() -> list[dict]:
+            async with httpx.AsyncClient(timeout=15) as hc:  # a stream silent for 15 s fails the test: no hangs
+                firsts = [asyncio.Event() for _ in range(3)]
+                tasks = [asyncio.create_task(read_stream(hc, url, body, ev)) for ev in firsts]
+                await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in firsts)), 60)
+                srv.descendants()
+                os.kill(srv.stage_pid(1), signal.SIGKILL)
+                return await asyncio.wait_for(asyncio.gather(*tasks), 15)
+
+        t0 = time.monotonic()
+        results = asyncio.run(scenario())
+        for r in results:
+            assert r["done"] and r["error"] is not None, r
+            assert "stage" in r["error"]["message"]
+        unhealthy = False
+        while time.monotonic() - t0 < 10 and not unhealthy:
+            try:
+                unhealthy = httpx.get(f"{srv.url}/health", timeout=2).status_code == 503
+            except httpx.HTTPError:
+                unhealthy = srv.proc.poll() is not None
+            time.sleep(0.1)
+        assert unhealthy or srv.proc.poll() is not None
+        assert wait_exit(srv, 20) == 1, srv.log()[-3000:]
+        assert_tree_gone(srv)
+        log = srv.log()
+        assert "the engine failed" in log and re.search(r"stage ?1", log), log[-3000:]

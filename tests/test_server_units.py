@@ -1,0 +1,114 @@
+"""The server's pure parts without a server: incremental detokenizer, stop strings, request validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from ringsched.server.detokenizer import IncrementalDetokenizer, StopMatcher, TextStream
+from ringsched.server.protocol import APIError, Limits, parse_chat, parse_completion, parse_generate
+from ringsched.tokenizer import Tokenizer
+
+LIMITS = Limits(max_len=64, kv_tokens=48, vocab_size=49152, model_name="m")
+
+
+@pytest.fixture(scope="module")
+def tok(smollm2_dir) -> Tokenizer:
+    return Tokenizer(smollm2_dir)
+
+
+def _stream_pieces(tok: Tokenizer, text: str, stop: list[str], prompt: str = "Say:") -> tuple[list[str], TextStream]:
+    ts = TextStream(tok, tok.encode(prompt), stop)
+    pieces = [ts.add([i]) for i in tok.encode(text)]
+    if not ts.stopped:
+        pieces.append(ts.finish())
+    return pieces, ts
+
+
+def test_detokenizer_holds_back_partial_utf8(tok):
+    text = "héllo 😀 世界, naïve café 🎉!"
+    ids = tok.encode(text)
+    d = IncrementalDetokenizer(tok, tok.encode("Q:"))
+    pieces = [d.add([i]) for i in ids] + [d.flush()]
+    assert "".join(pieces) == text == tok.decode(ids)
+    assert not any("\ufffd" in p for p in pieces)
+    assert "" in pieces  # an emoji spans several tokens: some steps had nothing complete to show
+
+
+def test_detokenizer_flushes_an_incomplete_tail(tok):
+    ids = tok.encode("ok 😀")[:-1]  # cut inside the emoji
+    d = IncrementalDetokenizer(tok)
+    assert "".join(d.add([i]) for i in ids) + d.flush() == tok.decode(ids)
+
+
+@pytest.mark.parametrize(
+    "text, stop, expected",
+    [
+        ("The answer is: 2018-01", ["is: 20"], "The answer "),
+        ("The answer is: 2018-01", ["swer", "The"], ""),
+        ("abc abd abe", ["abe"], "abc abd "),
+        ("no stop here at all", ["zzz"], "no stop here at all"),
+        ("ends with a prefix ab", ["abc"], "ends with a prefix ab"),
+        ("multi\n\nline", ["\n\n"], "multi"),
+    ],
+)
+def test_stop_strings_across_tokens_never_leak(tok, text, stop, expected):
+    pieces, ts = _stream_pieces(tok, text, stop)
+    assert "".join(pieces) == ts.text == expected
+    assert ts.stopped == (expected != text)
+    shown = ""
+    for p in pieces:  # at no point was any part of a stop string visible past the final text
+        shown += p
+        assert expected.startswith(shown)
+
+
+def test_stop_matcher_holds_only_possible_prefixes():
+    m = StopMatcher(["STOP"])
+    assert m.feed("abcS") == "abc"
+    assert m.feed("T") == ""
+    assert m.feed("x") == "STx"  # not a stop string after all: released
+    assert m.feed("ST") == ""
+    assert m.feed("OP and more") == "" and m.matched == "STOP"
+    assert m.flush() == ""
+
+
+def _err(fn, *args) -> APIError:
+    with pytest.raises(APIError) as e:
+        fn(*args)
+    return e.value
+
+
+def test_parse_completion(tok):
+    r = parse_completion({"prompt": "hello", "max_tokens": 4, "stop": "x", "temperature": 0}, tok, LIMITS)
+    assert r.prompt_ids == tok.encode("hello") and r.params.max_tokens == 4 and r.params.stop == ("x",)
+    assert parse_completion({"prompt": [[5, 6]]}, tok, LIMITS).prompt_ids == [5, 6]
+    e = _err(parse_completion, {"prompt": [1] * 60, "max_tokens": 10}, tok, LIMITS)
+    assert e.message == (
+        "This model's maximum context length is 64 tokens. However, you requested 70 tokens (60 in the prompt, 10 "
+        "in the completion). Please reduce the length of the prompt or completion."
+    )
+    e = _err(parse_completion, {"prompt": [1] * 40, "max_tokens": 10}, tok, LIMITS)
+    assert "KV" in e.message and "--kv-cache-memory" in e.message
+    assert _err(parse_completion, {"prompt": "a", "top_k": -3}, tok, LIMITS).param == "top_k"
+    assert _err(parse_completion, {"prompt": "a", "model": "other"}, tok, LIMITS).status == 404
+    assert _err(parse_completion, {"prompt": "a", "echo": True}, tok, LIMITS).param == "echo"
+    assert _err(parse_completion, {"prompt": ["a", "b"]}, tok, LIMITS).param == "prompt"
+
+
+def test_parse_chat(tok):
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    r = parse_chat({"messages": msgs, "stream": True, "stream_options": {"include_usage": True}}, tok, LIMITS)
+    assert r.prompt_ids == tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert r.stream and r.include_usage
+    assert r.params.max_tokens == min(LIMITS.max_len, LIMITS.kv_tokens) - len(r.prompt_ids)  # up to the end
+    assert (
+        parse_chat({"messages": msgs, "max_tokens": 9, "max_completion_tokens": 3}, tok, LIMITS).params.max_tokens == 3
+    )
+    e = _err(parse_chat, {"messages": [{"role": "user", "content": "x " * 80}], "max_tokens": 1}, tok, LIMITS)
+    assert "in the messages" in e.message and e.code == "context_length_exceeded"
+    assert _err(parse_chat, {"messages": [{"role": "robot", "content": "x"}]}, tok, LIMITS).param == "messages[0].role"
+
+
+def test_parse_generate(tok):
+    r = parse_generate({"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 5, "top_k": 1}}, tok, LIMITS)
+    assert (r.prompt_ids, r.params.max_tokens, r.params.greedy) == ([3, 4], 5, True)
+    assert _err(parse_generate, {"sampling_params": {}}, tok, LIMITS).param == "text"
