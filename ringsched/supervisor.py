@@ -93,30 +93,42 @@ class Supervisor:
 
     def check(self, timeout_ms: int = 0) -> None:
         """Take in status messages; raise `StageFailure` if a stage reported an error or died."""
-        msg = self.ctl.recv(timeout_ms) if timeout_ms else None
-        for m in ([msg] if msg else []) + self.ctl.drain():
+        if self.failure is None:
+            msg = self.ctl.recv(timeout_ms) if timeout_ms else None
+            errors = self._take_status(([msg] if msg else []) + self.ctl.drain())
+            dead = [(r, p) for r, p in enumerate(self.procs) if p.exitcode is not None]
+            if errors or dead:
+                # One failure brings down its neighbours (their connections close): wait a moment for every
+                # report, then name the root cause, a stage that died without saying why, first.
+                time.sleep(0.3)
+                errors.update(self._take_status(self.ctl.drain()))
+                dead = [(r, p) for r, p in enumerate(self.procs) if p.exitcode is not None]
+                self.failure = self._describe(errors, dead)
+        if self.failure:
+            raise StageFailure(self.failure)
+
+    def _take_status(self, msgs: list) -> dict[int, str]:
+        errors = {}
+        for m in msgs:
             assert isinstance(m, StageStatus)
             if m.state == "ready":
                 self.info[m.rank] = m.info
             elif m.state == "stats":
                 self.stats[m.rank] = m.info
-            elif m.state == "error" and self.failure is None:
-                self.failure = f"stage {m.rank} failed: {m.error}"
-        if self.failure is None:
-            for rank, p in enumerate(self.procs):
-                if p.exitcode is not None:
-                    time.sleep(0.2)  # let its last status message arrive: it says why
-                    for m in self.ctl.drain():
-                        if m.state == "error":
-                            self.failure = f"stage {m.rank} failed: {m.error}"
-                            break
-                    else:
-                        self.failure = (
-                            f"stage {rank} (pid {p.pid}) exited unexpectedly with code {p.exitcode}"
-                        )
-                    break
-        if self.failure:
-            raise StageFailure(self.failure)
+            elif m.state == "error":
+                errors[m.rank] = m.error or "unknown error"
+        return errors
+
+    def _describe(self, errors: dict[int, str], dead: list[tuple[int, mp.Process]]) -> str:
+        silent = [(r, p) for r, p in dead if r not in errors]
+        if silent:
+            r, p = silent[0]
+            how = f"was killed by signal {-p.exitcode}" if p.exitcode < 0 else f"exited with code {p.exitcode}"
+            msg = f"stage {r} (pid {p.pid}) {how} without reporting an error"
+            others = [f"stage {k}: {e.splitlines()[0]}" for k, e in sorted(errors.items())]
+            return msg + (f"; then {'; '.join(others)}" if others else "")
+        r = min(errors)
+        return f"stage {r} failed: {errors[r]}"
 
     @property
     def alive(self) -> bool:

@@ -55,10 +55,20 @@ def run_staggered(llm: Engine, work, gap: float = 0.01, timeout: float = 600.0) 
 
 
 def children_of(pid: int) -> list[psutil.Process]:
+    """Live child processes, without multiprocessing's resource tracker (it lives as long as the
+    interpreter that spawned anything, by design)."""
     try:
-        return psutil.Process(pid).children(recursive=True)
+        kids = psutil.Process(pid).children(recursive=True)
     except psutil.NoSuchProcess:
         return []
+    out = []
+    for k in kids:
+        try:
+            if k.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(k.cmdline()):
+                out.append(k)
+        except psutil.NoSuchProcess:
+            pass
+    return out
 
 
 def stage_kv_usage(llm: Engine, timeout: float = 10.0) -> dict[int, float]:

@@ -174,6 +174,16 @@ def _eos_ids(model_dir: str, mcfg: ModelConfig) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
+def _set_process_name(name: str) -> None:
+    """So `ps`/`top` (and psutil's `name()`) show which stage a process is."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # 15 = PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
 def _pin_cpus(cfg: EngineConfig, rank: int) -> None:
     """Give each stage its own cores when there are enough, so two stages do not fight over one."""
     if not hasattr(os, "sched_setaffinity") or cfg.resolved_device == "cuda":

@@ -10,7 +10,7 @@ length with OpenAI's message.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -106,12 +106,12 @@ class Prepared:
     params: SamplingParams
     stream: bool = False
     include_usage: bool = False
-    extra: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class Limits:
-    """What the server can hold: the context length and the KV tokens of the smallest stage's pool."""
+    """What requests are checked against: context length, KV tokens of the smallest stage's pool, the model's
+    vocabulary (an id beyond it would crash stage 0's embedding), and the one model name served."""
 
     max_len: int
     kv_tokens: int
@@ -149,11 +149,11 @@ def _param(loc: tuple) -> str:
     return out
 
 
-def _check_common(body: dict, req: _Sampling | GenerateRequest, limits: Limits) -> None:
+def _check_common(body: dict, req: _Sampling, limits: Limits) -> None:
     for name, allowed in _UNSUPPORTED.items():
         if name in body and body[name] not in allowed:
             raise APIError(400, f"{name}={body[name]!r} is not supported by this server", param=name)
-    model = getattr(req, "model", None)
+    model = req.model
     if model is not None and model != limits.model_name:
         raise APIError(
             404, f"The model `{model}` does not exist; this server serves `{limits.model_name}`",
