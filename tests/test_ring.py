@@ -8,8 +8,8 @@ import os
 
 import pytest
 import torch
-
 from ring_utils import children_of, mixed_workload, run_staggered, stage_kv_usage
+
 from ringsched.engine import Engine
 from ringsched.sampling import SamplingParams
 
@@ -59,7 +59,7 @@ def test_identical_across_pp_and_depth(reference, pp, depth):
 
 def test_lengths_and_variety(reference):
     work = workload()
-    for (ids, params), out in zip(work, reference, strict=True):
+    for (_ids, params), out in zip(work, reference, strict=True):
         assert 1 <= len(out) <= params.max_tokens
     assert max(len(ids) for ids, _ in work) == 600 and min(len(ids) for ids, _ in work) == 1
     assert len({tuple(o) for o in reference}) > 40  # not one answer for everything

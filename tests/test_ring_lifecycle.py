@@ -5,8 +5,8 @@ import signal
 import time
 
 import pytest
-
 from ring_utils import children_of, run_staggered, stage_kv_usage
+
 from ringsched.engine import Engine
 from ringsched.sampling import SamplingParams
 from ringsched.supervisor import StageFailure

@@ -1,0 +1,51 @@
+"""The engine's command-line flags, shared by `launch`, `generate` and `bench` (argparse lives only here and
+in the entry points). Each flag maps to one `EngineConfig` field."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ringsched.config import ConfigError, EngineConfig
+from ringsched.models.config import ModelConfig, UnsupportedModelError
+from ringsched.models.fetch import DEFAULT_MODEL, FetchError, resolve_model
+
+ENGINE_FLAGS = (
+    "model", "pp_size", "pp_async_batch_depth", "max_running_requests", "pp_max_micro_batch_size",
+    "chunked_prefill_size", "kv_cache_memory", "max_model_len", "dtype", "device", "threads_per_stage",
+    "pp_layer_partition", "dist_init_addr", "stage_timeout", "seed",
+)  # fmt: skip
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=DEFAULT_MODEL, help=f"model directory or known name (default {DEFAULT_MODEL})")
+    g.add_argument("--pp-size", type=int, default=1, help="pipeline stages (one process each)")
+    g.add_argument("--pp-async-batch-depth", type=int, default=0, help="micro-batches in flight beyond pp-size")
+    g.add_argument("--max-running-requests", type=int, default=128)
+    g.add_argument("--pp-max-micro-batch-size", type=int, default=None,
+                   help="requests per micro-batch (default max-running-requests // pp-size)")
+    g.add_argument("--chunked-prefill-size", type=int, default=512, help="prefill tokens per micro-batch")
+    g.add_argument("--kv-cache-memory", default="1G", help="KV pool per stage: bytes (2G, 512MiB) or fraction of free")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--threads-per-stage", type=int, default=None, help="CPU threads per stage (default cores/pp)")
+    g.add_argument("--pp-layer-partition", default=None, help="layers per stage, e.g. 16,14")
+    g.add_argument("--dist-init-addr", default=None, help="HOST:PORT for torch.distributed (default a free port)")
+    g.add_argument("--stage-timeout", type=float, default=60.0, help="seconds a stage waits on a neighbour")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
+    """Build and fully validate the config (model included); on a bad flag print the error and exit 2."""
+    try:
+        model_dir = str(resolve_model(args.model, quiet=False))
+        cfg = EngineConfig(**{k: getattr(args, k) for k in ENGINE_FLAGS if k != "model"}, model=model_dir, **extra)
+        mcfg = ModelConfig.from_dir(model_dir)
+        cfg.partition(mcfg.num_layers)
+        cfg.context_len(mcfg.max_position_embeddings)
+        return cfg
+    except (ConfigError, FetchError, UnsupportedModelError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
