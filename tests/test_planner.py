@@ -1,0 +1,108 @@
+"""Stage 0's scheduler as a plain data structure: admission, chunking, one in-flight batch per request,
+preemption, aborts and frees."""
+
+from ringsched.comm.messages import NewRequest
+from ringsched.kv_cache import BlockTable
+from ringsched.sampling import SamplingParams
+from ringsched.scheduler.planner import Planner
+
+
+def planner(blocks=64, mbs=4, running=8, budget=64, max_len=4096):
+    return Planner(BlockTable(blocks, 16), mbs, running, budget, eos_ids=(2,), max_len=max_len)
+
+
+def req(rid, n, max_tokens=8, **kw):
+    return NewRequest(
+        rid, list(range(10, 10 + n)), SamplingParams(max_tokens=max_tokens, temperature=0, **kw).to_dict()
+    )
+
+
+def test_micro_batch_cap_and_chunked_prefill():
+    p = planner(mbs=2, budget=40)
+    for i in range(4):
+        assert p.add(req(f"r{i}", 30)) is None
+    plan = p.plan(0, 0)
+    assert [(e.rid, e.start, len(e.token_ids), e.samples) for e in plan.entries] == [
+        ("r0", 0, 30, True),
+        ("r1", 0, 10, False),
+    ]  # budget 40: r1 gets a 10-token chunk
+    assert [a.rid for a in plan.announce] == ["r0", "r1"]
+    plan1 = p.plan(1, 1)  # r0, r1 are in flight: the next slot takes others
+    assert [e.rid for e in plan1.entries] == ["r2", "r3"]
+    assert not set(e.rid for e in plan.entries) & set(e.rid for e in plan1.entries)
+
+
+def test_decode_after_output_and_finish_frees_in_next_plan():
+    p = planner()
+    p.add(req("a", 5, max_tokens=2))
+    plan = p.plan(0, 0)
+    assert p.plan(1, 1).entries == []  # in flight: not scheduled twice
+    outs = p.on_output(0, [77])
+    assert outs[0].token_ids == [77] and outs[0].finish_reason is None
+    plan = p.plan(0, 2)
+    assert [(e.start, e.token_ids) for e in plan.entries] == [(5, [77])]
+    outs = p.on_output(2, [2])  # EOS
+    assert outs[0].finish_reason == "stop"
+    assert p.blocks.used_blocks == 1  # freed only by the next plan
+    plan = p.plan(1, 3)
+    assert plan.frees == ["a"] and plan.drops == ["a"] and p.blocks.used_blocks == 0
+    assert not p.has_work
+
+
+def test_length_and_ignore_eos():
+    p = planner()
+    p.add(req("a", 3, max_tokens=1, ignore_eos=True))
+    p.plan(0, 0)
+    assert p.on_output(0, [2])[0].finish_reason == "length"
+
+
+def test_abort_waiting_running_and_in_flight():
+    p = planner(mbs=1)
+    for r in "abc":
+        p.add(req(r, 4))
+    p.plan(0, 0)  # a in flight
+    assert p.abort("c").finish_reason == "abort"  # waiting
+    assert p.abort("a").finish_reason == "abort"  # in flight: freed when its batch returns
+    assert p.blocks.tables.get("a")
+    assert p.on_output(0, [5]) == []  # the late token of an aborted request is dropped
+    plan = p.plan(0, 1)
+    assert "a" in plan.frees and "a" in plan.drops and p.blocks.tables.get("a") is None
+    assert p.abort("a") is None and p.abort("zzz") is None
+
+
+def test_preemption_newest_idle_request_then_recompute():
+    p = planner(blocks=4, mbs=4, running=4)  # 64 tokens of KV
+    p.add(req("old", 30, max_tokens=20))
+    p.add(req("new", 30, max_tokens=20))
+    p.plan(0, 0)
+    p.on_output(0, [100, 200])
+    for seq in range(1, 3):  # decode to 32 tokens each: 4 blocks used
+        p.plan(0, seq)
+        p.on_output(seq, [101, 201])
+    plan = p.plan(0, 3)  # "old" needs a 3rd block at position 32: "new" (newest, idle) is preempted
+    assert "new" in plan.frees and [e.rid for e in plan.entries] == ["old"]
+    assert p.num_preemptions == 1 and p.waiting[0].rid == "new"
+    p.on_output(3, [102])
+    while p.requests.get("old"):
+        plan = p.plan(0, 4)
+        p.on_output(4, [103] * len([e for e in plan.entries if e.samples]))
+    plan = p.plan(0, 5)
+    plan = p.plan(0, 6) if not plan.entries else plan
+    redo = [e for e in plan.entries if e.rid == "new"][0]
+    assert redo.start == 0 and redo.token_ids == list(range(10, 40)) + [200, 201, 201]  # prompt + every output so far
+
+
+def test_requests_that_can_never_fit_are_refused():
+    p = planner(blocks=2, max_len=100)
+    assert "maximum context length" in p.add(req("a", 100)).error
+    assert "pool holds" in p.add(req("b", 20, max_tokens=40)).error
+    assert "empty" in p.add(NewRequest("c", [], SamplingParams().to_dict())).error
+    p.add(req("d", 5))
+    assert "already in use" in p.add(req("d", 5)).error
+
+
+def test_unseeded_sampling_gets_a_seed_once():
+    p = planner()
+    p.add(NewRequest("s", [5, 6], SamplingParams(temperature=0.7).to_dict()))
+    plan = p.plan(0, 0)
+    assert plan.announce[0].params["seed"] is not None
