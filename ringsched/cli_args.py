@@ -13,7 +13,7 @@ from ringsched.models.fetch import DEFAULT_MODEL, FetchError, resolve_model
 ENGINE_FLAGS = (
     "model", "pp_size", "pp_async_batch_depth", "max_running_requests", "pp_max_micro_batch_size",
     "chunked_prefill_size", "kv_cache_memory", "max_model_len", "dtype", "device", "threads_per_stage",
-    "pp_layer_partition", "dist_init_addr", "stage_timeout", "seed",
+    "pp_layer_partition", "dist_init_addr", "stage_timeout", "seed", "nnodes", "node_rank", "host_ip", "dist_timeout",
 )  # fmt: skip
 
 
@@ -35,6 +35,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dist-init-addr", default=None, help="HOST:PORT for torch.distributed (default a free port)")
     g.add_argument("--stage-timeout", type=float, default=60.0, help="seconds a stage waits on a neighbour")
     g.add_argument("--seed", type=int, default=0)
+    n = p.add_argument_group("nodes")
+    n.add_argument("--nnodes", type=int, default=1, help="nodes the stages span (the same command on each)")
+    n.add_argument("--node-rank", type=int, default=0, help="this node's index; node 0 runs stage 0 and the server")
+    n.add_argument("--host-ip", default=None, help="address other nodes reach this one at (default: route to head)")
+    n.add_argument("--dist-timeout", type=float, default=300.0, help="seconds to wait for every node to join")
 
 
 def config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:

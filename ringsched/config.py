@@ -58,6 +58,10 @@ class EngineConfig:
     pp_layer_partition: str | None = None
     dist_init_addr: str | None = None
     stage_timeout: float = 60.0
+    nnodes: int = 1
+    node_rank: int = 0
+    host_ip: str | None = None  # the address other nodes reach this one at (default: the route to the head)
+    dist_timeout: float = 300.0  # rendezvous deadline
     block_size: int = 16
     seed: int = 0
     log_level: str = "info"
@@ -97,6 +101,21 @@ class EngineConfig:
                 self.threads_per_stage >= 1, f"--threads-per-stage must be >= 1, got {self.threads_per_stage}"
             )
         _require(self.stage_timeout > 0, f"--stage-timeout must be > 0 seconds, got {self.stage_timeout}")
+        _require(self.dist_timeout > 0, f"--dist-timeout must be > 0 seconds, got {self.dist_timeout}")
+        _require(self.nnodes >= 1, f"--nnodes must be >= 1, got {self.nnodes}")
+        _require(
+            0 <= self.node_rank < self.nnodes,
+            f"--node-rank {self.node_rank} must be in [0, {self.nnodes}) for --nnodes {self.nnodes}",
+        )
+        _require(
+            self.pp_size % self.nnodes == 0,
+            f"--nnodes {self.nnodes} must divide --pp-size {self.pp_size} (stages are placed pp_size/nnodes per node)",
+        )
+        if self.nnodes > 1:
+            _require(
+                self.dist_init_addr is not None and ":" in self.dist_init_addr,
+                "--nnodes > 1 needs --dist-init-addr HEAD:PORT (the head node's address), the same on every node",
+            )
         _require(self.block_size >= 1, f"block size must be >= 1, got {self.block_size}")
         if self.max_model_len is not None:
             _require(self.max_model_len >= 2, f"--max-model-len must be >= 2, got {self.max_model_len}")
@@ -112,6 +131,18 @@ class EngineConfig:
         if self.pp_max_micro_batch_size is not None:
             return self.pp_max_micro_batch_size
         return max(self.max_running_requests // self.pp_size, 1)
+
+    @property
+    def stages_per_node(self) -> int:
+        return self.pp_size // self.nnodes
+
+    @property
+    def local_ranks(self) -> range:
+        """The global ranks of the stages this node runs."""
+        return range(self.node_rank * self.stages_per_node, (self.node_rank + 1) * self.stages_per_node)
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.stages_per_node
 
     @property
     def torch_dtype(self) -> torch.dtype:

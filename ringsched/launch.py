@@ -18,7 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=30000)
+    s.add_argument("--port", type=int, default=None, help="HTTP port (default 30000; health port 30000+node-rank)")
     s.add_argument("--api-key", default=None, help="when set, every endpoint but /health needs this bearer key")
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--max-queued-requests", type=int, default=None, help="waiting requests before 503")
@@ -29,10 +29,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.port is None:
+        args.port = 30000 + max(args.node_rank, 0)  # nodes sharing one host must not collide
     if args.port < 0 or args.port > 65535:
         print(f"error: --port {args.port} is not a port number (0-65535)", file=sys.stderr)
         return 2
     cfg = config_from_args(args, log_level=args.log_level)
+    if cfg.node_rank > 0:
+        from ringsched.headless import run_headless
+
+        return run_headless(cfg, args.host, args.port, args.log_level)
     from ringsched.server.serve import run_server  # the HTTP stack only when serving
 
     return run_server(

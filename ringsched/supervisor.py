@@ -21,6 +21,8 @@ import zmq
 from ringsched.comm.messages import Shutdown, StageStatus
 from ringsched.comm.zmq_io import Puller, Pusher, ipc_addr, new_ipc_dir
 from ringsched.config import EngineConfig
+from ringsched.models.config import ModelConfig
+from ringsched.rendezvous import Rendezvous
 from ringsched.scheduler.stage_worker import StageAddrs, stage_main
 
 logger = logging.getLogger("ringsched.launch")
@@ -46,39 +48,55 @@ class Supervisor:
             ctl=ipc_addr(ipc_dir, "ctl"),
             front_in=ipc_addr(ipc_dir, "front-in"),
             front_out=ipc_addr(ipc_dir, "front-out"),
-            plans=tuple(ipc_addr(ipc_dir, f"plan-{k}") for k in range(cfg.pp_size)),
+            # One node: every plan channel is a local ipc socket. Several: tcp, exchanged through the store.
+            plans=tuple(ipc_addr(ipc_dir, f"plan-{k}") for k in range(cfg.pp_size)) if cfg.nnodes == 1 else (),
         )
         self.ctx = zmq.Context()
         self.ctl = Puller(self.ctx, self.addrs.ctl)
         self.procs: list[mp.Process] = []
+        self.ranks: list[int] = []  # global stage rank of each local process
+        self.rendezvous: Rendezvous | None = None
         self.info: dict[int, dict] = {}
         self.stats: dict[int, dict] = {}
         self.failure: str | None = None
 
     def start(self, timeout: float = 600.0) -> None:
+        """Meet the other nodes, spawn this node's stages, wait until each is ready."""
+        partition = self.cfg.partition(ModelConfig.from_dir(self.model_dir).num_layers)
+        try:
+            self.rendezvous = Rendezvous(self.cfg, self.cfg.model, self.model_dir, partition)
+            self.rendezvous.join()
+        except BaseException:
+            self.stop()
+            raise
+        self.cfg = replace(self.cfg, host_ip=self.rendezvous.host_ip)
+        if self.cfg.nnodes > 1:
+            logger.info(
+                "node %d of %d joined the rendezvous at %s as %s; stages %s run here",
+                self.cfg.node_rank, self.cfg.nnodes, self.cfg.dist_init_addr, self.cfg.host_ip,
+                list(self.cfg.local_ranks),
+            )  # fmt: skip
         spawn = mp.get_context("spawn")
-        for rank in range(self.cfg.pp_size):
+        for local, rank in enumerate(self.cfg.local_ranks):
             p = spawn.Process(
-                target=stage_main,
-                args=(self.cfg, rank, self.model_dir, self.addrs, rank),
-                name=f"ringsched-stage{rank}",
-                daemon=True,
-            )
+                target=stage_main, args=(self.cfg, rank, self.model_dir, self.addrs, local),
+                name=f"ringsched-stage{rank}", daemon=True,
+            )  # fmt: skip
             p.start()
             self.procs.append(p)
+            self.ranks.append(rank)
         deadline = time.monotonic() + timeout
-        while len(self.info) < self.cfg.pp_size:
+        while len(self.info) < len(self.ranks):
             if time.monotonic() > deadline:
                 self.stop()
-                raise StageFailure(
-                    f"stages {sorted(set(range(self.cfg.pp_size)) - set(self.info))} not ready "
-                    f"after {timeout:.0f}s"
-                )
+                missing = sorted(set(self.ranks) - set(self.info))
+                raise StageFailure(f"stages {missing} not ready after {timeout:.0f}s")
             try:
                 self.check(timeout_ms=200)
             except StageFailure:
                 self.stop()
                 raise
+        self.rendezvous.start_heartbeat()
         for rank in sorted(self.info):
             i = self.info[rank]
             logger.info(
@@ -96,14 +114,16 @@ class Supervisor:
         if self.failure is None:
             msg = self.ctl.recv(timeout_ms) if timeout_ms else None
             errors = self._take_status(([msg] if msg else []) + self.ctl.drain())
-            dead = [(r, p) for r, p in enumerate(self.procs) if p.exitcode is not None]
+            dead = [(r, p) for r, p in zip(self.ranks, self.procs, strict=True) if p.exitcode is not None]
             if errors or dead:
                 # One failure brings down its neighbours (their connections close): wait a moment for every
                 # report, then name the root cause, a stage that died without saying why, first.
                 time.sleep(0.3)
                 errors.update(self._take_status(self.ctl.drain()))
-                dead = [(r, p) for r, p in enumerate(self.procs) if p.exitcode is not None]
+                dead = [(r, p) for r, p in zip(self.ranks, self.procs, strict=True) if p.exitcode is not None]
                 self.failure = self._describe(errors, dead)
+            elif self.rendezvous is not None and self.rendezvous.check():
+                self.failure = self.rendezvous.failure
         if self.failure:
             raise StageFailure(self.failure)
 
@@ -128,15 +148,23 @@ class Supervisor:
             others = [f"stage {k}: {e.splitlines()[0]}" for k, e in sorted(errors.items())]
             return msg + (f"; then {'; '.join(others)}" if others else "")
         r = min(errors)
-        return f"stage {r} failed: {errors[r]}"
+        where = f" (node {self.cfg.node_of(r)})" if self.cfg.nnodes > 1 else ""
+        return f"stage {r}{where} failed: {errors[r]}"
 
     @property
     def alive(self) -> bool:
         return self.failure is None and all(p.exitcode is None for p in self.procs)
 
+    @property
+    def local_ranks(self) -> list[int]:
+        return list(self.ranks)
+
     def stop(self, grace: float = 5.0) -> None:
         """Ask stage 0 to stop the ring, then make sure every child is gone."""
-        if any(p.exitcode is None for p in self.procs):
+        if self.rendezvous is not None:
+            self.rendezvous.announce_stop(self.failure or "")
+            self.rendezvous.close()
+        if self.cfg.node_rank == 0 and any(p.exitcode is None for p in self.procs):
             try:
                 push = Pusher(self.ctx, self.addrs.front_in)
                 push.send(Shutdown("stop"))

@@ -37,9 +37,11 @@ class Pusher:
 
 class Puller:
     def __init__(self, ctx: zmq.Context, addr: str, bind: bool = True) -> None:
+        """`tcp://IP:*` binds a free port; `endpoint` then says which."""
         self.sock = ctx.socket(zmq.PULL)
         self.sock.setsockopt(zmq.RCVHWM, 0)
         (self.sock.bind if bind else self.sock.connect)(addr)
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT) if bind else addr
 
     def recv(self, timeout_ms: int | None = None) -> object | None:
         """One message, or None after `timeout_ms` (None: wait forever)."""

@@ -65,6 +65,10 @@ class StageTimes:
         }
 
 
+class PeerLost(RuntimeError):
+    pass
+
+
 @dataclass
 class StageIO:
     chan: TensorChannel
@@ -124,10 +128,24 @@ class StageLoop:
         proxy = self.recv_proxy(plan) if not self.stage.is_first and plan.entries else None
         out = self.forward(plan, proxy)
         if not last and plan.entries:
-            self.io.chan.send(self.stage.next, "proxy", plan.slot, t, [out["hidden_states"], out["residual"]])
+            tensors = [out["hidden_states"], out["residual"]]
+            self._with_peer(self.stage.next, self.io.chan.send, self.stage.next, "proxy", plan.slot, t, tensors)
         if last:
             self.pending_outputs.append((t, out))
-        self.exchange_outputs(t)
+        peer = 0 if last else self.stage.prev
+        self._with_peer(peer, self.exchange_outputs, t)
+
+    def _with_peer(self, peer: int, fn, *args):
+        """Run a tensor-channel call; a dead or unreachable neighbour becomes an error that names it."""
+        try:
+            return fn(*args)
+        except SequenceMismatch:
+            raise
+        except RuntimeError as e:
+            here, there = self.stage.rank, peer
+            if self.cfg.nnodes > 1:
+                here, there = f"{here} (node {self.cfg.node_of(here)})", f"{there} (node {self.cfg.node_of(there)})"
+            raise PeerLost(f"stage {here} lost stage {there}: {str(e).splitlines()[0]}") from e
 
     # -- 1, 2: plans --------------------------------------------------------------------------------------
     def next_plan(self, t: int) -> BatchPlan | None:
@@ -206,7 +224,7 @@ class StageLoop:
     # -- 3, 4: compute ------------------------------------------------------------------------------------
     def recv_proxy(self, plan: BatchPlan) -> dict[str, torch.Tensor]:
         start = time.perf_counter()
-        msg = self.io.chan.recv(self.stage.prev, "proxy", plan.seq)
+        msg = self._with_peer(self.stage.prev, self.io.chan.recv, self.stage.prev, "proxy", plan.seq)
         self.times.wait_prev += time.perf_counter() - start
         return {"hidden_states": msg.tensors[0], "residual": msg.tensors[1]}
 

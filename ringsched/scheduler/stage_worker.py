@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 import zmq
+from torch.distributed import PrefixStore
 
 from ringsched.comm.messages import StageStatus
 from ringsched.comm.tensor_channel import TensorChannel
@@ -24,6 +25,7 @@ from ringsched.kv_cache import BlockTable, KVPool, blocks_for_memory
 from ringsched.models.config import ModelConfig
 from ringsched.models.loader import load_stage_model, weights_bytes
 from ringsched.partition import log_partition, stage_ranges
+from ringsched.rendezvous import connect_store, interface_of
 from ringsched.scheduler.planner import Planner
 from ringsched.scheduler.stage_loop import StageIO, StageLoop
 from ringsched.stage import StageInfo
@@ -36,7 +38,7 @@ class StageAddrs:
     ctl: str  # stage -> launcher status
     front_in: str  # front end -> stage 0
     front_out: str  # stage 0 -> front end
-    plans: tuple[str, ...]  # plans[k]: stage k-1 -> stage k (index 0 unused)
+    plans: tuple[str, ...]  # one node: plans[k] is stage k-1 -> stage k (index 0 unused); several: empty
 
 
 class ParentGone(RuntimeError):
@@ -81,10 +83,17 @@ def _setup(cfg, rank, model_dir, addrs, ctx, ctl, local_rank) -> StageLoop:
     if cfg.resolved_device == "cuda":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
+    store = None
     if cfg.pp_size > 1:
+        if cfg.nnodes > 1:  # gloo and NCCL pick their interface by name: the one carrying our address
+            iface = interface_of(cfg.host_ip)
+            if iface:
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
+                os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
+        store = connect_store(cfg, is_master=False)  # hosted by node 0's launcher (the rendezvous)
         torch.distributed.init_process_group(
             cfg.backend,
-            init_method=f"tcp://{cfg.dist_init_addr}",
+            store=PrefixStore("pg", store),
             rank=rank,
             world_size=cfg.pp_size,
             timeout=datetime.timedelta(seconds=cfg.stage_timeout),
@@ -128,10 +137,11 @@ def _setup(cfg, rank, model_dir, addrs, ctx, ctl, local_rank) -> StageLoop:
             max_len,
             random.Random(cfg.seed),
         )
+    plan_in, plan_out = _plan_channels(cfg, stage, addrs, ctx, store)
     io = StageIO(
         chan=TensorChannel(device),
-        plan_in=Puller(ctx, addrs.plans[rank]) if not stage.is_first else None,
-        plan_out=Pusher(ctx, addrs.plans[rank + 1]) if not stage.is_last else None,
+        plan_in=plan_in,
+        plan_out=plan_out,
         front_in=Puller(ctx, addrs.front_in) if stage.is_first else None,
         front_out=Pusher(ctx, addrs.front_out) if stage.is_first else None,
         alive=alive,
@@ -139,6 +149,23 @@ def _setup(cfg, rank, model_dir, addrs, ctx, ctl, local_rank) -> StageLoop:
     )
     ctl.send(StageStatus(rank, "ready", info))
     return StageLoop(cfg, stage, model, blocks, pool, io, planner, device, eos_ids)
+
+
+def _plan_channels(cfg: EngineConfig, stage: StageInfo, addrs: StageAddrs, ctx, store) -> tuple:
+    """Plans flow stage k -> k+1: ipc on one node; across nodes each stage binds a tcp port on its node's
+    address and publishes it in the store, where its predecessor finds it."""
+    if cfg.nnodes == 1:
+        plan_in = Puller(ctx, addrs.plans[stage.rank]) if not stage.is_first else None
+        plan_out = Pusher(ctx, addrs.plans[stage.rank + 1]) if not stage.is_last else None
+        return plan_in, plan_out
+    zstore = PrefixStore("zmq", store)
+    plan_in = plan_out = None
+    if not stage.is_first:
+        plan_in = Puller(ctx, f"tcp://{cfg.host_ip}:*")
+        zstore.set(f"plan/{stage.rank}", plan_in.endpoint)
+    if not stage.is_last:
+        plan_out = Pusher(ctx, zstore.get(f"plan/{stage.rank + 1}").decode())
+    return plan_in, plan_out
 
 
 def _kv_blocks(cfg: EngineConfig, mcfg: ModelConfig, stage: StageInfo, device: torch.device) -> int:

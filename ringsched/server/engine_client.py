@@ -123,7 +123,7 @@ class EngineClient:
         # the cause: name the killed stages first.
         killed = [
             f"stage {rank} (pid {p.pid}) was killed by {signal.Signals(-p.exitcode).name}"
-            for rank, p in enumerate(self.supervisor.procs)
+            for rank, p in zip(self.supervisor.ranks, self.supervisor.procs, strict=True)
             if p.exitcode is not None and p.exitcode < 0 and f"pid {p.pid}" not in first
         ]
         summary = "; then ".join([*killed, first])

@@ -1,0 +1,184 @@
+"""Where the nodes meet: a `torch.distributed.TCPStore` hosted by node 0's launcher at `--dist-init-addr`.
+
+Every node's launcher joins it, publishes what it runs (model, partition, version, address) and waits, up to
+`--dist-timeout`, for the others; a node that disagrees with node 0 is refused with a message naming both
+sides. The stage processes then use the same store for `torch.distributed` and to exchange their ZMQ
+endpoints. After the start, each launcher heartbeats through the store, so a node that dies or a link that is
+cut is noticed within `--stage-timeout` even when the ring is idle.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import socket
+import threading
+import time
+
+import psutil
+from torch.distributed import PrefixStore, TCPStore
+
+from ringsched import __version__
+from ringsched.config import EngineConfig
+
+
+class RendezvousError(RuntimeError):
+    pass
+
+
+def split_addr(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    if not host or not port.isdigit():
+        raise RendezvousError(f"--dist-init-addr {addr!r} must be HOST:PORT")
+    return host, int(port)
+
+
+def route_ip(head: str) -> str:
+    """The local address of the interface that routes to `head` (what other nodes should dial)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((socket.gethostbyname(head), 9))  # UDP: no packet is sent
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def interface_of(ip: str) -> str | None:
+    """Name of the network interface that carries `ip` (for GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME)."""
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == ip for a in addrs):
+            return name
+    return None
+
+
+def connect_store(cfg: EngineConfig, is_master: bool, timeout: float | None = None) -> TCPStore:
+    host, port = split_addr(cfg.dist_init_addr)
+    return TCPStore(
+        host, port, is_master=is_master, wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout or cfg.dist_timeout),
+    )  # fmt: skip
+
+
+def model_fingerprint(model_dir: str) -> str:
+    from pathlib import Path
+
+    return hashlib.sha256((Path(model_dir) / "config.json").read_bytes()).hexdigest()[:16]
+
+
+class Rendezvous:
+    def __init__(self, cfg: EngineConfig, model_name: str, model_dir: str, partition: list[int]) -> None:
+        self.cfg = cfg
+        self.host_ip = cfg.host_ip or route_ip(split_addr(cfg.dist_init_addr)[0])
+        self.meta = {
+            "node": cfg.node_rank, "host_ip": self.host_ip, "version": __version__, "model": model_name,
+            "model_config": model_fingerprint(model_dir), "partition": partition, "pp_size": cfg.pp_size,
+            "nnodes": cfg.nnodes,
+        }  # fmt: skip
+        self.store = connect_store(cfg, is_master=cfg.node_rank == 0)
+        self.nodes = PrefixStore("nodes", self.store)
+        self.failure: str | None = None
+        self._stop = threading.Event()
+        self._last_ok = time.monotonic()
+        self._seen: dict[int, tuple[int, float]] = {}
+        self.stopped: str | None = None  # node 0 ended the ring: "" when cleanly, else why
+
+    def join(self) -> None:
+        """Publish this node and wait for the others; raise `RendezvousError` on a timeout or a mismatch."""
+        r = self.cfg.node_rank
+        self.nodes.set(f"meta/{r}", json.dumps(self.meta))
+        deadline = time.monotonic() + self.cfg.dist_timeout
+        keys = [f"meta/{n}" for n in range(self.cfg.nnodes)]
+        while True:
+            present = [n for n, k in enumerate(keys) if self.nodes.check([k])]
+            if len(present) == self.cfg.nnodes:
+                break
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(self.cfg.nnodes)) - set(present))
+                spn = self.cfg.stages_per_node
+                stages = [list(range(n * spn, (n + 1) * spn)) for n in missing]
+                raise RendezvousError(
+                    f"rendezvous at {self.cfg.dist_init_addr} timed out after {self.cfg.dist_timeout:.0f}s: "
+                    f"node(s) {missing} (stages {stages}) never joined; start them with --node-rank and the same "
+                    "--dist-init-addr, or raise --dist-timeout"
+                )
+            time.sleep(0.2)
+        others = [json.loads(self.nodes.get(k)) for k in keys]
+        for other in others:
+            self._compare(other)
+
+    def _compare(self, other: dict) -> None:
+        me = self.meta
+        for key, flag in (("pp_size", "--pp-size"), ("nnodes", "--nnodes"), ("partition", "--pp-layer-partition"),
+                          ("model", "--model"), ("model_config", "--model (config.json)"), ("version", "ringsched")):
+            if other[key] != me[key]:
+                if self.cfg.node_rank == 0:
+                    time.sleep(2.0)  # let the refused node read node 0's entry before the store goes away
+                raise RendezvousError(
+                    f"node {other['node']} was started with {key} {other[key]} but node {me['node']} with "
+                    f"{me[key]}: every node must run the same {flag}; node {other['node']} is refused"
+                    if other["node"] != 0 else
+                    f"node {me['node']} was started with {key} {me[key]} but node 0 with {other[key]}: every node "
+                    f"must run the same {flag}; node {me['node']} is refused"
+                )  # fmt: skip
+
+    def addresses(self) -> dict[int, str]:
+        return {n: json.loads(self.nodes.get(f"meta/{n}"))["host_ip"] for n in range(self.cfg.nnodes)}
+
+    # -- heartbeat -----------------------------------------------------------------------------------------
+    def start_heartbeat(self, period: float = 1.0) -> None:
+        if self.cfg.nnodes == 1:
+            return
+        watched = range(1, self.cfg.nnodes) if self.cfg.node_rank == 0 else [0]
+        now = time.monotonic()
+        self._seen = {n: (-1, now) for n in watched}
+
+        def beat() -> None:
+            while not self._stop.wait(period):
+                try:
+                    if self.cfg.node_rank > 0 and self.nodes.check(["stop"]):
+                        self.stopped = self.nodes.get("stop").decode()
+                    self.nodes.add(f"hb/{self.cfg.node_rank}", 1)
+                    for n in watched:
+                        count = self.nodes.add(f"hb/{n}", 0)
+                        if count != self._seen[n][0]:
+                            self._seen[n] = (count, time.monotonic())
+                    self._last_ok = time.monotonic()
+                except Exception:  # a cut link: the watchdog below notices the silence
+                    pass
+
+        threading.Thread(target=beat, name="ringsched-heartbeat", daemon=True).start()
+
+    def check(self) -> str | None:
+        """A failure message once a watched node has been silent for longer than `--stage-timeout`."""
+        if self.failure or self.cfg.nnodes == 1 or not self._seen:
+            return self.failure
+        if self.stopped:
+            self.failure = f"node 0 stopped the ring: {self.stopped}"
+            return self.failure
+        now, limit = time.monotonic(), self.cfg.stage_timeout
+        if now - self._last_ok > limit:
+            self.failure = (
+                f"node {self.cfg.node_rank} lost the rendezvous at {self.cfg.dist_init_addr} (node 0) for "
+                f"{now - self._last_ok:.0f}s: node 0 died or the link to it is cut"
+            )
+        for n, (_, seen) in self._seen.items():
+            if now - seen > limit and not self.failure:
+                spn = self.cfg.stages_per_node
+                self.failure = (
+                    f"node {n} (stages {n * spn}-{(n + 1) * spn - 1}) stopped answering {now - seen:.0f}s ago: it died "
+                    "or the link to it is cut"
+                )
+        return self.failure
+
+    def announce_stop(self, reason: str) -> None:
+        """Node 0 tells the other nodes the ring is over (and why, if it failed), so they exit promptly."""
+        if self.cfg.node_rank == 0 and self.cfg.nnodes > 1:
+            try:
+                self.nodes.set("stop", reason)
+                time.sleep(1.5)  # the others poll once a second; keep the store up until they have read it
+            except Exception:
+                pass
+
+    def close(self) -> None:
+        self._stop.set()
