@@ -1,0 +1,58 @@
+"""Flags are validated where the config is built, with errors that name the flag and the fix."""
+
+import subprocess
+import sys
+
+import pytest
+
+from ringsched.config import ConfigError, EngineConfig, parse_memory
+
+
+@pytest.mark.parametrize(
+    "kw,needle",
+    [
+        ({"pp_size": 0}, "--pp-size must be >= 1"),
+        ({"pp_async_batch_depth": -1}, "--pp-async-batch-depth must be >= 0"),
+        ({"pp_max_micro_batch_size": 0}, "--pp-max-micro-batch-size must be >= 1"),
+        ({"max_running_requests": 0}, "--max-running-requests"),
+        ({"chunked_prefill_size": 0}, "--chunked-prefill-size"),
+        ({"dtype": "float8"}, "--dtype 'float8' is not supported"),
+        ({"device": "tpu"}, "--device 'tpu'"),
+        ({"dtype": "float16", "device": "cpu"}, "float16 is for GPUs"),
+        ({"threads_per_stage": 0}, "--threads-per-stage"),
+        ({"kv_cache_memory": "lots"}, "--kv-cache-memory"),
+        ({"nnodes": 2, "pp_size": 3, "dist_init_addr": "h:1"}, "--nnodes 2 must divide --pp-size 3"),
+        ({"nnodes": 2, "pp_size": 2, "node_rank": 2, "dist_init_addr": "h:1"}, "--node-rank 2"),
+        ({"nnodes": 2, "pp_size": 2}, "--dist-init-addr HEAD:PORT"),
+        ({"stage_timeout": 0}, "--stage-timeout"),
+    ],
+)
+def test_bad_flags_name_the_flag(kw, needle):
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(")):
+        EngineConfig(**kw)
+
+
+def test_derived_values():
+    cfg = EngineConfig(pp_size=4, pp_async_batch_depth=1, max_running_requests=256, nnodes=2, dist_init_addr="h:1",
+                       node_rank=1)
+    assert cfg.pp_loop_size == 5 and cfg.micro_batch_size == 64
+    assert list(cfg.local_ranks) == [2, 3] and cfg.node_of(3) == 1
+    assert EngineConfig(max_running_requests=1, pp_size=3).micro_batch_size == 1
+    assert EngineConfig(pp_max_micro_batch_size=7).micro_batch_size == 7
+    with pytest.raises(ConfigError, match="sums to 31"):
+        EngineConfig(pp_size=2, pp_layer_partition="16,15").partition(30)
+    with pytest.raises(ConfigError, match="more stages than"):
+        EngineConfig(pp_size=31).partition(30)
+
+
+def test_memory_sizes():
+    assert parse_memory("2G") == 2 * 2**30 and parse_memory("512MiB") == 512 * 2**20 and parse_memory(1000) == 1000
+    assert parse_memory("0.3") == 0.3
+
+
+def test_cli_errors_exit_2_with_the_flag():
+    for args, needle in ((["--pp-size", "40"], "--pp-size 40"), (["--pp-layer-partition", "1,1"], "sums to 2"),
+                         (["--pp-async-batch-depth", "-2"], "--pp-async-batch-depth")):
+        p = subprocess.run([sys.executable, "-m", "ringsched.generate", "hi", "--pp-size", "2", *args],
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2 and needle in p.stderr and "Traceback" not in p.stderr, p.stderr

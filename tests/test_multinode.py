@@ -1,0 +1,176 @@
+"""The ring across machines: two hosts with their own addresses (network namespaces joined by a veth pair),
+node 0 in one and node 1 in the other, each started with the same `python -m ringsched.launch` command.
+
+Covered: greedy text equal to a single-node run at PP=2 and PP=4; node 1 killed and the link cut while streams
+are open (every process gone within --stage-timeout + 10 s, the error names node 1, every stream ends with an
+error chunk); rendezvous refusing a different partition and timing out on a missing node.
+
+Every client request runs inside node 0's namespace (`tests/ns_client.py`): the test process itself has no
+route to the hosts. Needs root; skipped with the reason where network namespaces are unavailable.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from netns import NetHosts, NsProcess, netns_unavailable
+
+NO_NETNS = netns_unavailable()
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(NO_NETNS is not None, reason=f"{NO_NETNS}")]
+
+MODEL = "smollm2-135m-instruct"
+CLIENT = str(Path(__file__).with_name("ns_client.py"))
+HTTP_PORT, DIST_PORT = 30000, 29500  # each host has its own ports: fixed numbers cannot collide
+STAGE_TIMEOUT = 10.0
+PROMPT, CHAT, MAX_TOKENS = "The capital of France is", "What is the capital of France?", 16
+COMMON = [
+    "--model", MODEL, "--threads-per-stage", "1", "--kv-cache-memory", "64M", "--max-model-len", "1024",
+    "--stage-timeout", str(STAGE_TIMEOUT), "--host", "0.0.0.0", "--log-level", "info",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_dir) -> dict[str, str]:
+    """Greedy texts from a single-node PP=2 run (the offline engine) for the prompts the tests send."""
+    from ringsched.engine import Engine
+    from ringsched.sampling import SamplingParams
+
+    with Engine(MODEL, pp_size=2, threads_per_stage=1, kv_cache_memory="64M") as llm:
+        chat_ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": CHAT}])
+        outs = llm.generate([PROMPT, chat_ids], SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
+    return {"completion": outs[0].text, "chat": outs[1].text}
+
+
+@pytest.fixture
+def net(tmp_path, smollm2_dir) -> NetHosts:
+    with NetHosts(2, tmp_path) as hosts:
+        yield hosts
+
+
+# -- helpers ---------------------------------------------------------------------------------------------------
+def launch(net: NetHosts, rank: int, pp: int, *extra: str, nnodes: int = 2) -> NsProcess:
+    argv = [
+        sys.executable, "-m", "ringsched.launch", "--pp-size", str(pp), "--nnodes", str(nnodes),
+        "--node-rank", str(rank), "--dist-init-addr", f"{net.hosts[0].ip}:{DIST_PORT}", *COMMON, *extra,
+    ]  # fmt: skip
+    return net.spawn(rank, argv, f"node{rank}")
+
+
+def base_url(net: NetHosts) -> str:
+    return f"http://{net.hosts[0].ip}:{HTTP_PORT}"
+
+
+def logs(net: NetHosts, chars: int = 3000) -> str:
+    """The tail of every process's log, for assertion messages."""
+    return "\n".join(f"--- {p.log_path.name} (exit {p.proc.poll()}):\n{p.log()[-chars:]}" for p in net.procs)
+
+
+def client(net: NetHosts, *args: str, timeout: float = 120) -> dict:
+    """Run `ns_client.py` in node 0's host and return its JSON result."""
+    r = net.run(0, [sys.executable, CLIENT, *args], timeout=timeout)
+    assert r.returncode == 0, f"client {args[0]} failed:\n{r.stdout}\n{r.stderr}\n{logs(net)}"
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def wait_ready(net: NetHosts, nodes: list[NsProcess], timeout: float = 180) -> None:
+    """Until node 0's server and node 1's health endpoint answer 200, from inside node 0's host."""
+    urls = [f"{base_url(net)}/health", f"http://{net.hosts[1].ip}:{HTTP_PORT + 1}/health"]
+    waiter = net.spawn(0, [sys.executable, CLIENT, "wait", *urls, "--timeout", str(timeout)], "wait-ready")
+    while waiter.poll() is None:
+        for n in nodes:
+            assert n.poll() is None, f"{n.log_path.name} exited with {n.proc.returncode} while starting\n{logs(net)}"
+        time.sleep(0.3)
+    assert waiter.proc.returncode == 0, f"{waiter.log()}\n{logs(net)}"
+    for n in nodes:
+        n.descendants()  # remember every stage process, so that "all gone" sees them too
+
+
+def wait_gone(procs: list[NsProcess], timeout: float) -> float | None:
+    """Seconds until every process tree in `procs` has exited, or None if one is still running at `timeout`."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if all(p.tree_gone() for p in procs):
+            return time.monotonic() - t0
+        time.sleep(0.1)
+    return None
+
+
+def lines_with(text: str, *words: str) -> list[str]:
+    return [ln for ln in text.splitlines() if all(w.lower() in ln.lower() for w in words)]
+
+
+# -- serving across two hosts ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("pp", [2, 4])
+def test_two_hosts_match_single_node_greedy(net, reference, pp):
+    nodes = [launch(net, 0, pp), launch(net, 1, pp)]
+    wait_ready(net, nodes)
+    out = client(net, "greedy", base_url(net), "--prompt", PROMPT, "--chat", CHAT, "--max-tokens", str(MAX_TOKENS))
+    assert out == reference, logs(net)
+    for n in nodes:
+        assert n.poll() is None, logs(net)
+
+
+# -- faults while streams are open ------------------------------------------------------------------------------
+@pytest.mark.parametrize("fault", ["kill-node-1", "cut-link"])
+def test_lost_node_ends_every_process_and_stream(net, fault):
+    nodes = [launch(net, 0, 2), launch(net, 1, 2)]
+    wait_ready(net, nodes)
+    streams = net.spawn(0, [sys.executable, CLIENT, "streams", base_url(net), "--n", "3", "--timeout", "60"], "streams")
+    deadline = time.monotonic() + 60
+    while "STARTED" not in streams.log():
+        assert streams.poll() is None and time.monotonic() < deadline, f"{streams.log()}\n{logs(net)}"
+        time.sleep(0.1)
+    for n in nodes:
+        n.descendants()
+
+    if fault == "kill-node-1":
+        net.kill_host(1)  # node 1's launcher and stages, SIGKILL: the machine is gone
+        survivors = nodes[:1]
+    else:
+        net.cut(1)  # no reset, no FIN: only a deadline can notice
+        survivors = nodes
+    bound = STAGE_TIMEOUT + 10
+    took = wait_gone(survivors, bound)
+    assert took is not None, f"still running {bound:.0f}s after {fault}\n{logs(net)}"
+
+    node0 = nodes[0]
+    assert node0.proc.returncode != 0, logs(net)
+    assert lines_with(node0.log(), "node 1"), f"node 0's log does not name node 1\n{logs(net)}"
+    assert re.search(r"stage\W*1", node0.log()), f"node 0's log does not name the lost stage\n{logs(net)}"
+    if fault == "cut-link":  # node 1 survived the cut: it must give up on node 0 as well
+        assert nodes[1].proc.returncode != 0, logs(net)
+        assert lines_with(nodes[1].log(), "node 0"), f"node 1's log does not name node 0\n{logs(net)}"
+
+    assert streams.wait(15) == 0, f"{streams.log()}\n{logs(net)}"
+    results = json.loads(streams.log().strip().splitlines()[-1])
+    for r in results:
+        assert r["chunks"] > 0 and r["error"] is not None and r["done"], (r, logs(net))
+        assert r["transport_error"] is None, (r, logs(net))
+
+
+# -- rendezvous --------------------------------------------------------------------------------------------------
+def test_node_with_a_different_partition_is_refused(net):
+    nodes = [
+        launch(net, 0, 2, "--pp-layer-partition", "15,15", "--dist-timeout", "30"),
+        launch(net, 1, 2, "--pp-layer-partition", "10,20", "--dist-timeout", "30"),
+    ]
+    code = nodes[1].wait(90)
+    assert code not in (None, 0), f"node 1 was not refused\n{logs(net)}"
+    said = lines_with(nodes[1].log(), "partition", "node 0", "node 1")
+    assert said, f"node 1's log has no line naming the partition and both nodes\n{logs(net)}"
+    assert any(re.search(r"15\D{1,3}15", s) and re.search(r"10\D{1,3}20", s) for s in said), (said, logs(net))
+
+
+def test_missing_node_times_out_naming_it(net):
+    node0 = launch(net, 0, 2, "--dist-timeout", "5")
+    code = node0.wait(90)
+    assert code not in (None, 0), f"node 0 did not give up on the rendezvous\n{logs(net)}"
+    said = lines_with(node0.log(), "rendezvous")
+    assert any(re.search(r"\b(node|rank)s?\b\D{0,12}\b1\b", s) for s in said), f"{said}\n{logs(net)}"
+    assert wait_gone([node0], 10) is not None, logs(net)
