@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from netns import NetHosts, NsProcess, netns_unavailable
 
 NO_NETNS = netns_unavailable()

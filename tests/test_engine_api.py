@@ -1,0 +1,69 @@
+"""The offline Engine's API on a tiny random model (fast): strings and ids, per-prompt params, streaming,
+finish reasons, and the one-shot CLI."""
+
+import subprocess
+import sys
+
+import pytest
+
+from ringsched.engine import Engine
+from ringsched.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    with Engine(model=str(tiny_llama_dir), pp_size=2, pp_async_batch_depth=1, threads_per_stage=1,
+                kv_cache_memory="16M", log_level="warning") as engine:
+        yield engine
+
+
+def test_generate_strings_and_ids_in_order(llm):
+    outs = llm.generate(["hello world", [5, 6, 7]], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    assert [len(o.token_ids) for o in outs] == [5, 5]
+    assert all(o.finish_reason == "length" for o in outs)
+    assert outs[0].prompt_token_ids == llm.tokenizer.encode("hello world")
+    assert outs[1].prompt_token_ids == [5, 6, 7]
+    assert outs[0].text == llm.tokenizer.decode(outs[0].token_ids)
+    again = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    assert again[0].token_ids == outs[1].token_ids
+
+
+def test_per_prompt_params_and_stop_token(llm):
+    first = llm.generate([[9, 9, 9]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0].token_ids
+    j = max(i for i in range(len(first)) if first[i] not in first[:i])  # the last token seen for the first time
+    outs = llm.generate(
+        [[9, 9, 9], [9, 9, 9]],
+        [SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
+         SamplingParams(max_tokens=6, temperature=0, stop_token_ids=[first[j]], ignore_eos=True)],
+    )  # fmt: skip
+    assert outs[0].token_ids == first[:3] and outs[0].finish_reason == "length"
+    assert outs[1].token_ids == first[: j + 1] and outs[1].finish_reason == "stop"
+    with pytest.raises(ValueError, match="one or one each"):
+        llm.generate([[1], [2]], [SamplingParams()])
+
+
+def test_stream_yields_tokens_as_they_come(llm):
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    events = list(llm.stream([[3, 4], [5]], params))
+    per = {0: [], 1: []}
+    for ev in events:
+        per[ev.index] += ev.token_ids
+    assert len(events) >= 8 and all(len(v) == 4 for v in per.values())
+    assert [e.finish_reason for e in events if e.finish_reason] == ["length", "length"]
+    assert per[0] == llm.generate([[3, 4]], params)[0].token_ids
+
+
+def test_seeded_sampling_reproducible(llm):
+    p = SamplingParams(max_tokens=8, temperature=1.0, seed=7, ignore_eos=True)
+    a = llm.generate([[1, 2, 3]] * 3, p)
+    assert a[0].token_ids == a[1].token_ids == a[2].token_ids
+    b = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8, temperature=1.0, seed=8, ignore_eos=True))
+    assert b[0].token_ids != a[0].token_ids
+
+
+def test_generate_cli(tiny_llama_dir):
+    p = subprocess.run([sys.executable, "-m", "ringsched.generate", "--model", str(tiny_llama_dir), "--pp-size", "2",
+                        "--threads-per-stage", "1", "--kv-cache-memory", "16M", "--max-tokens", "4", "hi there"],
+                       capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    assert "'hi there' (length, 4 tokens)" in p.stdout
