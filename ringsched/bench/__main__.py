@@ -1,4 +1,4 @@
-"""`python -m ringsched.bench {offline,serve}`: throughput of the offline engine, or of a running server."""
+"""`python -m ringsched.bench {offline,serve,cores}`: the offline engine, a running server, or the CPUs."""
 
 from __future__ import annotations
 
@@ -12,6 +12,9 @@ def main(argv: list[str] | None = None) -> int:
     from ringsched.bench.offline import add_offline_args
 
     add_offline_args(sub.add_parser("offline", help="saturate the offline engine (no HTTP)"))
+    from ringsched.bench.cores import add_cores_args
+
+    add_cores_args(sub.add_parser("cores", help="how much parallel compute this machine's CPUs give"))
     serve = sub.add_parser("serve", help="benchmark an OpenAI-compatible server, like `vllm bench serve`")
     try:
         from ringsched.bench.serve import add_serve_args
@@ -20,7 +23,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     add_serve_args(serve)
     args = p.parse_args(argv)
-    if args.command == "offline":
+    if args.command == "cores":
+        from ringsched.bench.cores import run_cores
+
+        run_cores(args)
+    elif args.command == "offline":
         from ringsched.bench.offline import run_offline
 
         run_offline(args)
