@@ -1,3 +1,28 @@
-"""ringsched: a pipeline-parallel LLM inference server (one scheduler per stage, stages in a ring)."""
+"""ringsched: a pipeline-parallel LLM inference server (one scheduler per stage, stages in a ring).
+
+`from ringsched import Engine, SamplingParams` is the offline API; both load lazily so that `import ringsched`
+stays light for the command-line tools.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
+__all__ = ["Engine", "SamplingParams", "RequestOutput"]
+
+if TYPE_CHECKING:
+    from ringsched.engine import Engine, RequestOutput
+    from ringsched.sampling import SamplingParams
+
+
+def __getattr__(name: str):
+    if name in ("Engine", "RequestOutput"):
+        from ringsched import engine
+
+        return getattr(engine, name)
+    if name == "SamplingParams":
+        from ringsched.sampling import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'ringsched' has no attribute {name!r}")

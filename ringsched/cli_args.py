@@ -33,7 +33,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads-per-stage", type=int, default=None, help="CPU threads per stage (default cores/pp)")
     g.add_argument("--pp-layer-partition", default=None, help="layers per stage, e.g. 16,14")
     g.add_argument("--dist-init-addr", default=None, help="HOST:PORT for torch.distributed (default a free port)")
-    g.add_argument("--stage-timeout", type=float, default=60.0, help="seconds a stage waits on a neighbour")
+    g.add_argument("--stage-timeout", type=float, default=60.0, help="seconds to wait on a neighbour or a silent node")
     g.add_argument("--seed", type=int, default=0)
     n = p.add_argument_group("nodes")
     n.add_argument("--nnodes", type=int, default=1, help="nodes the stages span (the same command on each)")

@@ -1,8 +1,8 @@
 """Paged KV cache: a block allocator (plain data) and the per-layer cache tensors of one stage.
 
-Every stage runs the same `BlockTable` with the same capacity (the minimum over stages) and applies the same
-sequence of `free`/`ensure` calls in plan order, so block numbers agree on every stage without ever being
-sent. Only stage 0 decides; the others replay.
+Every stage has a `BlockTable` of the same capacity (the minimum over stages). Only stage 0 allocates: the
+block numbers it picks travel in each plan entry (`new_blocks`) and the other stages `assign` them, so block
+numbers agree on every stage without a second allocator that could drift.
 """
 
 from __future__ import annotations

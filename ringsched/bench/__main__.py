@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     serve = sub.add_parser("serve", help="benchmark an OpenAI-compatible server, like `vllm bench serve`")
     try:
         from ringsched.bench.serve import add_serve_args
-    except ImportError as e:  # aiohttp/tqdm come with the `bench` extra
+    except ImportError as e:  # aiohttp/tqdm come with the `bench` and `dev` extras
         print(f"error: {e}", file=sys.stderr)
         return 2
     add_serve_args(serve)

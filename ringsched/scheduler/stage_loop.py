@@ -112,6 +112,7 @@ class StageLoop:
         t = 0
         while True:
             self.maybe_report()
+            self.io.alive()  # a busy stage must notice an orphaned ring too (one getppid() per micro-batch)
             plan = self.next_plan(t)
             if plan is None:
                 continue
@@ -252,7 +253,8 @@ class StageLoop:
             to_send = self.pending_outputs.popleft()
         if self.stage.is_last and not self.stage.is_first and to_send is not None:
             seq, tokens = to_send
-            self.io.chan.send(0, "output", seq % loop, seq, [tokens] if tokens.numel() else [])
+            payload = [tokens.to(self.device)] if tokens.numel() else []  # NCCL sends device tensors only
+            self.io.chan.send(0, "output", seq % loop, seq, payload)
         if not self.stage.is_first or t - loop + 1 < 0:
             return
         if self.stage.is_last:  # one stage: the outputs never leave the process
@@ -261,7 +263,7 @@ class StageLoop:
             start = time.perf_counter()
             msg = self.io.chan.recv(self.stage.prev, "output", t - loop + 1)
             self.times.wait_output += time.perf_counter() - start
-            seq, tokens = msg.seq, (msg.tensors[0] if msg.tensors else torch.empty(0, dtype=torch.long))
+            seq, tokens = msg.seq, (msg.tensors[0].cpu() if msg.tensors else torch.empty(0, dtype=torch.long))
         outs = self.planner.on_output(seq, tokens.tolist())
         if outs:
             self.io.front_out.send(OutputBatch(outs))

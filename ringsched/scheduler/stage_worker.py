@@ -10,6 +10,7 @@ import datetime
 import logging
 import os
 import random
+import signal
 import traceback
 from dataclasses import dataclass
 
@@ -51,6 +52,10 @@ def stage_main(cfg: EngineConfig, rank: int, model_dir: str, addrs: StageAddrs, 
         format=f"[stage {rank}] %(asctime)s %(levelname)s %(message)s",
         force=True,
     )
+    _set_process_name(f"ringsched-stage{rank}")
+    # Ctrl-C in a terminal reaches the whole process group; the launcher owns shutdown, so a stage ignores it
+    # and stops when told to (Shutdown plan) or when its parent is gone.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctx = zmq.Context()
     ctl = Pusher(ctx, addrs.ctl)
     try:
