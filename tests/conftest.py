@@ -35,3 +35,14 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
         "llama", layers=6, hidden=64, heads=4, kv_heads=2, intermediate=128, vocab=512, tie=True
     )
     return write_random_model(tmp_path_factory.mktemp("tiny-llama"), cfg, seed=0)
+
+
+@pytest.fixture(scope="session")
+def hf_smol(smollm2_gguf):
+    """transformers' model and tokenizer loaded from the same GGUF file (slow: loaded once per session)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kw = {"gguf_file": smollm2_gguf.name}
+    model = AutoModelForCausalLM.from_pretrained(str(smollm2_gguf.parent), dtype=torch.float32, **kw).eval()
+    tok = AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), **kw)
+    return model, tok

@@ -67,15 +67,6 @@ def hf_greedy(hf, ids, n):
     return toks
 
 
-@pytest.fixture(scope="module")
-def hf_smol(smollm2_gguf):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    kw = {"gguf_file": smollm2_gguf.name}
-    model = AutoModelForCausalLM.from_pretrained(str(smollm2_gguf.parent), dtype=torch.float32, **kw).eval()
-    tok = AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), **kw)
-    return model, tok
-
 
 def prompt_ids(tok, i):
     if i < len(RAW):

@@ -26,11 +26,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(NO_NETNS is not None, reason=
 MODEL = "smollm2-135m-instruct"
 CLIENT = str(Path(__file__).with_name("ns_client.py"))
 HTTP_PORT, DIST_PORT = 30000, 29500  # each host has its own ports: fixed numbers cannot collide
-STAGE_TIMEOUT = 10.0
+STAGE_TIMEOUT = 10.0  # the fault tests' deadline is this plus 10 s
+FAST_TIMEOUT = 5.0  # below this machine's start-up time on purpose: loading weights is not silence
 PROMPT, CHAT, MAX_TOKENS = "The capital of France is", "What is the capital of France?", 16
 COMMON = [
     "--model", MODEL, "--threads-per-stage", "1", "--kv-cache-memory", "64M", "--max-model-len", "1024",
-    "--stage-timeout", str(STAGE_TIMEOUT), "--host", "0.0.0.0", "--log-level", "info",
+    "--host", "0.0.0.0", "--log-level", "info",
 ]  # fmt: skip
 
 
@@ -53,10 +54,10 @@ def net(tmp_path, smollm2_dir) -> NetHosts:
 
 
 # -- helpers ---------------------------------------------------------------------------------------------------
-def launch(net: NetHosts, rank: int, pp: int, *extra: str, nnodes: int = 2) -> NsProcess:
+def launch(net: NetHosts, rank: int, pp: int, *extra: str, stage_timeout: float = STAGE_TIMEOUT) -> NsProcess:
     argv = [
-        sys.executable, "-m", "ringsched.launch", "--pp-size", str(pp), "--nnodes", str(nnodes),
-        "--node-rank", str(rank), "--dist-init-addr", f"{net.hosts[0].ip}:{DIST_PORT}", *COMMON, *extra,
+        sys.executable, "-m", "ringsched.launch", "--pp-size", str(pp), "--nnodes", "2", "--node-rank", str(rank),
+        "--dist-init-addr", f"{net.hosts[0].ip}:{DIST_PORT}", "--stage-timeout", str(stage_timeout), *COMMON, *extra,
     ]  # fmt: skip
     return net.spawn(rank, argv, f"node{rank}")
 
@@ -107,7 +108,7 @@ def lines_with(text: str, *words: str) -> list[str]:
 # -- serving across two hosts ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("pp", [2, 4])
 def test_two_hosts_match_single_node_greedy(net, reference, pp):
-    nodes = [launch(net, 0, pp), launch(net, 1, pp)]
+    nodes = [launch(net, 0, pp, stage_timeout=FAST_TIMEOUT), launch(net, 1, pp, stage_timeout=FAST_TIMEOUT)]
     wait_ready(net, nodes)
     out = client(net, "greedy", base_url(net), "--prompt", PROMPT, "--chat", CHAT, "--max-tokens", str(MAX_TOKENS))
     assert out == reference, logs(net)

@@ -65,12 +65,8 @@ def test_lengths_and_variety(reference):
     assert len({tuple(o) for o in reference}) > 40  # not one answer for everything
 
 
-def test_greedy_matches_transformers_subset(reference, smollm2_gguf):
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(
-        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32
-    ).eval()
+def test_greedy_matches_transformers_subset(reference, hf_smol):
+    hf = hf_smol[0]
     work = workload()
     # A spread of prompt lengths, including the 600-token one and the longest generation.
     subset = [0, 1] + sorted(range(2, 48), key=lambda i: len(work[i][0]))[::9]
