@@ -39,18 +39,23 @@ def main(argv: list[str] | None = None) -> int:
         from ringsched.headless import run_headless
 
         return run_headless(cfg, args.host, args.port, args.log_level)
+    from ringsched.rendezvous import RendezvousError
     from ringsched.server.serve import run_server  # the HTTP stack only when serving
 
-    return run_server(
-        cfg,
-        host=args.host,
-        port=args.port,
-        api_key=args.api_key,
-        served_model_name=args.served_model_name,
-        max_queued_requests=args.max_queued_requests,
-        shutdown_timeout=args.shutdown_timeout,
-        log_level=args.log_level,
-    )
+    try:
+        return run_server(
+            cfg,
+            host=args.host,
+            port=args.port,
+            api_key=args.api_key,
+            served_model_name=args.served_model_name,
+            max_queued_requests=args.max_queued_requests,
+            shutdown_timeout=args.shutdown_timeout,
+            log_level=args.log_level,
+        )
+    except RendezvousError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

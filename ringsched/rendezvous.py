@@ -75,7 +75,14 @@ class Rendezvous:
             "model_config": model_fingerprint(model_dir), "partition": partition, "pp_size": cfg.pp_size,
             "nnodes": cfg.nnodes,
         }  # fmt: skip
-        self.store = connect_store(cfg, is_master=cfg.node_rank == 0)
+        try:
+            self.store = connect_store(cfg, is_master=cfg.node_rank == 0)
+        except RuntimeError as e:  # torch's message is a C++ trace; keep its first line
+            what = "host the rendezvous at" if cfg.node_rank == 0 else "reach the rendezvous at"
+            raise RendezvousError(
+                f"node {cfg.node_rank} could not {what} {cfg.dist_init_addr} within --dist-timeout "
+                f"{cfg.dist_timeout:.0f}s: {str(e).splitlines()[0]}; check that node 0 runs and the port is open"
+            ) from None
         self.nodes = PrefixStore("nodes", self.store)
         self.failure: str | None = None
         self._stop = threading.Event()
@@ -132,6 +139,7 @@ class Rendezvous:
         watched = range(1, self.cfg.nnodes) if self.cfg.node_rank == 0 else [0]
         now = time.monotonic()
         self._seen = {n: (-1, now) for n in watched}
+        self._last_ok = now  # loading the stages is not silence
 
         def beat() -> None:
             while not self._stop.wait(period):

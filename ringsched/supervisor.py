@@ -175,14 +175,11 @@ class Supervisor:
         for p in self.procs:
             p.join(max(deadline - time.monotonic(), 0.05))
         for p in self.procs:
-            if p.exitcode is None:
-                logger.warning("%s did not stop within %.0fs; terminating it", p.name, grace)
-                p.terminate()
+            if p.exitcode is None:  # stages ignore SIGTERM (it is the launcher's to handle): kill
+                logger.warning("%s did not stop within %.0fs; killing it", p.name, grace)
+                p.kill()
         for p in self.procs:
             p.join(2.0)
-            if p.exitcode is None:
-                p.kill()
-                p.join(2.0)
         self.ctl.close()
         self.ctx.destroy(linger=0)
         shutil.rmtree(self.ipc_dir, ignore_errors=True)

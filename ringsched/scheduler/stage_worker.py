@@ -53,9 +53,11 @@ def stage_main(cfg: EngineConfig, rank: int, model_dir: str, addrs: StageAddrs, 
         force=True,
     )
     _set_process_name(f"ringsched-stage{rank}")
-    # Ctrl-C in a terminal reaches the whole process group; the launcher owns shutdown, so a stage ignores it
-    # and stops when told to (Shutdown plan) or when its parent is gone.
+    # Ctrl-C in a terminal, and scancel or systemd's SIGTERM, reach the whole process group; the launcher owns
+    # shutdown, so a stage ignores them and stops when told to (Shutdown plan), when its parent is gone, or by
+    # the launcher's SIGKILL.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     ctx = zmq.Context()
     ctl = Pusher(ctx, addrs.ctl)
     try:
