@@ -54,3 +54,8 @@ def config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
     except (ConfigError, FetchError, UnsupportedModelError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def engine_kwargs(cfg: EngineConfig) -> dict:
+    """`Engine(model=cfg.model, **engine_kwargs(cfg))`: the validated flags, back as keyword arguments."""
+    return {k: getattr(cfg, k) for k in ENGINE_FLAGS if k != "model"} | {"log_level": cfg.log_level}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ringsched.cli_args import add_engine_args, config_from_args
+from ringsched.cli_args import add_engine_args, config_from_args, engine_kwargs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,10 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    kwargs = {f: getattr(cfg, f) for f in ("pp_size", "pp_async_batch_depth", "max_running_requests",
-              "pp_max_micro_batch_size", "chunked_prefill_size", "kv_cache_memory", "max_model_len", "dtype",
-              "device", "threads_per_stage", "pp_layer_partition", "dist_init_addr", "stage_timeout", "seed",
-              "log_level")}  # fmt: skip
+    kwargs = engine_kwargs(cfg)
     with Engine(model=cfg.model, **kwargs) as llm:
         prompts = args.prompts
         if args.chat:

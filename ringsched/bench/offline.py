@@ -9,7 +9,7 @@ import random
 import statistics
 import time
 
-from ringsched.cli_args import add_engine_args, config_from_args
+from ringsched.cli_args import add_engine_args, config_from_args, engine_kwargs
 
 
 def add_offline_args(p: argparse.ArgumentParser) -> None:
@@ -50,10 +50,7 @@ def run_offline(args: argparse.Namespace) -> dict:
     vocab = ModelConfig.from_dir(cfg.model).vocab_size
     rng = random.Random(cfg.seed)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-    kwargs = {f: getattr(cfg, f) for f in ("pp_size", "pp_async_batch_depth", "max_running_requests",
-              "pp_max_micro_batch_size", "chunked_prefill_size", "kv_cache_memory", "max_model_len", "dtype",
-              "device", "threads_per_stage", "pp_layer_partition", "dist_init_addr", "stage_timeout", "seed",
-              "log_level")}  # fmt: skip
+    kwargs = engine_kwargs(cfg)
     with Engine(model=cfg.model, **kwargs) as llm:
         if args.warmup_prompts:
             llm.generate(_prompts(args.warmup_prompts, args.input_len, vocab, rng), params)
