@@ -51,3 +51,18 @@ def test_stage_owns_only_its_parts(smollm2_dir):
     assert "model.layers.14.mlp.up_proj.weight" in names and "model.layers.15.mlp.up_proj.weight" not in names
     # Tied embeddings: the last stage's lm_head is the embedding matrix.
     assert torch.equal(last.lm_head.weight[:3], first.model.embed_tokens.weight[:3])
+
+
+def test_bfloat16_stages_track_float32(tiny_llama_dir):
+    """--dtype bfloat16: the same split model in bf16 stays close to float32 (and keeps the seam in bf16)."""
+    ids = torch.tensor([5, 17, 42, 99, 3, 250, 7, 8])
+    batch = ForwardBatch.no_cache(len(ids))
+    outs = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        first = load_stage_model(tiny_llama_dir, StageInfo(0, 2, 0, 3), dtype)
+        last = load_stage_model(tiny_llama_dir, StageInfo(1, 2, 3, 6), dtype)
+        with torch.no_grad():
+            proxy = first(batch, input_ids=ids)
+            assert proxy["hidden_states"].dtype == dtype
+            outs[dtype] = last.compute_logits(last(batch, proxy=proxy)).float()
+    assert (outs[torch.bfloat16] - outs[torch.float32]).abs().max() < 0.05
