@@ -67,3 +67,20 @@ def test_generate_cli(tiny_llama_dir):
                        capture_output=True, text=True, timeout=180)  # fmt: skip
     assert p.returncode == 0, p.stderr
     assert "'hi there' (length, 4 tokens)" in p.stdout
+
+
+def test_idle_ring_with_async_depth_settles_and_survives(tiny_llama_dir):
+    """With depth > 0 the last stage holds outputs back; when the ring goes idle they must still reach stage 0
+    (so KV is freed everywhere) and no stage may sit on an unfinished send past --stage-timeout."""
+    import time
+
+    from ring_utils import stage_kv_usage
+
+    p = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    with Engine(model=str(tiny_llama_dir), pp_size=3, pp_async_batch_depth=1, threads_per_stage=1,
+                kv_cache_memory="16M", stage_timeout=3, log_level="warning") as llm:  # fmt: skip
+        first = [o.token_ids for o in llm.generate([[1, 2, 3], [4, 5]], p)]
+        assert stage_kv_usage(llm, 5) == {0: 0.0, 1: 0.0, 2: 0.0}
+        time.sleep(5)  # idle for longer than the stage timeout
+        assert [o.token_ids for o in llm.generate([[1, 2, 3], [4, 5]], p)] == first
+        assert stage_kv_usage(llm, 5) == {0: 0.0, 1: 0.0, 2: 0.0}

@@ -103,7 +103,8 @@ class StageLoop:
         )
         self.planner, self.device = planner, device
         self.sampler = SamplerState(device, eos_ids) if stage.is_last else None
-        self.pending_outputs: deque[tuple[int, torch.Tensor]] = deque()
+        self.pending_outputs: deque[tuple[int, torch.Tensor]] = deque()  # last stage: sampled, not yet sent
+        self.next_output = 0  # stage 0: the micro-batch whose outputs come back next
         self.times = StageTimes()
         self.stopping = False
         self._last_stats = 0.0
@@ -157,6 +158,8 @@ class StageLoop:
             plan = self.io.plan_in.recv(timeout_ms=200)
             if plan is not None:
                 break
+            if self.stage.is_last and self.pending_outputs:
+                self.drain(t)  # the ring went quiet: stage 0 is waiting for these
             self.io.alive()
             self.maybe_report()
         waited = time.perf_counter() - start
@@ -175,6 +178,9 @@ class StageLoop:
         self.take_in(timeout_ms=0)
         if self.stopping and not self.planner.has_work:
             plan = BatchPlan(slot=t % self.cfg.pp_loop_size, seq=t, shutdown=True)
+        elif not self.planner.has_work and self.next_output < t:
+            self.drain(t)  # outputs still on their way back (async depth, or the ring's lag)
+            return None
         elif not self.planner.has_work:
             start = time.perf_counter()
             self.take_in(timeout_ms=100)
@@ -246,27 +252,39 @@ class StageLoop:
         return out
 
     # -- 6: outputs ---------------------------------------------------------------------------------------
-    def exchange_outputs(self, t: int) -> None:
+    def exchange_outputs(self, t: int, flush: bool = False) -> None:
+        """The last stage sends what it holds beyond `depth` (everything when `flush`); stage 0 takes in the
+        outputs up to micro-batch `t - pp_loop_size + 1` (up to `t - 1`, all it planned, when `flush`)."""
         depth, loop = self.cfg.pp_async_batch_depth, self.cfg.pp_loop_size
-        to_send = None
-        if self.stage.is_last and len(self.pending_outputs) > depth:
-            to_send = self.pending_outputs.popleft()
-        if self.stage.is_last and not self.stage.is_first and to_send is not None:
-            seq, tokens = to_send
-            payload = [tokens.to(self.device)] if tokens.numel() else []  # NCCL sends device tensors only
-            self.io.chan.send(0, "output", seq % loop, seq, payload)
-        if not self.stage.is_first or t - loop + 1 < 0:
+        if self.stage.is_last:
+            while self.pending_outputs and (flush or len(self.pending_outputs) > depth):
+                seq, tokens = self.pending_outputs.popleft()
+                if self.stage.is_first:  # one stage: the outputs never leave the process
+                    self._deliver(seq, tokens)
+                    self.next_output = seq + 1
+                else:
+                    payload = [tokens.to(self.device)] if tokens.numel() else []  # NCCL sends device tensors only
+                    self.io.chan.send(0, "output", seq % loop, seq, payload)
+        if not self.stage.is_first or self.stage.is_last:
             return
-        if self.stage.is_last:  # one stage: the outputs never leave the process
-            seq, tokens = to_send
-        else:
+        upto = t - 1 if flush else t - loop + 1
+        while self.next_output <= upto:
             start = time.perf_counter()
-            msg = self.io.chan.recv(self.stage.prev, "output", t - loop + 1)
+            msg = self.io.chan.recv(self.stage.prev, "output", self.next_output)
             self.times.wait_output += time.perf_counter() - start
-            seq, tokens = msg.seq, (msg.tensors[0].cpu() if msg.tensors else torch.empty(0, dtype=torch.long))
+            self._deliver(msg.seq, msg.tensors[0].cpu() if msg.tensors else torch.empty(0, dtype=torch.long))
+            self.next_output += 1
+
+    def _deliver(self, seq: int, tokens: torch.Tensor) -> None:
         outs = self.planner.on_output(seq, tokens.tolist())
         if outs:
             self.io.front_out.send(OutputBatch(outs))
+
+    def drain(self, t: int) -> None:
+        """Idle: settle every output still on its way, so no stage is left holding a send (a gloo send of an
+        output completes only when stage 0 receives it) and every finished request gets freed."""
+        peer = 0 if self.stage.is_last else self.stage.prev
+        self._with_peer(peer, self.exchange_outputs, t, True)
 
     def stage_stats(self) -> dict:
         return {
