@@ -93,14 +93,7 @@ class StageLoop:
         device: torch.device,
         eos_ids: tuple[int, ...] = (),
     ) -> None:
-        self.cfg, self.stage, self.model, self.blocks, self.pool, self.io = (
-            cfg,
-            stage,
-            model,
-            blocks,
-            pool,
-            io,
-        )
+        self.cfg, self.stage, self.model, self.blocks, self.pool, self.io = cfg, stage, model, blocks, pool, io
         self.planner, self.device = planner, device
         self.sampler = SamplerState(device, eos_ids) if stage.is_last else None
         self.pending_outputs: deque[tuple[int, torch.Tensor]] = deque()  # last stage: sampled, not yet sent
@@ -176,11 +169,11 @@ class StageLoop:
 
     def make_plan(self, t: int) -> BatchPlan | None:
         self.take_in(timeout_ms=0)
-        if self.stopping and not self.planner.has_work:
-            plan = BatchPlan(slot=t % self.cfg.pp_loop_size, seq=t, shutdown=True)
-        elif not self.planner.has_work and self.next_output < t:
+        if not self.planner.has_work and self.next_output < t:
             self.drain(t)  # outputs still on their way back (async depth, or the ring's lag)
             return None
+        if self.stopping and not self.planner.has_work:
+            plan = BatchPlan(slot=t % self.cfg.pp_loop_size, seq=t, shutdown=True)
         elif not self.planner.has_work:
             start = time.perf_counter()
             self.take_in(timeout_ms=100)
