@@ -23,7 +23,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -36,33 +36,10 @@ from ringsched.models.llama import StageModel
 from ringsched.scheduler.batch_builder import build_forward_batch
 from ringsched.scheduler.planner import Planner
 from ringsched.scheduler.sampler_state import SamplerState
+from ringsched.scheduler.stage_times import StageTimes, peak_rss_bytes
 from ringsched.stage import StageInfo
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class StageTimes:
-    """Where a stage's wall time goes (seconds since the first micro-batch)."""
-
-    compute: float = 0.0
-    wait_prev: float = 0.0  # blocked on the previous stage (plan or proxy): the bubble
-    wait_output: float = 0.0  # stage 0: blocked on the sampled tokens coming back
-    idle: float = 0.0  # nothing to do at all
-    start: float = field(default_factory=time.perf_counter)
-    batches: int = 0
-    tokens: int = 0
-
-    def snapshot(self) -> dict:
-        wall = max(time.perf_counter() - self.start - self.idle, 1e-9)
-        return {
-            "busy_fraction": self.compute / wall,
-            "bubble_fraction": (self.wait_prev + self.wait_output) / wall,
-            "compute_s": self.compute,
-            "wall_s": wall,
-            "batches": self.batches,
-            "tokens": self.tokens,
-        }
 
 
 class PeerLost(RuntimeError):
@@ -119,16 +96,22 @@ class StageLoop:
 
     def step(self, plan: BatchPlan) -> None:
         t, last = plan.seq, self.stage.is_last
+        start = time.perf_counter()
         self.apply(plan)
+        self.times.sched += time.perf_counter() - start
         proxy = self.recv_proxy(plan) if not self.stage.is_first and plan.entries else None
         out = self.forward(plan, proxy)
+        start = time.perf_counter()
         if not last and plan.entries:
             tensors = [out["hidden_states"], out["residual"]]
             self._with_peer(self.stage.next, self.io.chan.send, self.stage.next, "proxy", plan.slot, t, tensors)
         if last:
             self.pending_outputs.append((t, out))
         peer = 0 if last else self.stage.prev
+        waited = self.times.wait_output
         self._with_peer(peer, self.exchange_outputs, t)
+        # Time blocked on the returning outputs is a wait, already counted; the rest is communication.
+        self.times.comm += time.perf_counter() - start - (self.times.wait_output - waited)
 
     def _with_peer(self, peer: int, fn, *args):
         """Run a tensor-channel call; a dead or unreachable neighbour becomes an error that names it."""
@@ -164,7 +147,9 @@ class StageLoop:
         if not plan.shutdown and plan.seq != t:
             raise SequenceMismatch(f"stage {self.stage.rank} expected plan {t}, got {plan.seq}")
         if self.io.plan_out:
+            start = time.perf_counter()
             self.io.plan_out.send(plan)
+            self.times.comm += time.perf_counter() - start
         return plan
 
     def make_plan(self, t: int) -> BatchPlan | None:
@@ -181,9 +166,13 @@ class StageLoop:
             self.io.alive()
             return None
         else:
+            start = time.perf_counter()
             plan = self.planner.plan(t % self.cfg.pp_loop_size, t)
+            self.times.sched += time.perf_counter() - start
         if self.io.plan_out:
+            start = time.perf_counter()
             self.io.plan_out.send(plan)
+            self.times.comm += time.perf_counter() - start
         return plan
 
     def take_in(self, timeout_ms: int) -> None:
@@ -239,6 +228,7 @@ class StageLoop:
         )
         if self.stage.is_last:
             out = self.sampler.sample(plan, self.model.compute_logits(out)).cpu()
+            self.times.sample_rows += out.numel()
         self.times.compute += time.perf_counter() - start
         self.times.batches += 1
         self.times.tokens += plan.num_tokens
@@ -280,10 +270,13 @@ class StageLoop:
         self._with_peer(peer, self.exchange_outputs, t, True)
 
     def stage_stats(self) -> dict:
+        on_gpu = torch.device(self.device).type == "cuda"
         return {
             "rank": self.stage.rank,
             "kv_usage": self.blocks.usage,
             "kv_used_blocks": self.blocks.used_blocks,
+            "peak_rss_bytes": peak_rss_bytes(),
+            "peak_device_bytes": torch.cuda.max_memory_allocated(self.device) if on_gpu else 0,
             **self.times.snapshot(),
         }
 

@@ -44,6 +44,15 @@ class ServerMetrics:
             f"{p}stage_bubble_fraction", "Share of the last window a stage waited on a neighbour.", ["stage"],
             registry=r,
         )  # fmt: skip
+        self.stage_time = Gauge(
+            f"{p}stage_time_seconds", "Seconds a stage spent, by kind: compute, wait (for a neighbour: the "
+            "bubble), sched (planning/applying plans), comm (posting sends); idle time is left out.",
+            ["stage", "kind"], registry=r,
+        )  # fmt: skip
+        self.peak_memory = Gauge(
+            f"{p}stage_peak_memory_bytes", "Peak resident memory of a stage process (device memory on GPU).",
+            ["stage"], registry=r,
+        )  # fmt: skip
         self.prompt_tokens = Counter(f"{p}prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.generation_tokens = Counter(f"{p}generation_tokens", "Generated tokens.", registry=r)
         self.finished = Counter(
@@ -77,6 +86,10 @@ class ServerMetrics:
             self.kv_usage.labels(stage=str(rank)).set(s.get("kv_usage", 0.0))
             self.busy.labels(stage=str(rank)).set(s.get("busy_fraction", 0.0))
             self.bubble.labels(stage=str(rank)).set(s.get("bubble_fraction", 0.0))
+            for kind in ("compute", "wait", "sched", "comm"):
+                self.stage_time.labels(stage=str(rank), kind=kind).set(s.get(f"{kind}_s", 0.0))
+            peak = s.get("peak_device_bytes") or s.get("peak_rss_bytes", 0)
+            self.peak_memory.labels(stage=str(rank)).set(peak)
         return generate_latest(self.registry)
 
 
