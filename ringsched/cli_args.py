@@ -31,7 +31,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     g.add_argument("--threads-per-stage", type=int, default=None, help="CPU threads per stage (default cores/pp)")
-    g.add_argument("--pp-layer-partition", default=None, help="layers per stage, e.g. 16,14")
+    g.add_argument(
+        "--pp-layer-partition",
+        default=None,
+        help="layers per stage, e.g. 16,14, or `auto`: measure the cost of a layer, the embedding and the "
+        "lm_head here and pick the split whose slowest stage is fastest",
+    )
     g.add_argument("--dist-init-addr", default=None, help="HOST:PORT for torch.distributed (default a free port)")
     g.add_argument("--stage-timeout", type=float, default=60.0, help="seconds to wait on a neighbour or a silent node")
     g.add_argument("--seed", type=int, default=0)
@@ -48,7 +53,7 @@ def config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
         model_dir = str(resolve_model(args.model, quiet=False))
         cfg = EngineConfig(**{k: getattr(args, k) for k in ENGINE_FLAGS if k != "model"}, model=model_dir, **extra)
         mcfg = ModelConfig.from_dir(model_dir)
-        cfg.partition(mcfg.num_layers)
+        cfg.check_partition(mcfg.num_layers)
         cfg.context_len(mcfg.max_position_embeddings)
         return cfg
     except (ConfigError, FetchError, UnsupportedModelError, FileNotFoundError) as e:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ringsched.partition import PartitionError, resolve_partition
+from ringsched.partition import ENV_OVERRIDE, PartitionError, resolve_partition
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -164,7 +164,20 @@ class EngineConfig:
             return self.threads_per_stage
         return max((os.cpu_count() or 1) // self.pp_size, 1)
 
+    @property
+    def auto_partition(self) -> bool:
+        """`--pp-layer-partition auto` (or the environment variable): the launcher measures and decides."""
+        text = self.pp_layer_partition if self.pp_layer_partition is not None else os.environ.get(ENV_OVERRIDE, "")
+        return text.strip().lower() == "auto"
+
+    def check_partition(self, num_layers: int) -> None:
+        """Fail early, in the caller's process, on a bad `--pp-layer-partition` (`auto` is decided later)."""
+        if not self.auto_partition:
+            self.partition(num_layers)
+
     def partition(self, num_layers: int) -> list[int]:
+        if self.auto_partition:  # the launcher replaces "auto" by its measured decision before stages start
+            raise ConfigError("--pp-layer-partition auto is decided by the launcher; no split is known yet")
         try:
             return resolve_partition(num_layers, self.pp_size, self.pp_layer_partition)
         except PartitionError as e:

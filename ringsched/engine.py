@@ -50,7 +50,7 @@ class Engine:
         self.model_dir = str(resolve_model(model, quiet=False))
         self.cfg = EngineConfig(model=self.model_dir, **kwargs)
         self.model_config = ModelConfig.from_dir(self.model_dir)
-        self.cfg.partition(self.model_config.num_layers)  # fail here, not in a child, on a bad partition
+        self.cfg.check_partition(self.model_config.num_layers)  # fail here, not in a child, on a bad partition
         self.max_len = self.cfg.context_len(self.model_config.max_position_embeddings)
         self.tokenizer = Tokenizer(self.model_dir)
         self.supervisor = Supervisor(self.cfg, self.model_dir)

@@ -67,7 +67,7 @@ def model_fingerprint(model_dir: str) -> str:
 
 
 class Rendezvous:
-    def __init__(self, cfg: EngineConfig, model_name: str, model_dir: str, partition: list[int]) -> None:
+    def __init__(self, cfg: EngineConfig, model_name: str, model_dir: str, partition: list[int] | None) -> None:
         self.cfg = cfg
         self.host_ip = cfg.host_ip or route_ip(split_addr(cfg.dist_init_addr)[0])
         self.meta = {
@@ -84,6 +84,7 @@ class Rendezvous:
                 f"{cfg.dist_timeout:.0f}s: {str(e).splitlines()[0]}; check that node 0 runs and the port is open"
             ) from None
         self.nodes = PrefixStore("nodes", self.store)
+        self.partition = partition  # after join(): the partition node 0 runs
         self.failure: str | None = None
         self._stop = threading.Event()
         self._last_ok = time.monotonic()
@@ -113,11 +114,14 @@ class Rendezvous:
         others = [json.loads(self.nodes.get(k)) for k in keys]
         for other in others:
             self._compare(other)
+        self.partition = others[0]["partition"]  # node 0 decides (`auto` elsewhere takes it)
 
     def _compare(self, other: dict) -> None:
         me = self.meta
         for key, flag in (("pp_size", "--pp-size"), ("nnodes", "--nnodes"), ("partition", "--pp-layer-partition"),
                           ("model", "--model"), ("model_config", "--model (config.json)"), ("version", "ringsched")):
+            if key == "partition" and None in (other[key], me[key]):
+                continue  # a node started with `auto` below node 0 takes node 0's split
             if other[key] != me[key]:
                 if self.cfg.node_rank == 0:
                     time.sleep(2.0)  # let the refused node read node 0's entry before the store goes away

@@ -16,12 +16,14 @@ import socket
 import time
 from dataclasses import replace
 
+import torch
 import zmq
 
 from ringsched.comm.messages import Shutdown, StageStatus
 from ringsched.comm.zmq_io import Puller, Pusher, ipc_addr, new_ipc_dir
 from ringsched.config import EngineConfig
 from ringsched.models.config import ModelConfig
+from ringsched.partition_auto import BatchShape, choose_partition
 from ringsched.rendezvous import Rendezvous
 from ringsched.scheduler.stage_worker import StageAddrs, stage_main
 
@@ -62,14 +64,16 @@ class Supervisor:
 
     def start(self, timeout: float = 600.0) -> None:
         """Meet the other nodes, spawn this node's stages, wait until each is ready."""
-        partition = self.cfg.partition(ModelConfig.from_dir(self.model_dir).num_layers)
+        partition = self._own_partition()
         try:
             self.rendezvous = Rendezvous(self.cfg, self.cfg.model, self.model_dir, partition)
             self.rendezvous.join()
         except BaseException:
             self.stop()
             raise
-        self.cfg = replace(self.cfg, host_ip=self.rendezvous.host_ip)
+        # The stages (and this node, when it left `auto` to node 0) take the partition node 0 runs.
+        decided = ",".join(map(str, self.rendezvous.partition))
+        self.cfg = replace(self.cfg, host_ip=self.rendezvous.host_ip, pp_layer_partition=decided)
         if self.cfg.nnodes > 1:
             logger.info(
                 "node %d of %d joined the rendezvous at %s as %s; stages %s run here",
@@ -108,6 +112,21 @@ class Supervisor:
                 i["kv_tokens"],
                 i["pid"],
             )
+
+    def _own_partition(self) -> list[int] | None:
+        """This node's partition: the override or default, or for `auto` node 0's measured choice (other nodes
+        return None and take node 0's from the rendezvous)."""
+        mcfg = ModelConfig.from_dir(self.model_dir)
+        if not self.cfg.auto_partition:
+            return self.cfg.partition(mcfg.num_layers)
+        if self.cfg.node_rank != 0:
+            return None
+        shape = BatchShape.for_engine(
+            self.cfg.micro_batch_size, self.cfg.chunked_prefill_size, self.cfg.context_len(mcfg.max_position_embeddings)
+        )
+        device = torch.device("cuda", 0) if self.cfg.resolved_device == "cuda" else torch.device("cpu")
+        counts, _ = choose_partition(mcfg, self.cfg.pp_size, shape, self.cfg.torch_dtype, device, self.cfg.threads)
+        return counts
 
     def check(self, timeout_ms: int = 0) -> None:
         """Take in status messages; raise `StageFailure` if a stage reported an error or died."""

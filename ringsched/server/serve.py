@@ -66,7 +66,7 @@ def run_server(
     model_dir = str(resolve_model(cfg.model, quiet=False))
     cfg = replace(cfg, log_level=log_level)  # the stages log at the server's level
     mcfg = ModelConfig.from_dir(model_dir)
-    cfg.partition(mcfg.num_layers)  # a bad --pp-layer-partition fails here, not in a child
+    cfg.check_partition(mcfg.num_layers)  # a bad --pp-layer-partition fails here, not in a child
     max_len = cfg.context_len(mcfg.max_position_embeddings)
     tokenizer = Tokenizer(model_dir)
     name = served_model_name or default_model_name(cfg.model, model_dir)

@@ -1,0 +1,209 @@
+"""`--pp-layer-partition auto`: measure what a decoder layer, the embedding and the head (final norm, lm_head
+and sampling) cost on this hardware, then cut the layers so the slowest stage is as fast as it can be.
+
+Why measure instead of assuming: the head's weight depends on the workload. ringsched runs the lm_head only on
+the rows that sample (one per decode, one per prefill chunk), so its cost against a layer's moves with the share
+of prefill tokens in a micro-batch, with the vocabulary size and with the CPU's matmul speed at each shape.
+
+The batch shape measured is the micro-batch a saturated engine builds with this config:
+`pp_max_micro_batch_size` decodes at a context of `AUTO_CONTEXT` tokens, plus one prefill chunk of as many
+tokens (capped by `--chunked-prefill-size`): a workload whose prompts are about as long as its outputs. Every
+decode and the prefill chunk sample. A workload with far more decode than prefill tokens puts relatively more
+weight on the head; give an explicit `--pp-layer-partition` for it.
+
+The launcher of node 0 measures once, before the stages start, with one stage's threads; the stages and the
+other nodes receive the decision as an explicit partition.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ringsched.comm.messages import BatchPlan, PlanEntry
+from ringsched.kv_cache import BlockTable, KVPool
+from ringsched.models.config import ModelConfig
+from ringsched.models.llama import StageModel
+from ringsched.scheduler.batch_builder import build_forward_batch
+from ringsched.stage import StageInfo
+
+logger = logging.getLogger(__name__)
+
+AUTO_CONTEXT = 256  # decode context length measured (tokens already in the KV cache)
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    decodes: int  # decode rows, one token each
+    prefill_tokens: int  # one prefill chunk of this many tokens (0: none)
+    context: int  # each decode's context length
+
+    def __post_init__(self) -> None:
+        if self.decodes < 0 or self.prefill_tokens < 0 or self.decodes + self.prefill_tokens < 1:
+            raise ValueError(f"a batch shape needs at least one token, got {self}")
+        if self.context < 1:
+            raise ValueError(f"decode context must be >= 1, got {self.context}")
+
+    @property
+    def tokens(self) -> int:
+        return self.decodes + self.prefill_tokens
+
+    @property
+    def sample_rows(self) -> int:
+        return self.decodes + (1 if self.prefill_tokens else 0)
+
+    @classmethod
+    def for_engine(cls, micro_batch_size: int, chunked_prefill_size: int, max_len: int) -> BatchShape:
+        return cls(micro_batch_size, min(micro_batch_size, chunked_prefill_size), min(AUTO_CONTEXT, max_len - 1))
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Milliseconds per micro-batch of `shape`."""
+
+    layer_ms: float
+    embed_ms: float
+    head_ms: float  # final norm + lm_head + sampling
+    shape: BatchShape
+
+    def stage_ms(self, counts: list[int]) -> list[float]:
+        """Predicted compute time of each stage for a partition."""
+        last = len(counts) - 1
+        return [
+            n * self.layer_ms + (self.embed_ms if k == 0 else 0.0) + (self.head_ms if k == last else 0.0)
+            for k, n in enumerate(counts)
+        ]
+
+
+def best_partition(num_layers: int, pp_size: int, costs: StageCosts) -> list[int]:
+    """The partition (every stage >= 1 layer) whose slowest stage is fastest; ties go to the most even split.
+
+    Dynamic programming over (stages placed, layers placed): best[k][n] is the best (slowest stage, sum of
+    squared layer counts, counts) for the first k stages holding the first n layers."""
+    if not 1 <= pp_size <= num_layers:
+        raise ValueError(f"cannot cut {num_layers} layers into {pp_size} stages")
+    last = pp_size - 1
+
+    def cost(k: int, n: int) -> float:
+        return n * costs.layer_ms + (costs.embed_ms if k == 0 else 0.0) + (costs.head_ms if k == last else 0.0)
+
+    best: list[dict[int, tuple[float, int, list[int]]]] = [{0: (0.0, 0, [])}]
+    for k in range(pp_size):
+        row: dict[int, tuple[float, int, list[int]]] = {}
+        for placed, (slowest, sq, counts) in best[k].items():
+            left_after = pp_size - k - 1  # stages still to fill, one layer each at least
+            for n in range(1, num_layers - placed - left_after + 1):
+                cand = (max(slowest, cost(k, n)), sq + n * n, counts + [n])
+                key = placed + n
+                if key not in row or _better(cand, row[key]):
+                    row[key] = cand
+        best.append(row)
+    return best[pp_size][num_layers][2]
+
+
+def _better(a: tuple[float, int, list[int]], b: tuple[float, int, list[int]]) -> bool:
+    # Differences under 0.1% are measurement noise: prefer the more even split then.
+    if abs(a[0] - b[0]) > 1e-3 * max(a[0], b[0]):
+        return a[0] < b[0]
+    return a[1] < b[1]
+
+
+def balance_loss(stage_ms: list[float]) -> float:
+    """Throughput lost against a perfect balance (every stage taking the mean): 1 - mean / slowest."""
+    return 1.0 - statistics.fmean(stage_ms) / max(stage_ms)
+
+
+@torch.inference_mode()
+def measure_costs(
+    mcfg: ModelConfig, shape: BatchShape, dtype: torch.dtype, device: torch.device, repeat: int = 7
+) -> StageCosts:
+    """Time one randomly initialised layer, the embedding and the head on a real paged-KV micro-batch."""
+    torch.manual_seed(0)
+    model = StageModel(mcfg, StageInfo(0, 1, 0, 1)).to(device=device, dtype=dtype)
+    blocks = BlockTable(-(-(shape.decodes * shape.context + shape.prefill_tokens) // 16) + 1, 16)
+    pool = KVPool(mcfg, 1, blocks.num_blocks, 16, dtype, device)
+    batch, ids = build_forward_batch(_plan(shape, blocks), blocks, device)
+    embed, layer, norm = model.model.embed_tokens, model.model.layers[0], model.model.norm
+    hidden = embed(ids)
+    residual = torch.randn_like(hidden)  # a middle layer's input: the residual stream already started
+    rows = batch.logit_rows
+
+    def run_layer() -> None:
+        layer(hidden, residual.clone(), batch, pool.caches[0])
+
+    def run_head() -> None:
+        out, _ = norm.add_forward(hidden[rows], residual[rows])
+        model.compute_logits(out).argmax(dim=-1)
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    return StageCosts(
+        layer_ms=_time_ms(run_layer, repeat, sync),
+        embed_ms=_time_ms(lambda: embed(ids), repeat, sync),
+        head_ms=_time_ms(run_head, repeat, sync),
+        shape=shape,
+    )
+
+
+def _plan(shape: BatchShape, blocks: BlockTable) -> BatchPlan:
+    entries = []
+    for i in range(shape.decodes):
+        blocks.ensure(f"d{i}", shape.context)
+        entries.append(PlanEntry(f"d{i}", shape.context - 1, [100 + i % 1000], samples=True))
+    if shape.prefill_tokens:
+        blocks.ensure("p", shape.prefill_tokens)
+        entries.append(PlanEntry("p", 0, [100 + i % 1000 for i in range(shape.prefill_tokens)], samples=True))
+    return BatchPlan(slot=0, seq=0, entries=entries)
+
+
+def _time_ms(fn: Callable[[], object], repeat: int, sync: Callable[[], None]) -> float:
+    for _ in range(2):  # warm up: first calls allocate and pick kernels
+        fn()
+    sync()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def choose_partition(
+    mcfg: ModelConfig, pp_size: int, shape: BatchShape, dtype: torch.dtype, device: torch.device, threads: int
+) -> tuple[list[int], StageCosts]:
+    """Measure with one stage's threads (and, on CPU, one stage's cores), pick the split, log the decision."""
+    if pp_size == 1:
+        return [mcfg.num_layers], StageCosts(0.0, 0.0, 0.0, shape)
+    saved_threads = torch.get_num_threads()
+    saved_cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    try:
+        torch.set_num_threads(threads)
+        if saved_cpus and device.type == "cpu" and len(saved_cpus) >= threads:
+            os.sched_setaffinity(0, sorted(saved_cpus)[:threads])
+        costs = measure_costs(mcfg, shape, dtype, device)
+    finally:
+        torch.set_num_threads(saved_threads)
+        if saved_cpus:
+            os.sched_setaffinity(0, saved_cpus)
+    counts = best_partition(mcfg.num_layers, pp_size, costs)
+    log_choice(counts, costs)
+    return counts, costs
+
+
+def log_choice(counts: list[int], costs: StageCosts) -> None:
+    ms = costs.stage_ms(counts)
+    s = costs.shape
+    logger.info(
+        "--pp-layer-partition auto: %s. Measured per micro-batch of %d decodes (context %d) + %d prefill tokens: "
+        "layer %.2f ms, embedding %.2f ms, norm+lm_head+sampling %.2f ms (= %.1f layers). Predicted stage times "
+        "%s ms; %.1f%% lost against a perfect balance",
+        ",".join(map(str, counts)), s.decodes, s.context, s.prefill_tokens, costs.layer_ms, costs.embed_ms,
+        costs.head_ms, costs.head_ms / max(costs.layer_ms, 1e-9), [round(t, 2) for t in ms], 100 * balance_loss(ms),
+    )  # fmt: skip
+

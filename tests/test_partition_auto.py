@@ -1,0 +1,148 @@
+"""`--pp-layer-partition auto`: the min-max choice on given costs, the measurement on a real micro-batch, the
+launcher resolving it before the stages start, and other nodes taking node 0's decision."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+
+import pytest
+import torch
+
+from ringsched.config import ConfigError, EngineConfig
+from ringsched.models.config import ModelConfig
+from ringsched.partition import ENV_OVERRIDE
+from ringsched.partition_auto import BatchShape, StageCosts, balance_loss, best_partition, choose_partition
+
+SHAPE = BatchShape(decodes=64, prefill_tokens=64, context=256)
+
+
+def brute_force(num_layers: int, pp: int, costs: StageCosts) -> float:
+    best = float("inf")
+    for cut in itertools.combinations(range(1, num_layers), pp - 1):
+        bounds = (0, *cut, num_layers)
+        counts = [bounds[i + 1] - bounds[i] for i in range(pp)]
+        best = min(best, max(costs.stage_ms(counts)))
+    return best
+
+
+@pytest.mark.parametrize("head_layers", [0.0, 2.0, 8.0, 40.0])
+@pytest.mark.parametrize("layers,pp", [(30, 2), (30, 3), (12, 4), (7, 7)])
+def test_best_partition_minimises_the_slowest_stage(layers, pp, head_layers):
+    costs = StageCosts(layer_ms=1.0, embed_ms=0.3, head_ms=head_layers, shape=SHAPE)
+    counts = best_partition(layers, pp, costs)
+    assert sum(counts) == layers and len(counts) == pp and min(counts) >= 1
+    assert max(costs.stage_ms(counts)) == pytest.approx(brute_force(layers, pp, costs))
+
+
+def test_head_weight_moves_layers_to_the_front_and_ties_go_even():
+    assert best_partition(30, 2, StageCosts(1.0, 0.0, 0.0, SHAPE)) == [15, 15]
+    assert best_partition(30, 2, StageCosts(1.0, 0.0, 8.0, SHAPE)) == [19, 11]  # the issue's "8 layers" head
+    assert best_partition(30, 3, StageCosts(1.0, 0.0, 3.0, SHAPE)) == [11, 11, 8]
+    # A split the head makes lopsided reports its loss against a perfect balance.
+    ms = StageCosts(1.0, 0.0, 8.0, SHAPE).stage_ms([19, 11])
+    assert ms == [19.0, 19.0] and balance_loss(ms) == 0.0
+    assert balance_loss([10.0, 5.0]) == pytest.approx(0.25)
+
+
+def test_batch_shape_from_the_engine_config():
+    s = BatchShape.for_engine(micro_batch_size=64, chunked_prefill_size=48, max_len=8192)
+    assert (s.decodes, s.prefill_tokens, s.context, s.tokens, s.sample_rows) == (64, 48, 256, 112, 65)
+    assert BatchShape.for_engine(4, 512, max_len=100).context == 99
+    with pytest.raises(ValueError):
+        BatchShape(0, 0, 10)
+
+
+def test_measured_costs_grow_with_the_work(tiny_llama_dir):
+    """Costs come from timing real layers: a bigger batch costs more, and the head scales with the vocab."""
+    mcfg = ModelConfig.from_dir(tiny_llama_dir)
+    small, big = BatchShape(2, 0, 16), BatchShape(64, 256, 64)
+    from ringsched.partition_auto import measure_costs
+
+    c_small = measure_costs(mcfg, small, torch.float32, torch.device("cpu"))
+    c_big = measure_costs(mcfg, big, torch.float32, torch.device("cpu"))
+    assert 0 < c_small.layer_ms < c_big.layer_ms
+    assert c_small.head_ms > 0 and c_small.embed_ms > 0
+
+
+def test_choose_partition_logs_the_decision_and_restores_threads(tiny_llama_dir, caplog):
+    mcfg = ModelConfig.from_dir(tiny_llama_dir)
+    threads = torch.get_num_threads()
+    with caplog.at_level(logging.INFO, logger="ringsched.partition_auto"):
+        counts, costs = choose_partition(mcfg, 2, SHAPE, torch.float32, torch.device("cpu"), threads=1)
+    assert sum(counts) == mcfg.num_layers and len(counts) == 2
+    assert counts == best_partition(mcfg.num_layers, 2, costs)
+    assert torch.get_num_threads() == threads
+    text = caplog.text
+    assert "auto: " + ",".join(map(str, counts)) in text and "lost against a perfect balance" in text
+
+
+def test_auto_in_the_config_and_the_environment(monkeypatch):
+    cfg = EngineConfig(pp_size=2, pp_layer_partition="auto")
+    assert cfg.auto_partition
+    cfg.check_partition(30)  # fine: the launcher decides
+    with pytest.raises(ConfigError, match="auto"):
+        cfg.partition(30)
+    monkeypatch.setenv(ENV_OVERRIDE, "auto")
+    assert EngineConfig(pp_size=2).auto_partition
+    assert not EngineConfig(pp_size=2, pp_layer_partition="16,14").auto_partition
+
+
+def test_other_nodes_take_node_0s_decision(tiny_llama_dir):
+    """Node 0 publishes its measured split; node 1, started with `auto`, adopts it; an explicit different
+    split on node 1 is still refused."""
+    from ringsched.rendezvous import Rendezvous, RendezvousError
+    from ringsched.supervisor import free_port
+
+    def cfg(rank: int, port: int) -> EngineConfig:
+        return EngineConfig(
+            model=str(tiny_llama_dir), pp_size=2, nnodes=2, node_rank=rank, dist_init_addr=f"127.0.0.1:{port}",
+            host_ip="127.0.0.1", dist_timeout=20, pp_layer_partition="auto",
+        )  # fmt: skip
+
+    def meet(node1_partition: list[int] | None) -> tuple[list, list]:
+        port = free_port()
+        head = Rendezvous(cfg(0, port), "tiny", str(tiny_llama_dir), [4, 2])
+        results: dict[int, object] = {}
+
+        def join(r: Rendezvous, rank: int) -> None:
+            try:
+                r.join()
+                results[rank] = r.partition
+            except RendezvousError as e:
+                results[rank] = e
+
+        other = Rendezvous(cfg(1, port), "tiny", str(tiny_llama_dir), node1_partition)
+        threads = [threading.Thread(target=join, args=(r, i)) for i, r in enumerate((head, other))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        for r in (other, head):
+            r.close()
+        return results[0], results[1]
+
+    assert meet(None) == ([4, 2], [4, 2])
+    r0, r1 = meet([2, 2])
+    assert isinstance(r1, RendezvousError) and "partition" in str(r1)
+
+
+def test_engine_with_auto_runs_the_measured_split(tiny_llama_dir, caplog):
+    """End to end: the launcher measures, the stages load the split it chose, and the tokens are PP=1's."""
+    from ringsched.engine import Engine
+    from ringsched.sampling import SamplingParams
+
+    prompts = [[5 + i, 17, 99, 3 * i + 1] for i in range(6)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    with Engine(str(tiny_llama_dir), pp_size=1, threads_per_stage=1, kv_cache_memory="16M") as llm:
+        want = [o.token_ids for o in llm.generate(prompts, params)]
+    with caplog.at_level(logging.INFO, logger="ringsched.partition_auto"):
+        with Engine(str(tiny_llama_dir), pp_size=2, threads_per_stage=1, kv_cache_memory="16M",
+                    pp_layer_partition="auto") as llm:  # fmt: skip
+            got = [o.token_ids for o in llm.generate(prompts, params)]
+            decided = [int(c) for c in llm.supervisor.cfg.pp_layer_partition.split(",")]
+            layers = [llm.supervisor.info[r]["layers"] for r in range(2)]
+    assert got == want
+    assert sum(decided) == 6 and layers == [[0, decided[0]], [decided[0], 6]]
+    assert "--pp-layer-partition auto: " + ",".join(map(str, decided)) in caplog.text
