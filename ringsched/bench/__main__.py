@@ -1,41 +1,41 @@
-"""`python -m ringsched.bench {offline,serve,cores}`: the offline engine, a running server, or the CPUs."""
+"""`python -m ringsched.bench {offline,serve,sweep,hf,cores}`: the offline engine, a running server, a ladder of
+request rates against launched servers, transformers on the same requests, or the CPUs."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+
+# command -> (module, help); each module has add_<command>_args(parser) and run_<command>(args).
+COMMANDS = {
+    "offline": ("ringsched.bench.offline", "saturate the offline engine (no HTTP)"),
+    "serve": ("ringsched.bench.serve", "benchmark an OpenAI-compatible server, like `vllm bench serve`"),
+    "sweep": ("ringsched.bench.sweep", "launch servers per configuration and run `serve` at a ladder of rates"),
+    "hf": ("ringsched.bench.hf", "transformers' generate and generate_batch on the same requests"),
+    "cores": ("ringsched.bench.cores", "how much parallel compute this machine's CPUs give"),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ringsched.bench")
     sub = p.add_subparsers(dest="command", required=True)
-    from ringsched.bench.offline import add_offline_args
-
-    add_offline_args(sub.add_parser("offline", help="saturate the offline engine (no HTTP)"))
-    from ringsched.bench.cores import add_cores_args
-
-    add_cores_args(sub.add_parser("cores", help="how much parallel compute this machine's CPUs give"))
-    serve = sub.add_parser("serve", help="benchmark an OpenAI-compatible server, like `vllm bench serve`")
-    try:
-        from ringsched.bench.serve import add_serve_args
-    except ImportError as e:  # aiohttp/tqdm come with the `bench` and `dev` extras
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    add_serve_args(serve)
+    modules = {}
+    for name, (module, help_text) in COMMANDS.items():
+        sp = sub.add_parser(name, help=help_text)
+        try:
+            modules[name] = importlib.import_module(module)
+        except ImportError as e:  # aiohttp, tqdm, matplotlib come with the `bench` and `dev` extras
+            modules[name] = e
+            continue
+        getattr(modules[name], f"add_{name}_args")(sp)
     args = p.parse_args(argv)
-    if args.command == "cores":
-        from ringsched.bench.cores import run_cores
-
-        run_cores(args)
-    elif args.command == "offline":
-        from ringsched.bench.offline import run_offline
-
-        run_offline(args)
-    else:
-        from ringsched.bench.serve import run_serve
-
-        run_serve(args)
-    return 0
+    mod = modules[args.command]
+    if isinstance(mod, ImportError):
+        print(f"error: {mod}; pip install 'ringsched[bench]'", file=sys.stderr)
+        return 2
+    result = getattr(mod, f"run_{args.command}")(args)
+    return result if isinstance(result, int) else 0
 
 
 if __name__ == "__main__":
