@@ -1,0 +1,52 @@
+"""Per-stage accounting read from a running server's `/metrics`, for `bench sweep`.
+
+Contract: `parse_stage_metrics(text)` reads the Prometheus text into `{stage: {"compute_s", "wait_s",
+"sched_s", "comm_s", "peak_memory_bytes"}}` (the `ringsched:stage_time_seconds` gauges are cumulative
+seconds since the stage started, idle time left out); `stage_deltas(before, after, duration)` turns two such
+snapshots into what each stage spent in between, with `busy_fraction` = compute seconds / `duration`.
+"""
+
+from __future__ import annotations
+
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+TIME_KINDS = ("compute", "wait", "sched", "comm")
+TIME_METRIC = "ringsched:stage_time_seconds"
+MEMORY_METRIC = "ringsched:stage_peak_memory_bytes"
+
+
+def scrape_stages(base_url: str, timeout: float = 10.0) -> dict[int, dict[str, float]]:
+    """GET `{base_url}/metrics` and parse the per-stage gauges."""
+    with urllib.request.urlopen(f"{base_url.rstrip('/')}/metrics", timeout=timeout) as resp:
+        return parse_stage_metrics(resp.read().decode("utf-8"))
+
+
+def parse_stage_metrics(text: str) -> dict[int, dict[str, float]]:
+    stages: dict[int, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == TIME_METRIC and s.labels.get("kind") in TIME_KINDS:
+                stages.setdefault(int(s.labels["stage"]), {})[f"{s.labels['kind']}_s"] = s.value
+            elif s.name == MEMORY_METRIC:
+                stages.setdefault(int(s.labels["stage"]), {})["peak_memory_bytes"] = s.value
+    return stages
+
+
+def stage_deltas(
+    before: dict[int, dict[str, float]], after: dict[int, dict[str, float]], duration: float
+) -> list[dict[str, float | int]]:
+    """One dict per stage (in stage order): seconds of each kind spent between the snapshots, the busy
+    fraction over `duration`, and the peak memory so far. A stage missing from `before` starts at zero."""
+    rows: list[dict[str, float | int]] = []
+    for rank in sorted(after):
+        start, end = before.get(rank, {}), after[rank]
+        row: dict[str, float | int] = {"stage": rank}
+        for kind in TIME_KINDS:
+            key = f"{kind}_s"
+            row[key] = max(end.get(key, 0.0) - start.get(key, 0.0), 0.0)
+        row["busy_fraction"] = row["compute_s"] / duration if duration > 0 else 0.0
+        row["peak_memory_bytes"] = int(end.get("peak_memory_bytes", 0))
+        rows.append(row)
+    return rows
