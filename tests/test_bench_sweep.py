@@ -30,7 +30,8 @@ def test_config_strings_become_launcher_flags():
         "--pp-size", "2", "--threads-per-stage", "1", "--pp-async-batch-depth", "1",
         "--pp-layer-partition", "4,2", "--dtype", "bfloat16", "--pp-max-micro-batch-size", "8",
     ]  # fmt: skip
-    assert ServerConfig.parse("pp=2,partition=auto").flags == ["--pp-size", "2"]  # auto: the default split
+    assert ServerConfig.parse("pp=2,partition=auto").flags == ["--pp-size", "2", "--pp-layer-partition", "auto"]
+    assert ServerConfig.parse("pp=2,running=256").flags == ["--pp-size", "2", "--max-running-requests", "256"]
     assert ServerConfig.parse("threads=2").flags == ["--threads-per-stage", "2"]
 
 

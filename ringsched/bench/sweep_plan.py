@@ -20,9 +20,10 @@ CONFIG_FLAGS = {
     "partition": "--pp-layer-partition",
     "dtype": "--dtype",
     "mbs": "--pp-max-micro-batch-size",
+    "running": "--max-running-requests",
 }
 DTYPES = ("float32", "bfloat16", "float16")
-EXAMPLE = "e.g. --config pp=2,threads=1,partition=16:14"
+EXAMPLE = "e.g. --config pp=2,threads=1,partition=16:14 (or partition=auto)"
 
 
 class SweepConfigError(ValueError):
@@ -31,26 +32,27 @@ class SweepConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """One server configuration of the sweep. Unset fields keep the launcher's defaults; `partition=None`
-    is `partition=auto` (the default split). `label` is the `--config` string as given."""
+    """One server configuration of the sweep. Unset fields keep the launcher's defaults (`partition=None`: the
+    even split); `partition="auto"` is the launcher's measured split. `label` is the `--config` string."""
 
     label: str
     pp: int | None = None
     threads: int | None = None
     depth: int | None = None
-    partition: tuple[int, ...] | None = None
+    partition: tuple[int, ...] | str | None = None
     dtype: str | None = None
     mbs: int | None = None
+    running: int | None = None
 
     def __post_init__(self) -> None:
         where = f"--config {self.label!r}"
-        for key, low in (("pp", 1), ("threads", 1), ("depth", 0), ("mbs", 1)):
+        for key, low in (("pp", 1), ("threads", 1), ("depth", 0), ("mbs", 1), ("running", 1)):
             value = getattr(self, key)
             if value is not None and value < low:
                 raise SweepConfigError(f"{where}: {key} must be >= {low}, got {value}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise SweepConfigError(f"{where}: dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.partition is not None:
+        if self.partition is not None and self.partition != "auto":
             if any(c < 1 for c in self.partition):
                 raise SweepConfigError(f"{where}: every stage of partition needs at least one layer")
             if len(self.partition) != (self.pp or 1):
@@ -85,7 +87,8 @@ class ServerConfig:
         for key, flag in CONFIG_FLAGS.items():
             value = getattr(self, key)
             if value is not None:
-                flags += [flag, ",".join(map(str, value)) if key == "partition" else str(value)]
+                joined = key == "partition" and not isinstance(value, str)
+                flags += [flag, ",".join(map(str, value)) if joined else str(value)]
         return flags
 
 
@@ -94,7 +97,7 @@ def _parse_value(where: str, key: str, value: str) -> object:
         return value
     if key == "partition":
         if value == "auto":
-            return None
+            return value
         # ':' separates stages because ',' already separates the keys of a --config string.
         return tuple(_int(where, key, v) for v in value.split(":"))
     return _int(where, key, value)
