@@ -2,19 +2,22 @@
 # Interleaved repeats of the "adding a stage" pair (docs/performance.md): for each repeat, how much
 # parallel compute the two CPUs give right now (`bench cores`), then PP=1 and PP=2 (even split) back to back,
 # alternating which goes first. Prints each pair's ratio and the medians. Run on an otherwise idle machine.
-# Usage: scripts/bench_pairs.sh [OUT_DIR] [REPEATS] [NUM_PROMPTS] [extra PP=2 flags...]
+# Usage: [KV=2G] [PP1_ARGS="..."] scripts/bench_pairs.sh [OUT_DIR] [REPEATS] [NUM_PROMPTS] [extra PP=2 flags...]
+# e.g. each stage holding the same resources (one core, 2G of KV), so PP=2 runs twice the requests:
+#   KV=2G PP1_ARGS="--max-running-requests 128" scripts/bench_pairs.sh out 3 256 \
+#       --max-running-requests 256 --pp-layer-partition auto
 set -euo pipefail
 out=${1:-bench-pairs}
 reps=${2:-3}
 n=${3:-256}
 shift $(( $# < 3 ? $# : 3 ))
 mkdir -p "$out"
-common="--threads-per-stage 1 --num-prompts $n --input-len 128 --output-len 128 --kv-cache-memory 1G --json"
+common="--threads-per-stage 1 --num-prompts $n --input-len 128 --output-len 128 --kv-cache-memory ${KV:-1G} --json"
 for i in $(seq 1 "$reps"); do
     python -m ringsched.bench cores --cpus 2 --repeat 3 --json | tail -1 > "$out/cores_$i.json"
     if (( i % 2 )); then order="1 2"; else order="2 1"; fi
     for pp in $order; do
-        extra=""; if [[ $pp == 2 ]]; then extra="$*"; fi
+        extra="${PP1_ARGS:-}"; if [[ $pp == 2 ]]; then extra="$*"; fi
         python -m ringsched.bench offline --pp-size "$pp" $common $extra | tail -1 > "$out/pp${pp}_$i.json"
     done
 done

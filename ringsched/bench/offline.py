@@ -1,15 +1,22 @@
-"""`python -m ringsched.bench offline`: saturate the offline engine with random prompts and report throughput
-and each stage's busy fraction (time in compute over the benchmark's wall time)."""
+"""`python -m ringsched.bench offline`: saturate the offline engine with random prompts and report throughput,
+where each stage's time went (compute, waiting on a neighbour, scheduling, communication), its model FLOP/s
+against a plain matmul of the same shapes measured beside it, and its peak memory against its budget."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import statistics
 import time
 
+from ringsched.bench.efficiency import FlopModel, efficiency, matmul_gflops, mean_context, stage_flops
+from ringsched.bench.memory import format_memory, stage_memory
 from ringsched.cli_args import add_engine_args, config_from_args, engine_kwargs
+
+TIME_KEYS = ("compute_s", "wait_s", "sched_s", "comm_s")
+COUNT_KEYS = ("batches", "tokens", "sample_rows")
 
 
 def add_offline_args(p: argparse.ArgumentParser) -> None:
@@ -19,6 +26,8 @@ def add_offline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--warmup-prompts", type=int, default=8, help="run first, not measured")
     p.add_argument("--repeat", type=int, default=1, help="measured runs in one engine; medians are reported")
+    p.add_argument("--efficiency", action=argparse.BooleanOptionalAction, default=True,
+                   help="after the run, time a plain matmul of the model's shapes to compare FLOP/s (~3 s)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--log-level", default="warning")
 
@@ -27,18 +36,48 @@ def _prompts(n: int, length: int, vocab: int, rng: random.Random) -> list[list[i
     return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(n)]
 
 
-def _one_run(llm, prompts, params) -> dict:
-    before = {r: dict(s) for r, s in llm.supervisor.stats.items()}
+def _fresh_stats(llm) -> dict[int, dict]:
+    """Every stage's stats as of now: stages report every 0.5 s, idle or not, so wait for one more report."""
+    time.sleep(0.7)
+    llm.poll(0.05)
+    return {r: dict(s) for r, s in llm.supervisor.stats.items()}
+
+
+def _stage_deltas(before: dict[int, dict], after: dict[int, dict]) -> list[dict]:
+    return [{k: after[r][k] - before.get(r, {}).get(k, 0) for k in TIME_KEYS + COUNT_KEYS} for r in sorted(after)]
+
+
+def _one_run(llm, prompts, params, before: dict[int, dict]) -> tuple[dict, dict[int, dict]]:
+    """One measured run; returns its figures and the stats after it (the next run's `before`)."""
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
-    time.sleep(0.7)  # one more stats report from every stage
-    llm.poll(0.05)
-    after = llm.supervisor.stats
-    busy = [(after[r]["compute_s"] - before.get(r, {}).get("compute_s", 0.0)) / elapsed for r in sorted(after)]
+    after = _fresh_stats(llm)
+    deltas = _stage_deltas(before, after)
+    fractions = [{k.removesuffix("_s"): d[k] / elapsed for k in TIME_KEYS} for d in deltas]
     tokens = sum(len(o.token_ids) for o in outs)
-    return {"elapsed_s": elapsed, "output_tokens": tokens, "output_tokens_per_s": tokens / elapsed,
-            "requests_per_s": len(outs) / elapsed, "stage_busy_fraction": busy}
+    run = {"elapsed_s": elapsed, "output_tokens": tokens, "output_tokens_per_s": tokens / elapsed,
+           "requests_per_s": len(outs) / elapsed, "stage_busy_fraction": [f["compute"] for f in fractions],
+           "stage_time_fractions": fractions, "stage_deltas": deltas}  # fmt: skip
+    return run, after
+
+
+def _median_per_stage(per_run: list[list[dict]]) -> list[dict]:
+    """Per stage and key, the median over runs."""
+    return [{k: statistics.median(run[i][k] for run in per_run) for k in per_run[0][i]}
+            for i in range(len(per_run[0]))]  # fmt: skip
+
+
+def _efficiency(cfg, mcfg, runs: list[dict], partition: list[int], input_len: int, output_len: int) -> dict:
+    """Model FLOP/s per stage, the matmul reference (the engine has exited: nothing competes) and their ratio."""
+    flops = FlopModel.of(mcfg, mean_context(input_len, output_len))
+    per_stage = _median_per_stage([stage_flops(r["stage_deltas"], partition, flops, r["elapsed_s"]) for r in runs])
+    first = [r["stage_deltas"][0] for r in runs]
+    rows = sum(d["tokens"] for d in first) / max(sum(d["batches"] for d in first), 1)
+    device = "cuda:0" if cfg.resolved_device == "cuda" else "cpu"
+    ref = matmul_gflops(round(rows), mcfg, cfg.torch_dtype, cfg.threads, device)
+    return {"flop_model": dataclasses.asdict(flops), "stage_flops": per_stage, "matmul_reference": ref,
+            "efficiency": efficiency(per_stage, ref["gflops_per_s"])}  # fmt: skip
 
 
 def run_offline(args: argparse.Namespace) -> dict:
@@ -47,27 +86,50 @@ def run_offline(args: argparse.Namespace) -> dict:
     from ringsched.models.config import ModelConfig
     from ringsched.sampling import SamplingParams
 
-    vocab = ModelConfig.from_dir(cfg.model).vocab_size
+    mcfg = ModelConfig.from_dir(cfg.model)
     rng = random.Random(cfg.seed)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-    kwargs = engine_kwargs(cfg)
-    with Engine(model=cfg.model, **kwargs) as llm:
+    with Engine(model=cfg.model, **engine_kwargs(cfg)) as llm:
         if args.warmup_prompts:
-            llm.generate(_prompts(args.warmup_prompts, args.input_len, vocab, rng), params)
-        runs = [_one_run(llm, _prompts(args.num_prompts, args.input_len, vocab, rng), params)
-                for _ in range(args.repeat)]
-        partition = cfg.partition(ModelConfig.from_dir(cfg.model).num_layers)
+            llm.generate(_prompts(args.warmup_prompts, args.input_len, mcfg.vocab_size, rng), params)
+        before, runs = _fresh_stats(llm), []
+        for _ in range(args.repeat):
+            run, before = _one_run(llm, _prompts(args.num_prompts, args.input_len, mcfg.vocab_size, rng), params,
+                                   before)  # fmt: skip
+            runs.append(run)
+        info = {r: dict(i) for r, i in llm.supervisor.info.items()}
+    partition = [info[r]["layers"][1] - info[r]["layers"][0] for r in sorted(info)]  # as run (`auto` decided)
     med = {k: statistics.median(r[k] for r in runs) for k in ("output_tokens_per_s", "requests_per_s", "elapsed_s")}
     busy = [statistics.median(r["stage_busy_fraction"][i] for r in runs) for i in range(cfg.pp_size)]
     result = {
         "pp_size": cfg.pp_size, "threads_per_stage": cfg.threads, "pp_async_batch_depth": cfg.pp_async_batch_depth,
         "partition": partition, "num_prompts": args.num_prompts, "input_len": args.input_len,
-        "output_len": args.output_len, "dtype": cfg.dtype, **med, "stage_busy_fraction": busy, "runs": runs,
+        "output_len": args.output_len, "dtype": cfg.dtype, **med, "stage_busy_fraction": busy,
+        "stage_time_fractions": _median_per_stage([r["stage_time_fractions"] for r in runs]),
+        "stage_memory": [stage_memory(before[r], info[r]) for r in sorted(info)], "runs": runs,
     }  # fmt: skip
-    print(f"pp={cfg.pp_size} threads/stage={cfg.threads} depth={cfg.pp_async_batch_depth} partition={partition}")
-    print(f"  output tokens/s: {med['output_tokens_per_s']:.1f}   requests/s: {med['requests_per_s']:.3f}   "
-          f"elapsed: {med['elapsed_s']:.1f}s (median of {len(runs)})")
-    print("  stage busy fraction: " + ", ".join(f"stage {i}: {b:.1%}" for i, b in enumerate(busy)))
+    if args.efficiency:
+        result |= _efficiency(cfg, mcfg, runs, partition, args.input_len, args.output_len)
+    _print_report(result, len(runs))
     if args.json:
         print(json.dumps(result))
     return result
+
+
+def _print_report(r: dict, n_runs: int) -> None:
+    print(f"pp={r['pp_size']} threads/stage={r['threads_per_stage']} depth={r['pp_async_batch_depth']} "
+          f"partition={r['partition']}")  # fmt: skip
+    print(f"  output tokens/s: {r['output_tokens_per_s']:.1f}   requests/s: {r['requests_per_s']:.3f}   "
+          f"elapsed: {r['elapsed_s']:.1f}s (median of {n_runs})")
+    print("  stage busy fraction: " + ", ".join(f"stage {i}: {b:.1%}" for i, b in enumerate(r["stage_busy_fraction"])))
+    if "matmul_reference" in r:
+        ref = r["matmul_reference"]
+        print(f"  matmul reference: [{ref['rows']}, {ref['hidden']}] x [{ref['intermediate']}, {ref['hidden']}] "
+              f"{r['dtype']}, {ref['threads']} thread(s): {ref['gflops_per_s']:.1f} GFLOP/s")
+    for i, (f, mem) in enumerate(zip(r["stage_time_fractions"], r["stage_memory"], strict=True)):
+        parts = [" ".join(f"{k} {v:.0%}" for k, v in f.items())]
+        if "efficiency" in r:
+            s, ref = r["stage_flops"][i], r["matmul_reference"]["gflops_per_s"]
+            parts.append(f"{s['gflops_per_s_wall']:.1f} GFLOP/s model (matmul {ref:.1f}) = {r['efficiency'][i]:.0%}")
+        parts.append(format_memory(mem))
+        print(f"  stage {i}: " + " | ".join(parts))

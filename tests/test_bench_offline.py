@@ -1,0 +1,78 @@
+"""`bench offline`'s accounting: the FLOP formula and the memory budget on hand-made inputs, then one real run
+on a tiny random model that must report time fractions, efficiency and memory for both stages."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from ringsched.bench.efficiency import (
+    FlopModel,
+    layer_flops_per_token,
+    layer_matmul_params,
+    lm_head_flops_per_row,
+    mean_context,
+)
+from ringsched.bench.memory import OVERHEAD_BUDGET_BYTES, format_memory, stage_memory
+from ringsched.bench.offline import add_offline_args, run_offline
+from ringsched.models.config import ModelConfig
+
+MIB = 2**20
+
+
+def _tiny() -> ModelConfig:
+    return ModelConfig.from_dict({
+        "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "hidden_size": 8, "intermediate_size": 16,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 10,
+    })  # fmt: skip
+
+
+def test_flops_of_a_hand_computed_config():
+    m = _tiny()  # head_dim 4: q 8x8, k and v 8x4 each, o 8x8, gate/up/down 8x16 each
+    assert layer_matmul_params(m) == 64 + 32 + 32 + 64 + 3 * 128 == 576
+    assert layer_flops_per_token(m, context=5) == 2 * 576 + 4 * 5 * 2 * 4 == 1312
+    assert lm_head_flops_per_row(m) == 2 * 8 * 10
+    # prompt of 3 then 2 new tokens: computed positions 0..3 attend to 1..4 positions, mean 2.5
+    assert mean_context(3, 2) == 2.5
+    flops = FlopModel.of(m, 5)
+    assert flops.stage_flops(tokens=7, layers=2, sample_rows=3) == 7 * 2 * 1312 + 3 * 160
+
+
+def test_memory_budget_arithmetic():
+    info = {"weights_bytes": 100 * MIB, "kv_bytes": 200 * MIB}
+    ok = stage_memory({"peak_rss_bytes": 550 * MIB, "peak_device_bytes": 0}, info)
+    assert ok["source"] == "rss" and ok["overhead_bytes"] == 250 * MIB and ok["within_budget"]
+    assert format_memory(ok) == "peak 550 MiB = weights 100 + KV 200 + 250 overhead"
+    edge = stage_memory({"peak_rss_bytes": 300 * MIB + OVERHEAD_BUDGET_BYTES, "peak_device_bytes": 0}, info)
+    assert edge["within_budget"]
+    over = stage_memory({"peak_rss_bytes": 601 * MIB, "peak_device_bytes": 0}, info)
+    assert not over["within_budget"] and "over the 300 MiB budget" in format_memory(over)
+    gpu = stage_memory({"peak_rss_bytes": 5000 * MIB, "peak_device_bytes": 310 * MIB}, info)
+    assert gpu["source"] == "device" and gpu["overhead_bytes"] == 10 * MIB
+
+
+@pytest.mark.timeout(120)
+def test_offline_reports_time_efficiency_and_memory_per_stage(tiny_llama_dir, capsys):
+    p = argparse.ArgumentParser()
+    add_offline_args(p)
+    args = p.parse_args([
+        "--model", str(tiny_llama_dir), "--pp-size", "2", "--threads-per-stage", "1", "--kv-cache-memory", "16M",
+        "--num-prompts", "8", "--input-len", "16", "--output-len", "8", "--warmup-prompts", "2", "--json",
+    ])  # fmt: skip
+    r = run_offline(args)
+    assert len(r["stage_time_fractions"]) == len(r["efficiency"]) == len(r["stage_memory"]) == 2
+    for f in r["stage_time_fractions"]:
+        assert set(f) == {"compute", "wait", "sched", "comm"}
+        assert all(0.0 <= v <= 1.05 for v in f.values()), f
+        assert sum(f.values()) <= 1.05, f
+    deltas = r["runs"][0]["stage_deltas"]
+    # every stage runs every token of the 8 requests: the prompt and all new tokens but the last
+    assert [d["tokens"] for d in deltas] == [8 * (16 + 8 - 1)] * 2
+    assert deltas[0]["sample_rows"] == 0 and deltas[1]["sample_rows"] == 8 * 8
+    assert r["matmul_reference"]["gflops_per_s"] > 0
+    assert all(e > 0 for e in r["efficiency"])
+    for m in r["stage_memory"]:
+        assert m["peak_bytes"] > m["weights_bytes"] > 0 and m["kv_bytes"] > 0
+    out = capsys.readouterr().out
+    assert "stage 1: compute" in out and "GFLOP/s model" in out and "overhead" in out
