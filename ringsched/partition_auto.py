@@ -65,20 +65,26 @@ class BatchShape:
 
 @dataclass(frozen=True)
 class StageCosts:
-    """Milliseconds per micro-batch of `shape`."""
+    """Milliseconds per micro-batch of `shape`. `layer_ms[k]` is a layer's cost on stage k's cores: cores of one
+    machine need not be equally fast (one may take the host's interrupts)."""
 
-    layer_ms: float
+    layer_ms: tuple[float, ...]
     embed_ms: float
     head_ms: float  # final norm + lm_head + sampling
     shape: BatchShape
 
+    @classmethod
+    def uniform(cls, layer_ms: float, embed_ms: float, head_ms: float, shape: BatchShape, pp: int) -> StageCosts:
+        return cls((layer_ms,) * pp, embed_ms, head_ms, shape)
+
+    def cost(self, k: int, n: int) -> float:
+        """Stage k of `len(layer_ms)` holding n layers."""
+        first, last = k == 0, k == len(self.layer_ms) - 1
+        return n * self.layer_ms[k] + (self.embed_ms if first else 0.0) + (self.head_ms if last else 0.0)
+
     def stage_ms(self, counts: list[int]) -> list[float]:
         """Predicted compute time of each stage for a partition."""
-        last = len(counts) - 1
-        return [
-            n * self.layer_ms + (self.embed_ms if k == 0 else 0.0) + (self.head_ms if k == last else 0.0)
-            for k, n in enumerate(counts)
-        ]
+        return [self.cost(k, n) for k, n in enumerate(counts)]
 
 
 def best_partition(num_layers: int, pp_size: int, costs: StageCosts) -> list[int]:
@@ -88,11 +94,9 @@ def best_partition(num_layers: int, pp_size: int, costs: StageCosts) -> list[int
     squared layer counts, counts) for the first k stages holding the first n layers."""
     if not 1 <= pp_size <= num_layers:
         raise ValueError(f"cannot cut {num_layers} layers into {pp_size} stages")
-    last = pp_size - 1
-
-    def cost(k: int, n: int) -> float:
-        return n * costs.layer_ms + (costs.embed_ms if k == 0 else 0.0) + (costs.head_ms if k == last else 0.0)
-
+    if len(costs.layer_ms) != pp_size:
+        raise ValueError(f"costs for {len(costs.layer_ms)} stages, asked to cut into {pp_size}")
+    cost = costs.cost
     best: list[dict[int, tuple[float, int, list[int]]]] = [{0: (0.0, 0, [])}]
     for k in range(pp_size):
         row: dict[int, tuple[float, int, list[int]]] = {}
@@ -123,7 +127,8 @@ def balance_loss(stage_ms: list[float]) -> float:
 def measure_costs(
     mcfg: ModelConfig, shape: BatchShape, dtype: torch.dtype, device: torch.device, repeat: int = 7
 ) -> StageCosts:
-    """Time one randomly initialised layer, the embedding and the head on a real paged-KV micro-batch."""
+    """Time one randomly initialised layer, the embedding and the head on a real paged-KV micro-batch, on the
+    cores this process runs on (a one-stage `StageCosts`)."""
     torch.manual_seed(0)
     model = StageModel(mcfg, StageInfo(0, 1, 0, 1)).to(device=device, dtype=dtype)
     blocks = BlockTable(-(-(shape.decodes * shape.context + shape.prefill_tokens) // 16) + 1, 16)
@@ -143,7 +148,7 @@ def measure_costs(
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     return StageCosts(
-        layer_ms=_time_ms(run_layer, repeat, sync),
+        layer_ms=(_time_ms(run_layer, repeat, sync),),
         embed_ms=_time_ms(lambda: embed(ids), repeat, sync),
         head_ms=_time_ms(run_head, repeat, sync),
         shape=shape,
@@ -175,22 +180,38 @@ def _time_ms(fn: Callable[[], object], repeat: int, sync: Callable[[], None]) ->
 
 
 def choose_partition(
-    mcfg: ModelConfig, pp_size: int, shape: BatchShape, dtype: torch.dtype, device: torch.device, threads: int
+    mcfg: ModelConfig,
+    pp_size: int,
+    shape: BatchShape,
+    dtype: torch.dtype,
+    device: torch.device,
+    threads: int,
+    stage_cpus: list[list[int] | None] | None = None,
 ) -> tuple[list[int], StageCosts]:
-    """Measure with one stage's threads (and, on CPU, one stage's cores), pick the split, log the decision."""
+    """Measure with one stage's threads on each stage's cores (`stage_cpus[k]`; None: wherever this process
+    runs), pick the split, log the decision. The first stage's cores time the embedding, the last's the head."""
     if pp_size == 1:
-        return [mcfg.num_layers], StageCosts(0.0, 0.0, 0.0, shape)
+        return [mcfg.num_layers], StageCosts.uniform(0.0, 0.0, 0.0, shape, 1)
+    cpu_sets = stage_cpus if stage_cpus is not None else [None] * pp_size
     saved_threads = torch.get_num_threads()
     saved_cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    measured: dict[tuple[int, ...] | None, StageCosts] = {}
     try:
         torch.set_num_threads(threads)
-        if saved_cpus and device.type == "cpu" and len(saved_cpus) >= threads:
-            os.sched_setaffinity(0, sorted(saved_cpus)[:threads])
-        costs = measure_costs(mcfg, shape, dtype, device)
+        for cpus in cpu_sets:
+            key = tuple(cpus) if cpus else None
+            if key not in measured:
+                if key and saved_cpus:
+                    os.sched_setaffinity(0, key)
+                measured[key] = measure_costs(mcfg, shape, dtype, device)
     finally:
         torch.set_num_threads(saved_threads)
         if saved_cpus:
             os.sched_setaffinity(0, saved_cpus)
+    per_stage = [measured[tuple(c) if c else None] for c in cpu_sets]
+    costs = StageCosts(
+        tuple(c.layer_ms[0] for c in per_stage), per_stage[0].embed_ms, per_stage[-1].head_ms, shape
+    )
     counts = best_partition(mcfg.num_layers, pp_size, costs)
     log_choice(counts, costs)
     return counts, costs
@@ -201,9 +222,10 @@ def log_choice(counts: list[int], costs: StageCosts) -> None:
     s = costs.shape
     logger.info(
         "--pp-layer-partition auto: %s. Measured per micro-batch of %d decodes (context %d) + %d prefill tokens: "
-        "layer %.2f ms, embedding %.2f ms, norm+lm_head+sampling %.2f ms (= %.1f layers). Predicted stage times "
-        "%s ms; %.1f%% lost against a perfect balance",
-        ",".join(map(str, counts)), s.decodes, s.context, s.prefill_tokens, costs.layer_ms, costs.embed_ms,
-        costs.head_ms, costs.head_ms / max(costs.layer_ms, 1e-9), [round(t, 2) for t in ms], 100 * balance_loss(ms),
+        "layer %s ms (on each stage's cores), embedding %.2f ms, norm+lm_head+sampling %.2f ms (= %.1f layers). "
+        "Predicted stage times %s ms; %.1f%% lost against a perfect balance",
+        ",".join(map(str, counts)), s.decodes, s.context, s.prefill_tokens, [round(t, 2) for t in costs.layer_ms],
+        costs.embed_ms, costs.head_ms, costs.head_ms / max(statistics.fmean(costs.layer_ms), 1e-9),
+        [round(t, 2) for t in ms], 100 * balance_loss(ms),
     )  # fmt: skip
 

@@ -13,12 +13,16 @@ import multiprocessing as mp
 import os
 import shutil
 import socket
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
 import zmq
 
+from ringsched.affinity import stage_cpus
 from ringsched.comm.messages import Shutdown, StageStatus
 from ringsched.comm.zmq_io import Puller, Pusher, ipc_addr, new_ipc_dir
 from ringsched.config import EngineConfig
@@ -38,6 +42,25 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+@contextmanager
+def _without_main_module() -> Iterator[None]:
+    """Spawn a stage without re-importing the parent's `__main__` in it.
+
+    A spawned child imports the parent's main module (`ringsched.launch` pulls in the HTTP server, `bench`
+    every benchmark) unless that module has neither a spec nor a file. A stage needs none of it, only
+    `stage_main`, which it imports by name; skipping it keeps tens of MB out of every stage's memory."""
+    main = sys.modules["__main__"]
+    saved = {k: main.__dict__[k] for k in ("__spec__", "__file__") if k in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__spec__ = None
+    try:
+        yield
+    finally:
+        main.__dict__.update(saved)
+        if "__spec__" not in saved:
+            del main.__spec__
 
 
 class Supervisor:
@@ -86,7 +109,8 @@ class Supervisor:
                 target=stage_main, args=(self.cfg, rank, self.model_dir, self.addrs, local),
                 name=f"ringsched-stage{rank}", daemon=True,
             )  # fmt: skip
-            p.start()
+            with _without_main_module():
+                p.start()
             self.procs.append(p)
             self.ranks.append(rank)
         deadline = time.monotonic() + timeout
@@ -125,7 +149,11 @@ class Supervisor:
             self.cfg.micro_batch_size, self.cfg.chunked_prefill_size, self.cfg.context_len(mcfg.max_position_embeddings)
         )
         device = torch.device("cuda", 0) if self.cfg.resolved_device == "cuda" else torch.device("cpu")
-        counts, _ = choose_partition(mcfg, self.cfg.pp_size, shape, self.cfg.torch_dtype, device, self.cfg.threads)
+        c = self.cfg
+        # Node 0 knows only its own cores: with several nodes, its first stage's stand in for every stage's.
+        here = [stage_cpus(c.threads, c.stages_per_node, i, c.resolved_device) for i in range(c.stages_per_node)]
+        cpus = here if c.nnodes == 1 else [here[0]] * c.pp_size
+        counts, _ = choose_partition(mcfg, c.pp_size, shape, c.torch_dtype, device, c.threads, cpus)
         return counts
 
     def check(self, timeout_ms: int = 0) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 
 import pytest
@@ -30,18 +31,20 @@ def brute_force(num_layers: int, pp: int, costs: StageCosts) -> float:
 @pytest.mark.parametrize("head_layers", [0.0, 2.0, 8.0, 40.0])
 @pytest.mark.parametrize("layers,pp", [(30, 2), (30, 3), (12, 4), (7, 7)])
 def test_best_partition_minimises_the_slowest_stage(layers, pp, head_layers):
-    costs = StageCosts(layer_ms=1.0, embed_ms=0.3, head_ms=head_layers, shape=SHAPE)
+    costs = StageCosts.uniform(layer_ms=1.0, embed_ms=0.3, head_ms=head_layers, shape=SHAPE, pp=pp)
     counts = best_partition(layers, pp, costs)
     assert sum(counts) == layers and len(counts) == pp and min(counts) >= 1
     assert max(costs.stage_ms(counts)) == pytest.approx(brute_force(layers, pp, costs))
 
 
 def test_head_weight_moves_layers_to_the_front_and_ties_go_even():
-    assert best_partition(30, 2, StageCosts(1.0, 0.0, 0.0, SHAPE)) == [15, 15]
-    assert best_partition(30, 2, StageCosts(1.0, 0.0, 8.0, SHAPE)) == [19, 11]  # the "8 layers" head
-    assert best_partition(30, 3, StageCosts(1.0, 0.0, 3.0, SHAPE)) == [11, 11, 8]
+    assert best_partition(30, 2, StageCosts.uniform(1.0, 0.0, 0.0, SHAPE, 2)) == [15, 15]
+    assert best_partition(30, 2, StageCosts.uniform(1.0, 0.0, 8.0, SHAPE, 2)) == [19, 11]  # the 8-layer head
+    assert best_partition(30, 3, StageCosts.uniform(1.0, 0.0, 3.0, SHAPE, 3)) == [11, 11, 8]
+    # A stage on slower cores gets fewer layers.
+    assert best_partition(30, 2, StageCosts((1.25, 1.0), 0.0, 0.0, SHAPE)) == [13, 17]
     # A split the head makes lopsided reports its loss against a perfect balance.
-    ms = StageCosts(1.0, 0.0, 8.0, SHAPE).stage_ms([19, 11])
+    ms = StageCosts.uniform(1.0, 0.0, 8.0, SHAPE, 2).stage_ms([19, 11])
     assert ms == [19.0, 19.0] and balance_loss(ms) == 0.0
     assert balance_loss([10.0, 5.0]) == pytest.approx(0.25)
 
@@ -62,16 +65,20 @@ def test_measured_costs_grow_with_the_work(tiny_llama_dir):
 
     c_small = measure_costs(mcfg, small, torch.float32, torch.device("cpu"))
     c_big = measure_costs(mcfg, big, torch.float32, torch.device("cpu"))
-    assert 0 < c_small.layer_ms < c_big.layer_ms
+    assert 0 < c_small.layer_ms[0] < c_big.layer_ms[0]
     assert c_small.head_ms > 0 and c_small.embed_ms > 0
 
 
 def test_choose_partition_logs_the_decision_and_restores_threads(tiny_llama_dir, caplog):
     mcfg = ModelConfig.from_dir(tiny_llama_dir)
     threads = torch.get_num_threads()
+    cpus = sorted(os.sched_getaffinity(0))
     with caplog.at_level(logging.INFO, logger="ringsched.partition_auto"):
-        counts, costs = choose_partition(mcfg, 2, SHAPE, torch.float32, torch.device("cpu"), threads=1)
-    assert sum(counts) == mcfg.num_layers and len(counts) == 2
+        counts, costs = choose_partition(
+            mcfg, 2, SHAPE, torch.float32, torch.device("cpu"), threads=1, stage_cpus=[cpus[:1], cpus[-1:]]
+        )
+    assert sum(counts) == mcfg.num_layers and len(counts) == 2 and len(costs.layer_ms) == 2
+    assert os.sched_getaffinity(0) == set(cpus)
     assert counts == best_partition(mcfg.num_layers, 2, costs)
     assert torch.get_num_threads() == threads
     text = caplog.text

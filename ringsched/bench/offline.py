@@ -16,7 +16,7 @@ from ringsched.bench.memory import format_memory, stage_memory
 from ringsched.cli_args import add_engine_args, config_from_args, engine_kwargs
 
 TIME_KEYS = ("compute_s", "wait_s", "sched_s", "comm_s")
-COUNT_KEYS = ("batches", "tokens", "sample_rows")
+COUNT_KEYS = ("batches", "tokens", "sample_rows", "head_s")  # head_s: part of compute_s
 
 
 def add_offline_args(p: argparse.ArgumentParser) -> None:

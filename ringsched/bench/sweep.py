@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import dataclasses
 import shlex
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -172,6 +173,8 @@ def run_sweep(args: argparse.Namespace) -> int:
     sweep = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "model": plan.model,
              "server_args": list(plan.server_args), "ladder": dataclasses.asdict(plan.ladder),
              "serve": _serve_settings(plan.serve), "configs": []}  # fmt: skip
+    # SIGTERM (a job scheduler, `kill`) takes the Ctrl-C path, so the running server is stopped too.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         for i, cfg in enumerate(plan.configs):
             record = new_record(plan, cfg, out_dir / f"server-{i}.log")
@@ -183,11 +186,17 @@ def run_sweep(args: argparse.Namespace) -> int:
             sweep["configs"][-1]["error"] = "interrupted (Ctrl-C)"
         print(write_report(sweep, out_dir))
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(write_report(sweep, out_dir))
     failed = [c["label"] for c in sweep["configs"] if c["error"]]
     if failed:
         print(f"configurations that failed (their server logs are in {out_dir}): {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def _serve_settings(cfg: ServeConfig) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from ringsched.config import EngineConfig
 from ringsched.kv_cache import BlockTable, KVPool
 from ringsched.models.llama import StageModel
 from ringsched.scheduler.batch_builder import build_forward_batch
+from ringsched.scheduler.gc_policy import GcPolicy
 from ringsched.scheduler.planner import Planner
 from ringsched.scheduler.sampler_state import SamplerState
 from ringsched.scheduler.stage_times import StageTimes, peak_rss_bytes
@@ -76,10 +77,18 @@ class StageLoop:
         self.pending_outputs: deque[tuple[int, torch.Tensor]] = deque()  # last stage: sampled, not yet sent
         self.next_output = 0  # stage 0: the micro-batch whose outputs come back next
         self.times = StageTimes()
+        self.gc = GcPolicy()
         self.stopping = False
         self._last_stats = 0.0
 
     def run(self) -> None:
+        self.gc.start()
+        try:
+            self._run()
+        finally:
+            self.gc.stop()
+
+    def _run(self) -> None:
         t = 0
         while True:
             self.maybe_report()
@@ -92,6 +101,9 @@ class StageLoop:
                     self.io.plan_out.send(plan)
                 return
             self.step(plan)
+            start = time.perf_counter()
+            self.gc.after_step()
+            self.times.sched += time.perf_counter() - start
             t += 1
 
     def step(self, plan: BatchPlan) -> None:
@@ -136,6 +148,7 @@ class StageLoop:
                 break
             if self.stage.is_last and self.pending_outputs:
                 self.drain(t)  # the ring went quiet: stage 0 is waiting for these
+            self.gc.idle()
             self.io.alive()
             self.maybe_report()
         waited = time.perf_counter() - start
@@ -162,6 +175,7 @@ class StageLoop:
         elif not self.planner.has_work:
             start = time.perf_counter()
             self.take_in(timeout_ms=100)
+            self.gc.idle()
             self.times.idle += time.perf_counter() - start
             self.io.alive()
             return None
@@ -227,7 +241,9 @@ class StageLoop:
             batch, input_ids=ids if self.stage.is_first else None, proxy=proxy, kv_caches=self.pool.caches
         )
         if self.stage.is_last:
+            head_start = time.perf_counter()
             out = self.sampler.sample(plan, self.model.compute_logits(out)).cpu()
+            self.times.head += time.perf_counter() - head_start
             self.times.sample_rows += out.numel()
         self.times.compute += time.perf_counter() - start
         self.times.batches += 1

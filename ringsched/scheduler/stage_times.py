@@ -14,6 +14,7 @@ class StageTimes:
     """Where a stage's wall time goes (seconds since the first micro-batch)."""
 
     compute: float = 0.0
+    head: float = 0.0  # last stage, part of compute: lm_head and sampling
     wait_prev: float = 0.0  # blocked on the previous stage (plan or proxy): the bubble
     wait_output: float = 0.0  # stage 0: blocked on the sampled tokens coming back
     idle: float = 0.0  # nothing to do at all
@@ -30,6 +31,7 @@ class StageTimes:
             "busy_fraction": self.compute / wall,
             "bubble_fraction": (self.wait_prev + self.wait_output) / wall,
             "compute_s": self.compute,
+            "head_s": self.head,
             "wait_s": self.wait_prev + self.wait_output,
             "sched_s": self.sched,
             "comm_s": self.comm,

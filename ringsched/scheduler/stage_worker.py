@@ -18,6 +18,7 @@ import torch
 import zmq
 from torch.distributed import PrefixStore
 
+from ringsched.affinity import stage_cpus
 from ringsched.comm.messages import StageStatus
 from ringsched.comm.tensor_channel import TensorChannel
 from ringsched.comm.zmq_io import Puller, Pusher
@@ -85,7 +86,9 @@ def _setup(cfg, rank, model_dir, addrs, ctx, ctl, local_rank) -> StageLoop:
             raise ParentGone("the launcher is gone")
 
     torch.set_num_threads(cfg.threads)
-    _pin_cpus(cfg, rank)
+    cpus = stage_cpus(cfg.threads, cfg.stages_per_node, local_rank, cfg.resolved_device)
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
     device = torch.device("cpu")
     if cfg.resolved_device == "cuda":
         torch.cuda.set_device(local_rank)
@@ -216,13 +219,3 @@ def _set_process_name(name: str) -> None:
         ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # 15 = PR_SET_NAME
     except (OSError, AttributeError):
         pass
-
-
-def _pin_cpus(cfg: EngineConfig, rank: int) -> None:
-    """Give each stage its own cores when there are enough, so two stages do not fight over one."""
-    if not hasattr(os, "sched_setaffinity") or cfg.resolved_device == "cuda":
-        return
-    cpus = sorted(os.sched_getaffinity(0))
-    need = cfg.threads * cfg.pp_size
-    if len(cpus) >= need:
-        os.sched_setaffinity(0, cpus[rank * cfg.threads : (rank + 1) * cfg.threads])
