@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every measurement of docs/performance.md, one after another, on an otherwise idle machine (~90 minutes on
+# Every measurement of docs/performance.md, one after another, on an otherwise idle machine (~65 minutes on
 # two vCPUs). Each step writes JSON (and the sweep its Markdown and plots) under OUT_DIR.
 # Usage: scripts/bench_performance.sh [OUT_DIR]
 set -euo pipefail
@@ -16,21 +16,15 @@ KV=2G PP1_ARGS="--max-running-requests 128" "$here/bench_pairs.sh" "$out/pairs" 
 
 # 2. The sweep: PP=1 and PP=2 at one thread per stage, PP=1 at two threads; a ladder of rates to saturation.
 step "sweep"
-python -m ringsched.bench sweep --rates 0.25,0.5,1,2 --num-prompts 32 --out-dir "$out/sweep" \
+python -m ringsched.bench sweep --rates 0.5,1,2 --num-prompts 24 --out-dir "$out/sweep" \
     --server-args="--kv-cache-memory 2G" \
     --config pp=1,threads=1,running=128 --config pp=2,threads=1,running=256,partition=auto \
     --config pp=1,threads=2,running=128 > "$out/sweep.txt"
 
-# 3. The same PP=2 with the even split and with async depth 1 (a third micro-batch in flight).
-step "pp2 variants"
-$off --pp-size 2 --num-prompts 256 --max-running-requests 256 --pp-layer-partition 15,15 | tail -1 > "$out/pp2_even.json"
-$off --pp-size 2 --num-prompts 256 --max-running-requests 258 --pp-max-micro-batch-size 86 \
-    --pp-async-batch-depth 1 --pp-layer-partition auto | tail -1 > "$out/pp2_depth1.json"
-
 # 4. bfloat16 (AMX on this CPU) beside float32.
 step "bf16"
-$off --pp-size 1 --num-prompts 256 --max-running-requests 128 --dtype bfloat16 | tail -1 > "$out/pp1_bf16.json"
-$off --pp-size 2 --num-prompts 256 --max-running-requests 256 --pp-layer-partition auto --dtype bfloat16 \
+$off --pp-size 1 --num-prompts 128 --max-running-requests 128 --dtype bfloat16 | tail -1 > "$out/pp1_bf16.json"
+$off --pp-size 2 --num-prompts 128 --max-running-requests 256 --pp-layer-partition auto --dtype bfloat16 \
     | tail -1 > "$out/pp2_bf16.json"
 
 # 5. A random ~1B Llama: the weight-bandwidth-bound regime (few requests, decode-heavy).
@@ -46,10 +40,16 @@ done
 
 # 6. transformers on the same requests (float32 and bfloat16, both cores).
 step "hf"
-python -m ringsched.bench hf --num-prompts 128 --batch-sizes 32,64,128 --json | tail -1 > "$out/hf_fp32.json"
+python -m ringsched.bench hf --num-prompts 128 --batch-sizes 64,128 --json | tail -1 > "$out/hf_fp32.json"
 $off --pp-size 2 --num-prompts 128 --max-running-requests 256 --pp-layer-partition auto | tail -1 > "$out/pp2_128.json"
 python -m ringsched.bench hf --num-prompts 128 --batch-sizes 64,128 --dtype bfloat16 --json | tail -1 \
     > "$out/hf_bf16.json"
 $off --pp-size 2 --num-prompts 128 --max-running-requests 256 --pp-layer-partition auto --dtype bfloat16 \
     | tail -1 > "$out/pp2_128_bf16.json"
+# 7. The same PP=2 with the even split and with async depth 1 (a third micro-batch in flight).
+step "pp2 variants"
+$off --pp-size 2 --num-prompts 256 --max-running-requests 256 --pp-layer-partition 15,15 | tail -1 > "$out/pp2_even.json"
+$off --pp-size 2 --num-prompts 256 --max-running-requests 258 --pp-max-micro-batch-size 86 \
+    --pp-async-batch-depth 1 --pp-layer-partition auto | tail -1 > "$out/pp2_depth1.json"
+
 step "done"
