@@ -123,36 +123,47 @@ def balance_loss(stage_ms: list[float]) -> float:
     return 1.0 - statistics.fmean(stage_ms) / max(stage_ms)
 
 
-@torch.inference_mode()
+class CostProbe:
+    """One randomly initialised layer, the embedding and the head, with a real paged-KV micro-batch of `shape`
+    ready to run: `measure()` times them on the cores this process runs on (a one-stage `StageCosts`)."""
+
+    @torch.inference_mode()
+    def __init__(self, mcfg: ModelConfig, shape: BatchShape, dtype: torch.dtype, device: torch.device) -> None:
+        torch.manual_seed(0)
+        self.shape, self.device = shape, device
+        self.model = StageModel(mcfg, StageInfo(0, 1, 0, 1)).to(device=device, dtype=dtype)
+        blocks = BlockTable(-(-(shape.decodes * shape.context + shape.prefill_tokens) // 16) + 1, 16)
+        self.pool = KVPool(mcfg, 1, blocks.num_blocks, 16, dtype, device)
+        self.batch, self.ids = build_forward_batch(_plan(shape, blocks), blocks, device)
+        self.hidden = self.model.model.embed_tokens(self.ids)
+        self.residual = torch.randn_like(self.hidden)  # a middle layer's input: the residual stream has started
+
+    def _layer(self) -> None:
+        self.model.model.layers[0](self.hidden, self.residual.clone(), self.batch, self.pool.caches[0])
+
+    def _embed(self) -> None:
+        self.model.model.embed_tokens(self.ids)
+
+    def _head(self) -> None:
+        rows = self.batch.logit_rows
+        out, _ = self.model.model.norm.add_forward(self.hidden[rows], self.residual[rows])
+        self.model.compute_logits(out).argmax(dim=-1)
+
+    @torch.inference_mode()
+    def measure(self, repeat: int = 7) -> StageCosts:
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        return StageCosts(
+            layer_ms=(_time_ms(self._layer, repeat, sync),),
+            embed_ms=_time_ms(self._embed, repeat, sync),
+            head_ms=_time_ms(self._head, repeat, sync),
+            shape=self.shape,
+        )
+
+
 def measure_costs(
     mcfg: ModelConfig, shape: BatchShape, dtype: torch.dtype, device: torch.device, repeat: int = 7
 ) -> StageCosts:
-    """Time one randomly initialised layer, the embedding and the head on a real paged-KV micro-batch, on the
-    cores this process runs on (a one-stage `StageCosts`)."""
-    torch.manual_seed(0)
-    model = StageModel(mcfg, StageInfo(0, 1, 0, 1)).to(device=device, dtype=dtype)
-    blocks = BlockTable(-(-(shape.decodes * shape.context + shape.prefill_tokens) // 16) + 1, 16)
-    pool = KVPool(mcfg, 1, blocks.num_blocks, 16, dtype, device)
-    batch, ids = build_forward_batch(_plan(shape, blocks), blocks, device)
-    embed, layer, norm = model.model.embed_tokens, model.model.layers[0], model.model.norm
-    hidden = embed(ids)
-    residual = torch.randn_like(hidden)  # a middle layer's input: the residual stream already started
-    rows = batch.logit_rows
-
-    def run_layer() -> None:
-        layer(hidden, residual.clone(), batch, pool.caches[0])
-
-    def run_head() -> None:
-        out, _ = norm.add_forward(hidden[rows], residual[rows])
-        model.compute_logits(out).argmax(dim=-1)
-
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    return StageCosts(
-        layer_ms=(_time_ms(run_layer, repeat, sync),),
-        embed_ms=_time_ms(lambda: embed(ids), repeat, sync),
-        head_ms=_time_ms(run_head, repeat, sync),
-        shape=shape,
-    )
+    return CostProbe(mcfg, shape, dtype, device).measure(repeat)
 
 
 def _plan(shape: BatchShape, blocks: BlockTable) -> BatchPlan:
@@ -187,6 +198,7 @@ def choose_partition(
     device: torch.device,
     threads: int,
     stage_cpus: list[list[int] | None] | None = None,
+    rounds: int = 3,
 ) -> tuple[list[int], StageCosts]:
     """Measure with one stage's threads on each stage's cores (`stage_cpus[k]`; None: wherever this process
     runs), pick the split, log the decision. The first stage's cores time the embedding, the last's the head."""
@@ -195,23 +207,30 @@ def choose_partition(
     cpu_sets = stage_cpus if stage_cpus is not None else [None] * pp_size
     saved_threads = torch.get_num_threads()
     saved_cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-    measured: dict[tuple[int, ...] | None, StageCosts] = {}
+    keys = [tuple(c) if c else None for c in cpu_sets]
+    measured: dict[tuple[int, ...] | None, list[StageCosts]] = {k: [] for k in keys}
     try:
         torch.set_num_threads(threads)
-        for cpus in cpu_sets:
-            key = tuple(cpus) if cpus else None
-            if key not in measured:
+        probe = CostProbe(mcfg, shape, dtype, device)
+        # Rounds over the stages' cores, so that a slow moment of the host (or a cold start) is not pinned on
+        # one stage; each figure is the median over the rounds.
+        for _ in range(rounds):
+            for key in measured:
                 if key and saved_cpus:
                     os.sched_setaffinity(0, key)
-                measured[key] = measure_costs(mcfg, shape, dtype, device)
+                measured[key].append(probe.measure(repeat=3))
     finally:
         torch.set_num_threads(saved_threads)
         if saved_cpus:
             os.sched_setaffinity(0, saved_cpus)
-    per_stage = [measured[tuple(c) if c else None] for c in cpu_sets]
-    costs = StageCosts(
-        tuple(c.layer_ms[0] for c in per_stage), per_stage[0].embed_ms, per_stage[-1].head_ms, shape
-    )
+
+    def med(key: tuple[int, ...] | None, field: str) -> float:
+        return statistics.median(
+            c.layer_ms[0] if field == "layer_ms" else getattr(c, field) for c in measured[key]
+        )
+
+    layer_ms = tuple(med(k, "layer_ms") for k in keys)
+    costs = StageCosts(layer_ms, med(keys[0], "embed_ms"), med(keys[-1], "head_ms"), shape)
     counts = best_partition(mcfg.num_layers, pp_size, costs)
     log_choice(counts, costs)
     return counts, costs
