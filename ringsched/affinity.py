@@ -4,6 +4,10 @@ stages never fight over a core. The stage pins itself; `--pp-layer-partition aut
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
 
 
 def stage_cpus(threads: int, stages_here: int, local_rank: int, device: str) -> list[int] | None:
@@ -14,3 +18,18 @@ def stage_cpus(threads: int, stages_here: int, local_rank: int, device: str) -> 
     if len(cpus) < threads * stages_here:
         return None
     return cpus[local_rank * threads : (local_rank + 1) * threads]
+
+
+@contextmanager
+def restored_threads_and_cpus(threads: int) -> Iterator[list[int]]:
+    """Run with `threads` torch threads (callers may pin to any of the yielded CPUs, this process's allowed
+    set), then put both the thread count and the CPU set back: the launcher measures as a stage would."""
+    old_threads = torch.get_num_threads()
+    old_cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    torch.set_num_threads(threads)
+    try:
+        yield old_cpus
+    finally:
+        torch.set_num_threads(old_threads)
+        if old_cpus:
+            os.sched_setaffinity(0, old_cpus)

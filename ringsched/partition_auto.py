@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ringsched.affinity import restored_threads_and_cpus
 from ringsched.comm.messages import BatchPlan, PlanEntry
 from ringsched.kv_cache import BlockTable, KVPool
 from ringsched.models.config import ModelConfig
@@ -160,12 +161,6 @@ class CostProbe:
         )
 
 
-def measure_costs(
-    mcfg: ModelConfig, shape: BatchShape, dtype: torch.dtype, device: torch.device, repeat: int = 7
-) -> StageCosts:
-    return CostProbe(mcfg, shape, dtype, device).measure(repeat)
-
-
 def _plan(shape: BatchShape, blocks: BlockTable) -> BatchPlan:
     entries = []
     for i in range(shape.decodes):
@@ -205,24 +200,17 @@ def choose_partition(
     if pp_size == 1:
         return [mcfg.num_layers], StageCosts.uniform(0.0, 0.0, 0.0, shape, 1)
     cpu_sets = stage_cpus if stage_cpus is not None else [None] * pp_size
-    saved_threads = torch.get_num_threads()
-    saved_cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     keys = [tuple(c) if c else None for c in cpu_sets]
     measured: dict[tuple[int, ...] | None, list[StageCosts]] = {k: [] for k in keys}
-    try:
-        torch.set_num_threads(threads)
+    with restored_threads_and_cpus(threads) as allowed:
         probe = CostProbe(mcfg, shape, dtype, device)
         # Rounds over the stages' cores, so that a slow moment of the host (or a cold start) is not pinned on
         # one stage; each figure is the median over the rounds.
         for _ in range(rounds):
             for key in measured:
-                if key and saved_cpus:
+                if key and allowed:
                     os.sched_setaffinity(0, key)
                 measured[key].append(probe.measure(repeat=3))
-    finally:
-        torch.set_num_threads(saved_threads)
-        if saved_cpus:
-            os.sched_setaffinity(0, saved_cpus)
 
     def med(key: tuple[int, ...] | None, field: str) -> float:
         return statistics.median(

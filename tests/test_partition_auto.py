@@ -61,10 +61,10 @@ def test_measured_costs_grow_with_the_work(tiny_llama_dir):
     """Costs come from timing real layers: a bigger batch costs more, and the head scales with the vocab."""
     mcfg = ModelConfig.from_dir(tiny_llama_dir)
     small, big = BatchShape(2, 0, 16), BatchShape(64, 256, 64)
-    from ringsched.partition_auto import measure_costs
+    from ringsched.partition_auto import CostProbe
 
-    c_small = measure_costs(mcfg, small, torch.float32, torch.device("cpu"))
-    c_big = measure_costs(mcfg, big, torch.float32, torch.device("cpu"))
+    c_small = CostProbe(mcfg, small, torch.float32, torch.device("cpu")).measure()
+    c_big = CostProbe(mcfg, big, torch.float32, torch.device("cpu")).measure()
     assert 0 < c_small.layer_ms[0] < c_big.layer_ms[0]
     assert c_small.head_ms > 0 and c_small.embed_ms > 0
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ringsched.affinity import restored_threads_and_cpus
 from ringsched.models.config import ModelConfig
 
 
@@ -67,18 +68,11 @@ def mean_context(input_len: int, output_len: int) -> float:
 def _threads_and_cpus(threads: int) -> Iterator[list[int]]:
     """Run with `threads` torch threads pinned to the first `threads` CPUs (stage 0's, when the stages were
     pinned), then restore both: the reference must see what one stage sees, not the whole machine."""
-    old_threads = torch.get_num_threads()
-    old_cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    cpus = old_cpus[:threads] if len(old_cpus) >= threads else old_cpus
-    torch.set_num_threads(threads)
-    if cpus:
-        os.sched_setaffinity(0, cpus)
-    try:
+    with restored_threads_and_cpus(threads) as allowed:
+        cpus = allowed[:threads]
+        if cpus:
+            os.sched_setaffinity(0, cpus)
         yield cpus
-    finally:
-        torch.set_num_threads(old_threads)
-        if old_cpus:
-            os.sched_setaffinity(0, old_cpus)
 
 
 def matmul_gflops(
