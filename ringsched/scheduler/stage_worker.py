@@ -23,6 +23,7 @@ from ringsched.comm.messages import StageStatus
 from ringsched.comm.tensor_channel import TensorChannel
 from ringsched.comm.zmq_io import Puller, Pusher
 from ringsched.config import EngineConfig, parse_memory
+from ringsched.heap import keep_heap
 from ringsched.kv_cache import BlockTable, KVPool, blocks_for_memory
 from ringsched.models.config import ModelConfig
 from ringsched.models.loader import load_stage_model, weights_bytes
@@ -85,6 +86,7 @@ def _setup(cfg, rank, model_dir, addrs, ctx, ctl, local_rank) -> StageLoop:
         if os.getppid() != parent:
             raise ParentGone("the launcher is gone")
 
+    keep_heap()
     torch.set_num_threads(cfg.threads)
     cpus = stage_cpus(cfg.threads, cfg.stages_per_node, local_rank, cfg.resolved_device)
     if cpus is not None:
