@@ -21,7 +21,6 @@ import logging
 import os
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -124,23 +123,44 @@ def balance_loss(stage_ms: list[float]) -> float:
     return 1.0 - statistics.fmean(stage_ms) / max(stage_ms)
 
 
+PROBE_BYTES = 384 * 2**20  # weights + KV the probe's layers span: more than a server CPU's last-level cache
+
+
+def probe_layers(mcfg: ModelConfig, shape: BatchShape, dtype: torch.dtype, stage_layers: int) -> int:
+    """How many distinct layers the probe runs through: enough that their weights and KV do not fit in the
+    cache (a stage's layers never do, and one layer timed again and again would be served from cache: measured
+    on this project's 2-core Xeon with a 300 MiB L3, that made a SmolLM2 layer look 2x cheaper against the
+    lm_head than in the ring), at most a stage's share of the layers."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    h, i = mcfg.hidden_size, mcfg.intermediate_size
+    attn = h * mcfg.head_dim * (2 * mcfg.num_heads + 2 * mcfg.num_kv_heads)
+    per_layer = (attn + 3 * h * i) * elem
+    per_layer += (shape.decodes * shape.context + shape.prefill_tokens) * mcfg.kv_bytes_per_token_per_layer * elem
+    return max(1, min(stage_layers, -(-PROBE_BYTES // per_layer)))
+
+
 class CostProbe:
-    """One randomly initialised layer, the embedding and the head, with a real paged-KV micro-batch of `shape`
-    ready to run: `measure()` times them on the cores this process runs on (a one-stage `StageCosts`)."""
+    """`layers` randomly initialised layers, the embedding and the head, with a real paged-KV micro-batch of
+    `shape` ready to run: `measure()` times them on the cores this process runs on (a one-stage
+    `StageCosts`). Each repeat runs all the layers (each with its own KV), then the head, then the embedding,
+    so, as in a stage, each finds the others' data in the cache rather than its own."""
 
     @torch.inference_mode()
-    def __init__(self, mcfg: ModelConfig, shape: BatchShape, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, mcfg: ModelConfig, shape: BatchShape, dtype: torch.dtype, device: torch.device, layers: int = 1
+    ) -> None:
         torch.manual_seed(0)
-        self.shape, self.device = shape, device
-        self.model = StageModel(mcfg, StageInfo(0, 1, 0, 1)).to(device=device, dtype=dtype)
+        self.shape, self.device, self.layers = shape, device, layers
+        self.model = StageModel(mcfg, StageInfo(0, 1, 0, layers)).to(device=device, dtype=dtype)
         blocks = BlockTable(-(-(shape.decodes * shape.context + shape.prefill_tokens) // 16) + 1, 16)
-        self.pool = KVPool(mcfg, 1, blocks.num_blocks, 16, dtype, device)
+        self.pool = KVPool(mcfg, layers, blocks.num_blocks, 16, dtype, device)
         self.batch, self.ids = build_forward_batch(_plan(shape, blocks), blocks, device)
         self.hidden = self.model.model.embed_tokens(self.ids)
         self.residual = torch.randn_like(self.hidden)  # a middle layer's input: the residual stream has started
 
-    def _layer(self) -> None:
-        self.model.model.layers[0](self.hidden, self.residual.clone(), self.batch, self.pool.caches[0])
+    def _layers(self) -> None:
+        for layer, cache in zip(self.model.model.layers[: self.layers], self.pool.caches, strict=True):
+            layer(self.hidden, self.residual.clone(), self.batch, cache)
 
     def _embed(self) -> None:
         self.model.model.embed_tokens(self.ids)
@@ -153,12 +173,19 @@ class CostProbe:
     @torch.inference_mode()
     def measure(self, repeat: int = 7) -> StageCosts:
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
-        return StageCosts(
-            layer_ms=(_time_ms(self._layer, repeat, sync),),
-            embed_ms=_time_ms(self._embed, repeat, sync),
-            head_ms=_time_ms(self._head, repeat, sync),
-            shape=self.shape,
-        )
+        parts = (self._layers, self._head, self._embed)
+        for fn in parts:  # warm up: first calls allocate and pick kernels
+            fn()
+        times: list[list[float]] = [[], [], []]
+        for _ in range(repeat):
+            for fn, acc in zip(parts, times, strict=True):
+                sync()
+                start = time.perf_counter()
+                fn()
+                sync()
+                acc.append((time.perf_counter() - start) * 1e3)
+        layers_ms, head_ms, embed_ms = (statistics.median(t) for t in times)
+        return StageCosts((layers_ms / self.layers,), embed_ms, head_ms, self.shape)
 
 
 def _plan(shape: BatchShape, blocks: BlockTable) -> BatchPlan:
@@ -172,19 +199,6 @@ def _plan(shape: BatchShape, blocks: BlockTable) -> BatchPlan:
     return BatchPlan(slot=0, seq=0, entries=entries)
 
 
-def _time_ms(fn: Callable[[], object], repeat: int, sync: Callable[[], None]) -> float:
-    for _ in range(2):  # warm up: first calls allocate and pick kernels
-        fn()
-    sync()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
 def choose_partition(
     mcfg: ModelConfig,
     pp_size: int,
@@ -193,7 +207,7 @@ def choose_partition(
     device: torch.device,
     threads: int,
     stage_cpus: list[list[int] | None] | None = None,
-    rounds: int = 3,
+    rounds: int = 5,
 ) -> tuple[list[int], StageCosts]:
     """Measure with one stage's threads on each stage's cores (`stage_cpus[k]`; None: wherever this process
     runs), pick the split, log the decision. The first stage's cores time the embedding, the last's the head."""
@@ -203,7 +217,8 @@ def choose_partition(
     keys = [tuple(c) if c else None for c in cpu_sets]
     measured: dict[tuple[int, ...] | None, list[StageCosts]] = {k: [] for k in keys}
     with restored_threads_and_cpus(threads) as allowed:
-        probe = CostProbe(mcfg, shape, dtype, device)
+        layers = probe_layers(mcfg, shape, dtype, -(-mcfg.num_layers // pp_size))
+        probe = CostProbe(mcfg, shape, dtype, device, layers)
         # Rounds over the stages' cores, so that a slow moment of the host (or a cold start) is not pinned on
         # one stage; each figure is the median over the rounds.
         for _ in range(rounds):
@@ -213,15 +228,24 @@ def choose_partition(
                 measured[key].append(probe.measure(repeat=3))
 
     def med(key: tuple[int, ...] | None, field: str) -> float:
-        return statistics.median(
-            c.layer_ms[0] if field == "layer_ms" else getattr(c, field) for c in measured[key]
-        )
+        return statistics.median(getattr(c, field) for c in measured[key])
 
-    layer_ms = tuple(med(k, "layer_ms") for k in keys)
+    layer_ms = cores_layer_ms([[c.layer_ms[0] for c in measured[k]] for k in keys])
     costs = StageCosts(layer_ms, med(keys[0], "embed_ms"), med(keys[-1], "head_ms"), shape)
     counts = best_partition(mcfg.num_layers, pp_size, costs)
     log_choice(counts, costs)
     return counts, costs
+
+
+def cores_layer_ms(samples: list[list[float]]) -> tuple[float, ...]:
+    """A layer's cost on each stage's cores from each core's timings over the rounds. Cores count as unequal only
+    when the timings say so without doubt (one core's fastest round slower than another's slowest); otherwise
+    they share the median of all rounds. Measured one core at a time on a shared host, single rounds swing by
+    25% (65 vs 51 ms for the same layer), which would otherwise move layers between equal cores at random."""
+    if max(min(s) for s in samples) > min(max(s) for s in samples):
+        return tuple(statistics.median(s) for s in samples)
+    pooled = statistics.median(t for s in samples for t in s)
+    return (pooled,) * len(samples)
 
 
 def log_choice(counts: list[int], costs: StageCosts) -> None:
@@ -235,4 +259,3 @@ def log_choice(counts: list[int], costs: StageCosts) -> None:
         costs.embed_ms, costs.head_ms, costs.head_ms / max(statistics.fmean(costs.layer_ms), 1e-9),
         [round(t, 2) for t in ms], 100 * balance_loss(ms),
     )  # fmt: skip
-

@@ -153,3 +153,24 @@ def test_engine_with_auto_runs_the_measured_split(tiny_llama_dir, caplog):
     assert got == want
     assert sum(decided) == 6 and layers == [[0, decided[0]], [decided[0], 6]]
     assert "--pp-layer-partition auto: " + ",".join(map(str, decided)) in caplog.text
+
+
+def test_cores_count_as_unequal_only_when_every_round_says_so():
+    from ringsched.partition_auto import cores_layer_ms
+
+    # Overlapping rounds (one noisy 65 ms round on core 0): the cores share the pooled median.
+    assert cores_layer_ms([[51.0, 65.0, 53.0], [51.5, 52.0, 54.0]]) == (52.5, 52.5)
+    # Core 0 slower in every round: each core keeps its own median.
+    assert cores_layer_ms([[60.0, 61.0, 62.0], [50.0, 52.0, 51.0]]) == (61.0, 51.0)
+
+
+def test_probe_spans_more_than_the_cache_but_at_most_a_stage(tiny_llama_dir):
+    from ringsched.partition_auto import PROBE_BYTES, probe_layers
+
+    mcfg = ModelConfig.from_dir(tiny_llama_dir)
+    shape = BatchShape(64, 64, 256)
+    assert probe_layers(mcfg, shape, torch.float32, stage_layers=3) <= 3
+    n = probe_layers(mcfg, shape, torch.float32, stage_layers=10**6)
+    per_layer_kv = (64 * 256 + 64) * mcfg.kv_bytes_per_token_per_layer * 4
+    assert n * per_layer_kv < PROBE_BYTES + per_layer_kv * 2 or n == 1
+    assert n > 1  # a tiny layer: many of them fill the span
