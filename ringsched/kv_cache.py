@@ -76,18 +76,17 @@ class BlockTable:
         pos = torch.arange(start, end)
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
-    def padded_slots(self, rids: list[str], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """`[B, Lmax]` slots of positions `0..len-1` per request (padding points at slot 0) and the mask."""
-        lmax = max(lengths)
-        nblk = -(-lmax // self.block_size)
+    def padded_blocks(self, rids: list[str], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`[B, nblk]` blocks holding positions `0..len-1` per request (padding points at block 0) and the
+        `[B, nblk * block_size]` mask of the positions that are real."""
+        nblk = -(-max(lengths) // self.block_size)
         tables = torch.zeros(len(rids), nblk, dtype=torch.long)
-        for i, rid in enumerate(rids):
-            t = self.tables[rid][:nblk]
+        for i, (rid, n) in enumerate(zip(rids, lengths, strict=True)):
+            t = self.tables[rid][: -(-n // self.block_size)]
             tables[i, : len(t)] = torch.tensor(t, dtype=torch.long)
-        pos = torch.arange(lmax)
-        slots = tables[:, pos // self.block_size] * self.block_size + pos % self.block_size
+        pos = torch.arange(nblk * self.block_size)
         mask = pos.unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
-        return slots.masked_fill(~mask, 0), mask
+        return tables, mask
 
 
 def kv_bytes_per_token(cfg: ModelConfig, num_layers: int, dtype: torch.dtype) -> int:

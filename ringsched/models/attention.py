@@ -28,8 +28,8 @@ class DecodeGroup:
     """Decodes of similar context length, padded to the longest of them."""
 
     rows: torch.Tensor  # [b] row of each decode token
-    slots: torch.Tensor  # [b * Lmax] context slots, row-major, padding points at a valid slot
-    mask: torch.Tensor  # [b, 1, 1, Lmax] True where a slot is real
+    blocks: torch.Tensor  # [b * nblk] cache blocks of each context, row-major; padding points at a valid block
+    mask: torch.Tensor  # [b, 1, 1, Lmax] True where a position is real (Lmax = nblk * block size)
     max_len: int
 
 
@@ -82,13 +82,17 @@ def paged_attention(
 
 
 def _decode(q, k_cache, v_cache, g: DecodeGroup, scale: float) -> torch.Tensor:
-    # index_select on a flat index is several times faster than advanced indexing on CPU.
+    # Gather whole blocks (one contiguous block_size * KVH * D run each): b * nblk indices, not b * Lmax.
     b, kvh, d = g.rows.shape[0], k_cache.shape[1], k_cache.shape[2]
-    qd = q.index_select(0, g.rows).unsqueeze(2)  # [b, H, 1, D]
-    kd = k_cache.index_select(0, g.slots).view(b, g.max_len, kvh, d).transpose(1, 2)  # [b, KVH, Lmax, D]
-    vd = v_cache.index_select(0, g.slots).view(b, g.max_len, kvh, d).transpose(1, 2)
-    out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale, enable_gqa=qd.shape[1] != kvh)
-    return out.squeeze(2)  # [b, H, D]
+    block = g.max_len * b // g.blocks.shape[0] * kvh * d  # elements per block
+    kd = k_cache.view(-1, block).index_select(0, g.blocks).view(b, g.max_len, kvh, d).transpose(1, 2)
+    vd = v_cache.view(-1, block).index_select(0, g.blocks).view(b, g.max_len, kvh, d).transpose(1, 2)
+    # Grouped-query attention folded into the query length: the H / KVH query heads sharing a KV head attend
+    # as that head's queries, so K/V are never repeated per query head ([b, KVH, H / KVH, D]).
+    h = q.shape[1]
+    qd = q.index_select(0, g.rows).view(b, kvh, h // kvh, d)
+    out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale)
+    return out.reshape(b, h, d)
 
 
 def _sdpa(q, k, v, scale: float, causal: bool) -> torch.Tensor:

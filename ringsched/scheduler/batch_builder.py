@@ -11,6 +11,11 @@ from ringsched.models.attention import DecodeGroup, ForwardBatch, PrefillSeq
 # A decode joins the current length group while its context is at least this share of the group's longest:
 # padding stays under ~40% of what the group reads, and a step has only a few groups.
 GROUP_SHARE = 0.6
+# On CPU a decode group holds at most this many requests: their gathered K/V (32 x 256 tokens x 3 KV heads x
+# 64 x 4 bytes = 6 MiB for SmolLM2) then stays in a core's L2/L3 between the gather and the attention that
+# reads it. Measured with 128 decodes at context <= 256, one thread: 14.3 ms per layer in one group, 10.9 ms
+# in groups of 32, 12.1 in groups of 64. GPUs want the one big group.
+CPU_GROUP_ROWS = 32
 
 
 def build_forward_batch(
@@ -51,21 +56,22 @@ def build_forward_batch(
 
 def _decode_groups(rows: list[int], rids: list[str], lens: list[int], blocks: BlockTable, device) -> list[DecodeGroup]:
     order = sorted(range(len(rows)), key=lambda i: -lens[i])
+    cap = CPU_GROUP_ROWS if torch.device(device).type == "cpu" else len(rows)
     groups: list[list[int]] = []
     for i in order:
-        if groups and lens[i] >= GROUP_SHARE * lens[groups[-1][0]]:
+        if groups and len(groups[-1]) < cap and lens[i] >= GROUP_SHARE * lens[groups[-1][0]]:
             groups[-1].append(i)
         else:
             groups.append([i])
     out = []
     for g in groups:
-        slots, mask = blocks.padded_slots([rids[i] for i in g], [lens[i] for i in g])
+        table, mask = blocks.padded_blocks([rids[i] for i in g], [lens[i] for i in g])
         out.append(
             DecodeGroup(
                 rows=torch.tensor([rows[i] for i in g], dtype=torch.long, device=device),
-                slots=slots.reshape(-1).to(device),
+                blocks=table.reshape(-1).to(device),
                 mask=mask[:, None, None, :].to(device),
-                max_len=slots.shape[1],
+                max_len=mask.shape[1],
             )
         )
     return out
