@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
 _MMAP_THRESHOLD_MAX = 32 * 2**20  # glibc's ceiling on 64-bit (HEAP_MAX_SIZE / 2)
-_NEVER_TRIM = 2**62
+_NEVER_TRIM = 2**31 - 1  # mallopt takes an int: its largest value
 
 
 def keep_heap(top_pad: int = 64 * 2**20) -> bool:
@@ -30,9 +30,8 @@ def keep_heap(top_pad: int = 64 * 2**20) -> bool:
     except (OSError, AttributeError, TypeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    # mallopt takes an int: the "never" trim threshold is the largest one.
     ok = all(
-        mallopt(param, min(value, 2**31 - 1)) == 1
+        mallopt(param, value) == 1
         for param, value in (
             (_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX),
             (_M_TRIM_THRESHOLD, _NEVER_TRIM),

@@ -27,8 +27,8 @@ import torch
 
 from ringsched.affinity import restored_threads_and_cpus
 from ringsched.comm.messages import BatchPlan, PlanEntry
-from ringsched.kv_cache import BlockTable, KVPool
-from ringsched.models.config import ModelConfig
+from ringsched.kv_cache import BlockTable, KVPool, kv_bytes_per_token
+from ringsched.models.config import ModelConfig, layer_matmul_params
 from ringsched.models.llama import StageModel
 from ringsched.scheduler.batch_builder import build_forward_batch
 from ringsched.stage import StageInfo
@@ -131,11 +131,8 @@ def probe_layers(mcfg: ModelConfig, shape: BatchShape, dtype: torch.dtype, stage
     cache (a stage's layers never do, and one layer timed again and again would be served from cache: measured
     on this project's 2-core Xeon with a 300 MiB L3, that made a SmolLM2 layer look 2x cheaper against the
     lm_head than in the ring), at most a stage's share of the layers."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    h, i = mcfg.hidden_size, mcfg.intermediate_size
-    attn = h * mcfg.head_dim * (2 * mcfg.num_heads + 2 * mcfg.num_kv_heads)
-    per_layer = (attn + 3 * h * i) * elem
-    per_layer += (shape.decodes * shape.context + shape.prefill_tokens) * mcfg.kv_bytes_per_token_per_layer * elem
+    per_layer = layer_matmul_params(mcfg) * torch.empty((), dtype=dtype).element_size()
+    per_layer += (shape.decodes * shape.context + shape.prefill_tokens) * kv_bytes_per_token(mcfg, 1, dtype)
     return max(1, min(stage_layers, -(-PROBE_BYTES // per_layer)))
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ringsched.affinity import restored_threads_and_cpus
-from ringsched.models.config import ModelConfig
+from ringsched.models.config import ModelConfig, layer_matmul_params
 
 
 @dataclass(frozen=True)
@@ -36,13 +36,6 @@ class FlopModel:
     def stage_flops(self, tokens: int, layers: int, sample_rows: int) -> float:
         """A stage's model FLOPs: `tokens` through its `layers`, plus `sample_rows` through the lm_head."""
         return tokens * layers * self.per_token_per_layer + sample_rows * self.lm_head_per_row
-
-
-def layer_matmul_params(m: ModelConfig) -> int:
-    """Weights one token multiplies through in a decoder layer: q, k, v, o, then gate, up and down."""
-    q_out, kv_out = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
-    attn = m.hidden_size * (q_out + 2 * kv_out) + q_out * m.hidden_size
-    return attn + 3 * m.hidden_size * m.intermediate_size
 
 
 def layer_flops_per_token(m: ModelConfig, context: float) -> float:

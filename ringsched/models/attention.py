@@ -84,7 +84,7 @@ def paged_attention(
 def _decode(q, k_cache, v_cache, g: DecodeGroup, scale: float) -> torch.Tensor:
     # Gather whole blocks (one contiguous block_size * KVH * D run each): b * nblk indices, not b * Lmax.
     b, kvh, d = g.rows.shape[0], k_cache.shape[1], k_cache.shape[2]
-    block = g.max_len * b // g.blocks.shape[0] * kvh * d  # elements per block
+    block = g.max_len // (g.blocks.shape[0] // b) * kvh * d  # elements per block: block_size * KVH * D
     kd = k_cache.view(-1, block).index_select(0, g.blocks).view(b, g.max_len, kvh, d).transpose(1, 2)
     vd = v_cache.view(-1, block).index_select(0, g.blocks).view(b, g.max_len, kvh, d).transpose(1, 2)
     # Grouped-query attention folded into the query length: the H / KVH query heads sharing a KV head attend

@@ -99,3 +99,10 @@ def _rope_theta(cfg: dict) -> float:
     if params.get("rope_type", "default") != "default":
         raise UnsupportedModelError(f"rope scaling {params.get('rope_type')!r} is not supported")
     return float(params.get("rope_theta", 10000.0))
+
+
+def layer_matmul_params(m: ModelConfig) -> int:
+    """Weights one token multiplies through in a decoder layer: q, k, v, o, then gate, up and down."""
+    q_out, kv_out = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    attn = m.hidden_size * (q_out + 2 * kv_out) + q_out * m.hidden_size
+    return attn + 3 * m.hidden_size * m.intermediate_size
