@@ -8,6 +8,7 @@ apart. The job runs the smoke path: serve, ask one question, print the answer, s
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -33,6 +34,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_port_pair() -> int:
+    """A port P with P and P+1 free, below the kernel's ephemeral range: node 1 listens on P+1, and an
+    ephemeral P+1 (what `free_port` would hand out next to P) can be taken by any outgoing connection
+    (the rendezvous, gloo) before node 1 binds it."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in random.Random(os.getpid()).sample(range(10000, low - 1), 200):
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("0.0.0.0", port))
+                b.bind(("0.0.0.0", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no two adjacent free ports below the ephemeral range")
 
 
 SLURM_CONF = """\
@@ -163,7 +180,7 @@ def test_sbatch_script_serves_on_two_nodes(cluster, smollm2_dir, tmp_path):
     env = {
         "RINGSCHED_PYTHON": sys.executable,
         "RINGSCHED_PP_SIZE": "2",
-        "RINGSCHED_PORT": str(free_port()),
+        "RINGSCHED_PORT": str(free_port_pair()),
         "RINGSCHED_DIST_PORT": str(free_port()),
         "RINGSCHED_EXTRA_ARGS": "--threads-per-stage 1 --kv-cache-memory 64M --max-model-len 1024",
         "RINGSCHED_READY_TIMEOUT": "120",
