@@ -56,6 +56,10 @@ class EngineConfig:
     device: str = "auto"
     threads_per_stage: int | None = None
     pp_layer_partition: str | None = None
+    # The requests `auto` measures for: typical prompt and output lengths (they set the probe's decode context
+    # and its share of prefill tokens, so the head's weight against a layer's).
+    pp_auto_input_len: int = 128
+    pp_auto_output_len: int = 128
     dist_init_addr: str | None = None
     stage_timeout: float = 60.0
     nnodes: int = 1
@@ -100,6 +104,11 @@ class EngineConfig:
             _require(
                 self.threads_per_stage >= 1, f"--threads-per-stage must be >= 1, got {self.threads_per_stage}"
             )
+        _require(
+            self.pp_auto_input_len >= 1 and self.pp_auto_output_len >= 1,
+            f"--pp-auto-input-len and --pp-auto-output-len must be >= 1 (typical prompt and output tokens), got "
+            f"{self.pp_auto_input_len} and {self.pp_auto_output_len}",
+        )
         _require(self.stage_timeout > 0, f"--stage-timeout must be > 0 seconds, got {self.stage_timeout}")
         _require(self.dist_timeout > 0, f"--dist-timeout must be > 0 seconds, got {self.dist_timeout}")
         _require(self.nnodes >= 1, f"--nnodes must be >= 1, got {self.nnodes}")

@@ -145,11 +145,12 @@ class Supervisor:
             return self.cfg.partition(mcfg.num_layers)
         if self.cfg.node_rank != 0:
             return None
-        shape = BatchShape.for_engine(
-            self.cfg.micro_batch_size, self.cfg.chunked_prefill_size, self.cfg.context_len(mcfg.max_position_embeddings)
-        )
-        device = torch.device("cuda", 0) if self.cfg.resolved_device == "cuda" else torch.device("cpu")
         c = self.cfg
+        shape = BatchShape.for_workload(
+            c.micro_batch_size, c.chunked_prefill_size, c.context_len(mcfg.max_position_embeddings),
+            c.pp_auto_input_len, c.pp_auto_output_len,
+        )  # fmt: skip
+        device = torch.device("cuda", 0) if c.resolved_device == "cuda" else torch.device("cpu")
         # Node 0 knows only its own cores: with several nodes, its first stage's stand in for every stage's.
         here = [stage_cpus(c.threads, c.stages_per_node, i, c.resolved_device) for i in range(c.stages_per_node)]
         cpus = here if c.nnodes == 1 else [here[0]] * c.pp_size

@@ -15,7 +15,7 @@ from ringsched.bench.efficiency import (
     mean_context,
 )
 from ringsched.bench.memory import OVERHEAD_BUDGET_BYTES, format_memory, stage_memory
-from ringsched.bench.offline import add_offline_args, run_offline
+from ringsched.bench.offline import add_offline_args, offline_config, run_offline
 from ringsched.models.config import ModelConfig
 
 MIB = 2**20
@@ -76,3 +76,20 @@ def test_offline_reports_time_efficiency_and_memory_per_stage(tiny_llama_dir, ca
         assert m["peak_bytes"] > m["weights_bytes"] > 0 and m["kv_bytes"] > 0
     out = capsys.readouterr().out
     assert "stage 1: compute" in out and "GFLOP/s model" in out and "overhead" in out
+
+
+def test_auto_balances_for_the_benchmarks_requests(tiny_llama_dir):
+    p = argparse.ArgumentParser()
+    add_offline_args(p)
+    base = ["--model", str(tiny_llama_dir), "--input-len", "32", "--output-len", "64"]
+    cfg = offline_config(p.parse_args(base))
+    assert (cfg.pp_auto_input_len, cfg.pp_auto_output_len) == (32, 64)
+    cfg = offline_config(p.parse_args([*base, "--pp-auto-input-len", "500"]))
+    assert (cfg.pp_auto_input_len, cfg.pp_auto_output_len) == (500, 64)
+    # Other entry points leave them unset: the config's defaults.
+    from ringsched.cli_args import add_engine_args, config_from_args
+
+    q = argparse.ArgumentParser()
+    add_engine_args(q)
+    cfg = config_from_args(q.parse_args(["--model", str(tiny_llama_dir)]))
+    assert (cfg.pp_auto_input_len, cfg.pp_auto_output_len) == (128, 128)

@@ -49,10 +49,16 @@ def test_head_weight_moves_layers_to_the_front_and_ties_go_even():
     assert balance_loss([10.0, 5.0]) == pytest.approx(0.25)
 
 
-def test_batch_shape_from_the_engine_config():
-    s = BatchShape.for_engine(micro_batch_size=64, chunked_prefill_size=48, max_len=8192)
-    assert (s.decodes, s.prefill_tokens, s.context, s.tokens, s.sample_rows) == (64, 48, 256, 112, 65)
-    assert BatchShape.for_engine(4, 512, max_len=100).context == 99
+def test_batch_shape_from_the_workload():
+    # 128 + 128: as many prefill tokens as decodes per step, decodes at context 128 + 64.
+    s = BatchShape.for_workload(64, 512, max_len=8192, input_len=128, output_len=128)
+    assert (s.decodes, s.prefill_tokens, s.context, s.tokens, s.sample_rows) == (64, 64, 192, 128, 65)
+    # Short prompts, longer outputs: fewer prefill tokens per step, a shorter context.
+    s = BatchShape.for_workload(32, 512, max_len=8192, input_len=32, output_len=64)
+    assert (s.decodes, s.prefill_tokens, s.context) == (32, 16, 64)
+    # Chunked prefill caps the prefill tokens, the model's length the context.
+    s = BatchShape.for_workload(64, 48, max_len=100, input_len=512, output_len=64)
+    assert (s.prefill_tokens, s.context) == (48, 99)
     with pytest.raises(ValueError):
         BatchShape(0, 0, 10)
 

@@ -14,6 +14,7 @@ import time
 from ringsched.bench.efficiency import FlopModel, efficiency, matmul_gflops, mean_context, stage_flops
 from ringsched.bench.memory import format_memory, stage_memory
 from ringsched.cli_args import add_engine_args, config_from_args, engine_kwargs
+from ringsched.config import EngineConfig
 
 TIME_KEYS = ("compute_s", "wait_s", "sched_s", "comm_s")
 COUNT_KEYS = ("batches", "tokens", "sample_rows", "head_s")  # head_s: part of compute_s
@@ -80,8 +81,17 @@ def _efficiency(cfg, mcfg, runs: list[dict], partition: list[int], input_len: in
             "efficiency": efficiency(per_stage, ref["gflops_per_s"])}  # fmt: skip
 
 
+def offline_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine config; `auto` balances for the requests this benchmark sends unless told otherwise."""
+    if args.pp_auto_input_len is None:
+        args.pp_auto_input_len = args.input_len
+    if args.pp_auto_output_len is None:
+        args.pp_auto_output_len = args.output_len
+    return config_from_args(args, log_level=args.log_level)
+
+
 def run_offline(args: argparse.Namespace) -> dict:
-    cfg = config_from_args(args, log_level=args.log_level)
+    cfg = offline_config(args)
     from ringsched.engine import Engine
     from ringsched.models.config import ModelConfig
     from ringsched.sampling import SamplingParams
