@@ -45,3 +45,41 @@ def test_cpu_decode_groups_are_capped_and_cover_every_row():
     batch, _ = build_forward_batch(BatchPlan(slot=0, seq=0, entries=entries), blocks, torch.device("cpu"))
     assert [len(g.rows) for g in batch.decodes] == [CPU_GROUP_ROWS, 8]
     assert sorted(torch.cat([g.rows for g in batch.decodes]).tolist()) == list(range(n))
+
+
+def test_prefill_attention_does_not_materialise_the_scores():
+    # A prefill chunk's attention must take torch's fused (flash) CPU kernel, not the math path that builds the
+    # [heads, n, kv_len] score matrix (its softmax is the marker): the chunk and the continuation cases.
+    from torch.profiler import ProfilerActivity, profile
+
+    from ringsched.models.attention import _sdpa
+
+    torch.manual_seed(0)
+    for n, kv_len in [(64, 64), (16, 80)]:
+        q, k, v = torch.randn(n, 6, 8), torch.randn(kv_len, 2, 8), torch.randn(kv_len, 2, 8)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            out = _sdpa(q, k, v, 8**-0.5, causal=True)
+        ops = {e.key for e in prof.key_averages()}
+        assert "aten::_softmax" not in ops and "aten::bmm" not in ops, sorted(ops)
+        # Same numbers as the reference: query i at position kv_len - n + i sees keys 0..kv_len - n + i.
+        ke, ve = k.repeat_interleave(3, 1), v.repeat_interleave(3, 1)
+        for i in (0, n - 1):
+            seen = kv_len - n + i + 1
+            ref = F.scaled_dot_product_attention(
+                q[i].unsqueeze(1), ke[:seen].transpose(0, 1), ve[:seen].transpose(0, 1), scale=8**-0.5
+            )
+            torch.testing.assert_close(out[i], ref.squeeze(1), rtol=1e-5, atol=1e-5)
+
+
+def test_one_rotary_table_per_stage():
+    from ringsched.models.config import ModelConfig
+    from ringsched.models.llama import StageModel
+    from ringsched.stage import StageInfo
+
+    cfg = ModelConfig.from_dict({
+        "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 3, "hidden_size": 16, "intermediate_size": 32,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 10,
+    })  # fmt: skip
+    model = StageModel(cfg, StageInfo(0, 1, 0, 3))
+    rotaries = {id(layer.self_attn.rotary) for layer in model.model.layers}
+    assert len(rotaries) == 1

@@ -96,10 +96,14 @@ def _decode(q, k_cache, v_cache, g: DecodeGroup, scale: float) -> torch.Tensor:
 
 
 def _sdpa(q, k, v, scale: float, causal: bool) -> torch.Tensor:
-    """Causal attention of `n` queries that are the last `n` of `kv_len` keys. Shapes `[n|kv_len, h, D]`."""
+    """Causal attention of `n` queries that are the last `n` of `kv_len` keys. Shapes `[n|kv_len, h, D]`.
+
+    The inputs go in as 4-D `[1, h, n, D]`: torch's CPU flash-attention kernel takes only 4-D inputs, and 3-D
+    ones fall back to the math path, which materialises the `[h, n, kv_len]` scores (measured for a 512-token
+    SmolLM2 prefill: 20.3 ms and 9 MiB of scores per layer, against 7.6 ms with flash)."""
     n, kv_len = q.shape[0], k.shape[0]
-    qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-    gqa = qt.shape[0] != kt.shape[0]
+    qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    gqa = qt.shape[1] != kt.shape[1]
     if n == kv_len:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=scale, enable_gqa=gqa)
     else:
@@ -107,4 +111,4 @@ def _sdpa(q, k, v, scale: float, causal: bool) -> torch.Tensor:
         qpos = torch.arange(kv_len - n, kv_len, device=q.device).unsqueeze(1)
         mask = torch.arange(kv_len, device=q.device).unsqueeze(0) <= qpos
         out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=gqa)
-    return out.transpose(0, 1)
+    return out.squeeze(0).transpose(0, 1)

@@ -40,12 +40,15 @@ class RMSNorm(nn.Module):
 
 
 class Rotary(nn.Module):
-    """Rotate-half RoPE as Hugging Face computes it; cos/sin are cached by position."""
+    """Rotate-half RoPE as Hugging Face computes it. One instance serves every layer of a stage: the cos/sin
+    table is built once (a 4096-position table is 2 MiB in float32; one per layer was 60 MiB for SmolLM2), and
+    the rows for a batch's positions are gathered once per forward, not once per layer."""
 
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
         self.head_dim, self.theta = head_dim, theta
         self._cos = self._sin = torch.empty(0)
+        self._rows: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def _table(self, n: int, device: torch.device) -> None:
         size = max(n, 2 * self._cos.shape[0], 4096)
@@ -56,14 +59,22 @@ class Rotary(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self._cos, self._sin = emb.cos().to(device), emb.sin().to(device)
 
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, device: torch.device):
+        # Every layer of one forward passes the same `positions` tensor: gather its rows for the first only.
+        if self._rows is not None and self._rows[0] is positions and self._rows[1] == dtype:
+            return self._rows[2], self._rows[3]
+        need = int(positions.max()) + 1 if positions.numel() else 0
+        if need > self._cos.shape[0] or self._cos.device != device:
+            self._table(need, device)
+        cos = self._cos[positions].unsqueeze(1).to(dtype)  # [T, 1, D]
+        sin = self._sin[positions].unsqueeze(1).to(dtype)
+        self._rows = (positions, dtype, cos, sin)
+        return cos, sin
+
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        need = int(positions.max()) + 1 if positions.numel() else 0
-        if need > self._cos.shape[0] or self._cos.device != q.device:
-            self._table(need, q.device)
-        cos = self._cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
-        sin = self._sin[positions].unsqueeze(1).to(q.dtype)
+        cos, sin = self._cos_sin(positions, q.dtype, q.device)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
@@ -73,7 +84,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: Rotary | None = None) -> None:
         super().__init__()
         h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, kvh, d
@@ -85,7 +96,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
-        self.rotary = Rotary(d, cfg.rope_theta)
+        self.rotary = rotary if rotary is not None else Rotary(d, cfg.rope_theta)
         self.scale = d**-0.5
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: tuple[torch.Tensor, torch.Tensor] | None):
@@ -113,10 +124,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: Rotary | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
@@ -140,8 +151,9 @@ class StageModel(nn.Module):
         self.model = nn.Module()
         if stage.is_first:
             self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        rotary = Rotary(cfg.head_dim, cfg.rope_theta)  # shared by the stage's layers
         self.model.layers = nn.ModuleList(
-            DecoderLayer(cfg) if stage.owns(i) else MissingLayer() for i in range(cfg.num_layers)
+            DecoderLayer(cfg, rotary) if stage.owns(i) else MissingLayer() for i in range(cfg.num_layers)
         )
         if stage.is_last:
             self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
