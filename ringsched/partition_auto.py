@@ -37,6 +37,7 @@ from ringsched.stage import StageInfo
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class BatchShape:
     decodes: int  # decode rows, one token each
