@@ -16,8 +16,6 @@ ENGINE_FLAGS = (
     "pp_layer_partition", "pp_auto_input_len", "pp_auto_output_len", "dist_init_addr", "stage_timeout", "seed",
     "nnodes", "node_rank", "host_ip", "dist_timeout",
 )  # fmt: skip
-# Flags whose argparse default None stands for the config's default (an entry point may fill them in first).
-_NONE_MEANS_DEFAULT = {"pp_auto_input_len", "pp_auto_output_len"}
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -40,12 +38,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="layers per stage, e.g. 16,14, or `auto`: measure the cost of a layer, the embedding and the "
         "lm_head here and pick the split whose slowest stage is fastest",
     )
-    g.add_argument("--pp-auto-input-len", type=int, default=None,
-                   help="typical prompt tokens of the workload `auto` balances for (default 128; bench offline: "
-                   "its --input-len)")
-    g.add_argument("--pp-auto-output-len", type=int, default=None,
-                   help="typical output tokens of the workload `auto` balances for (default 128; bench offline: "
-                   "its --output-len)")
+    g.add_argument("--pp-auto-input-len", type=int, default=128,
+                   help="typical prompt tokens of the workload `auto` balances for (bench offline: its --input-len)")
+    g.add_argument("--pp-auto-output-len", type=int, default=128,
+                   help="typical output tokens of the workload `auto` balances for (bench offline: its --output-len)")
     g.add_argument("--dist-init-addr", default=None, help="HOST:PORT for torch.distributed (default a free port)")
     g.add_argument("--stage-timeout", type=float, default=60.0, help="seconds to wait on a neighbour or a silent node")
     g.add_argument("--seed", type=int, default=0)
@@ -60,9 +56,7 @@ def config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
     """Build and fully validate the config (model included); on a bad flag print the error and exit 2."""
     try:
         model_dir = str(resolve_model(args.model, quiet=False))
-        given = {k: getattr(args, k) for k in ENGINE_FLAGS if k != "model"}
-        given = {k: v for k, v in given.items() if v is not None or k not in _NONE_MEANS_DEFAULT}
-        cfg = EngineConfig(**given, model=model_dir, **extra)
+        cfg = EngineConfig(**{k: getattr(args, k) for k in ENGINE_FLAGS if k != "model"}, model=model_dir, **extra)
         mcfg = ModelConfig.from_dir(model_dir)
         cfg.check_partition(mcfg.num_layers)
         cfg.context_len(mcfg.max_position_embeddings)

@@ -66,8 +66,7 @@ class BatchShape:
         decode samples once per step, and each request's prompt (one prefill) comes once per `output_len`
         samples, so prefill tokens per step = decodes * input_len / output_len."""
         prefill = min(round(micro_batch_size * input_len / output_len), chunked_prefill_size)
-        context = min(input_len + output_len // 2, max_len - 1)
-        return cls(micro_batch_size, prefill, max(context, 1))
+        return cls(micro_batch_size, prefill, min(input_len + output_len // 2, max_len - 1))
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from ringsched.bench.efficiency import (
 )
 from ringsched.bench.memory import OVERHEAD_BUDGET_BYTES, format_memory, stage_memory
 from ringsched.bench.offline import add_offline_args, offline_config, run_offline
+from ringsched.cli_args import add_engine_args, config_from_args
 from ringsched.models.config import ModelConfig
 
 MIB = 2**20
@@ -86,9 +87,7 @@ def test_auto_balances_for_the_benchmarks_requests(tiny_llama_dir):
     assert (cfg.pp_auto_input_len, cfg.pp_auto_output_len) == (32, 64)
     cfg = offline_config(p.parse_args([*base, "--pp-auto-input-len", "500"]))
     assert (cfg.pp_auto_input_len, cfg.pp_auto_output_len) == (500, 64)
-    # Other entry points leave them unset: the config's defaults.
-    from ringsched.cli_args import add_engine_args, config_from_args
-
+    # Other entry points take the flags' defaults.
     q = argparse.ArgumentParser()
     add_engine_args(q)
     cfg = config_from_args(q.parse_args(["--model", str(tiny_llama_dir)]))

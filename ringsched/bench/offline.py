@@ -22,6 +22,7 @@ COUNT_KEYS = ("batches", "tokens", "sample_rows", "head_s")  # head_s: part of c
 
 def add_offline_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
+    p.set_defaults(pp_auto_input_len=None, pp_auto_output_len=None)  # unset: this run's --input/output-len
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
