@@ -30,6 +30,7 @@ import torch
 from ringsched.affinity import restored_threads_and_cpus
 from ringsched.comm.messages import BatchPlan, PlanEntry
 from ringsched.kv_cache import BlockTable, KVPool, kv_bytes_per_token
+from ringsched.models import native
 from ringsched.models.config import ModelConfig, layer_matmul_params
 from ringsched.models.llama import StageModel
 from ringsched.scheduler.batch_builder import build_forward_batch
@@ -157,7 +158,8 @@ class CostProbe:
         self.model = StageModel(mcfg, StageInfo(0, 1, 0, layers)).to(device=device, dtype=dtype)
         blocks = BlockTable(-(-(shape.decodes * shape.context + shape.prefill_tokens) // 16) + 1, 16)
         self.pool = KVPool(mcfg, layers, blocks.num_blocks, 16, dtype, device)
-        self.batch, self.ids = build_forward_batch(_plan(shape, blocks), blocks, device)
+        use_native = native.usable_for(dtype, device)  # time the decode attention the stages will run
+        self.batch, self.ids = build_forward_batch(_plan(shape, blocks), blocks, device, use_native)
         self.hidden = self.model.model.embed_tokens(self.ids)
         self.residual = torch.randn_like(self.hidden)  # a middle layer's input: the residual stream has started
 

@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ringsched.models import native
+from ringsched.models.native import NativeDecode
+
 
 @dataclass
 class PrefillSeq:
@@ -39,6 +42,7 @@ class ForwardBatch:
     logit_rows: torch.Tensor  # [S] row whose logits are sampled, one per sequence that samples
     slot_mapping: torch.Tensor | None = None  # [T] cache slot each new token's K/V goes to
     decodes: list[DecodeGroup] = field(default_factory=list)
+    native_decode: NativeDecode | None = None  # the decodes, for the CPU kernel (then `decodes` is empty)
     prefills: list[PrefillSeq] = field(default_factory=list)
 
     @property
@@ -74,6 +78,9 @@ def paged_attention(
     out = torch.empty_like(q)
     for g in batch.decodes:
         out.index_copy_(0, g.rows, _decode(q, k_cache, v_cache, g, scale))
+    if batch.native_decode is not None:
+        nd = batch.native_decode
+        out.index_copy_(0, nd.rows, native.paged_decode(q.index_select(0, nd.rows), k_cache, v_cache, nd, scale))
     for p in batch.prefills:
         rows = slice(p.row, p.row + p.num_new)
         kp, vp = k_cache.index_select(0, p.ctx_slots), v_cache.index_select(0, p.ctx_slots)

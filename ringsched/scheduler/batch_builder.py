@@ -7,6 +7,7 @@ import torch
 from ringsched.comm.messages import BatchPlan
 from ringsched.kv_cache import BlockTable
 from ringsched.models.attention import DecodeGroup, ForwardBatch, PrefillSeq
+from ringsched.models.native import NativeDecode
 
 # A decode joins the current length group while its context is at least this share of the group's longest:
 # padding stays under ~40% of what the group reads, and a step has only a few groups.
@@ -19,9 +20,10 @@ CPU_GROUP_ROWS = 32
 
 
 def build_forward_batch(
-    plan: BatchPlan, blocks: BlockTable, device: torch.device
+    plan: BatchPlan, blocks: BlockTable, device: torch.device, native: bool = False
 ) -> tuple[ForwardBatch, torch.Tensor]:
-    """Returns the batch description and the flattened input ids `[T]` (used by the first stage only)."""
+    """Returns the batch description and the flattened input ids `[T]` (used by the first stage only).
+    `native`: describe the decodes for the CPU kernel (`models/native.py`) rather than as padded groups."""
     ids: list[int] = []
     positions: list[int] = []
     slot_parts: list[torch.Tensor] = []
@@ -50,7 +52,13 @@ def build_forward_batch(
         slot_mapping=torch.cat(slot_parts).to(device),
         prefills=prefills,
     )
-    batch.decodes = _decode_groups(dec_rows, dec_rids, dec_lens, blocks, device)
+    if native and dec_rows:
+        tables, _ = blocks.padded_blocks(dec_rids, dec_lens)
+        batch.native_decode = NativeDecode(
+            torch.tensor(dec_rows, dtype=torch.long), tables.contiguous(), torch.tensor(dec_lens), blocks.block_size
+        )
+    elif dec_rows:
+        batch.decodes = _decode_groups(dec_rows, dec_rids, dec_lens, blocks, device)
     return batch, torch.tensor(ids, dtype=torch.long, device=device)
 
 

@@ -1,0 +1,117 @@
+"""The CPU decode-attention kernel (models/native.py): same numbers as attending to each request's keys and
+values laid out contiguously, on one and two threads; the torch path where it is off or cannot be built."""
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ringsched.comm.messages import BatchPlan, PlanEntry
+from ringsched.kv_cache import BlockTable
+from ringsched.models import native
+from ringsched.models.attention import paged_attention
+from ringsched.scheduler.batch_builder import build_forward_batch
+
+HAS_CC = bool(shutil.which("cc") or shutil.which("gcc"))
+
+
+def _scattered(lengths: dict[str, int], bs: int, num_blocks: int) -> BlockTable:
+    blocks = BlockTable(num_blocks, bs)
+    for step in range(1, max(lengths.values()) + 1):  # grow in turns: each request's blocks are scattered
+        for rid, n in lengths.items():
+            blocks.ensure(rid, min(step, n))
+    return blocks
+
+
+def _reference(q, k_cache, v_cache, blocks, lengths, scale):
+    out = []
+    for row, (rid, n) in enumerate(lengths.items()):
+        slots = blocks.slots(rid, 0, n)
+        kr, vr = k_cache[slots].transpose(0, 1), v_cache[slots].transpose(0, 1)
+        ref = F.scaled_dot_product_attention(q[row].unsqueeze(1), kr, vr, scale=scale, enable_gqa=True)
+        out.append(ref.squeeze(1))
+    return torch.stack(out)
+
+
+def test_the_kernel_builds_where_a_compiler_exists():
+    # Guards against a silent fallback: the ring tests would pass on the torch path either way.
+    assert native.usable_for(torch.float32, "cpu") == (HAS_CC and native.enabled())
+    assert not native.usable_for(torch.bfloat16, "cpu")
+
+
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler: the torch path is tested in test_attention.py")
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "bs"), [(6, 2, 8, 4), (9, 3, 64, 16)])
+def test_native_decode_matches_contiguous_attention(threads, heads, kv_heads, dim, bs):
+    torch.manual_seed(0)
+    lengths = {"a": 13, "b": 5, "c": 70, "d": 16, "e": 1, "f": 33, "g": 2}
+    blocks = _scattered(lengths, bs, 128)
+    k_cache, v_cache = torch.randn(128 * bs, kv_heads, dim), torch.randn(128 * bs, kv_heads, dim)
+    entries = [PlanEntry(rid, n - 1, [7], samples=True) for rid, n in lengths.items()]
+    batch, _ = build_forward_batch(BatchPlan(slot=0, seq=0, entries=entries), blocks, torch.device("cpu"), True)
+    assert batch.native_decode is not None and batch.decodes == []
+    t = len(entries)
+    q, k, v = torch.randn(t, heads, dim), torch.randn(t, kv_heads, dim), torch.randn(t, kv_heads, dim)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = paged_attention(q, k, v, batch, k_cache, v_cache, scale=dim**-0.5)
+    finally:
+        torch.set_num_threads(old)
+    ref = _reference(q, k_cache, v_cache, blocks, lengths, dim**-0.5)  # the new K/V were written above
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler")
+def test_mixed_batch_prefill_rows_untouched_by_the_kernel():
+    # A prefill chunk and decodes in one batch: the kernel fills the decode rows, SDPA the chunk's.
+    torch.manual_seed(1)
+    heads, kv_heads, dim, bs = 4, 2, 8, 4
+    lengths = {"a": 9, "b": 3}
+    blocks = _scattered(lengths, bs, 64)
+    blocks.ensure("p", 6)
+    entries = [PlanEntry(rid, n - 1, [5], samples=True) for rid, n in lengths.items()]
+    entries.append(PlanEntry("p", 0, list(range(6)), samples=True))
+    plan = BatchPlan(slot=0, seq=0, entries=entries)
+    k_cache, v_cache = torch.randn(64 * bs, kv_heads, dim), torch.randn(64 * bs, kv_heads, dim)
+    q, k, v = torch.randn(8, heads, dim), torch.randn(8, kv_heads, dim), torch.randn(8, kv_heads, dim)
+    outs = []
+    for use_native in (True, False):
+        batch, _ = build_forward_batch(plan, blocks, torch.device("cpu"), use_native)
+        outs.append(paged_attention(q, k, v, batch, k_cache.clone(), v_cache.clone(), scale=dim**-0.5))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+def test_switched_off_or_unbuildable_means_the_torch_path(monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setenv(native.ENV_SWITCH, "0")
+    assert not native.usable_for(torch.float32, "cpu")
+
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setenv(native.ENV_SWITCH, "1")
+    monkeypatch.setenv("RINGSCHED_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    with caplog.at_level("WARNING", logger="ringsched.models.native"):
+        assert not native.usable_for(torch.float32, "cpu")
+    assert "using the torch path" in caplog.text
+    assert not list((tmp_path / "native").glob("*.so"))  # nothing half-built left as the cached kernel
+
+
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler")
+def test_loading_the_kernel_keeps_denormals(tmp_path):
+    # Built with -ffast-math but linked without it: gcc < 13 would otherwise link crtfastmath.o, whose
+    # constructor turns on flush-to-zero in the whole process, and torch's float32 results would change.
+    code = (
+        "import torch; from ringsched.models import native\n"
+        "assert native.usable_for(torch.float32, 'cpu')\n"
+        "x = torch.tensor([1e-38]) / 1000\n"
+        "print(x.item() != 0.0)\n"
+    )
+    env = {"RINGSCHED_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "True"
+    assert len(list((tmp_path / "native").glob("paged_decode-*.so"))) == 1
