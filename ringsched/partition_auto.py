@@ -173,7 +173,7 @@ class CostProbe:
     def _head(self) -> None:
         rows = self.batch.logit_rows
         out, _ = self.model.model.norm.add_forward(self.hidden[rows], self.residual[rows])
-        self.model.compute_logits(out).argmax(dim=-1)
+        self.model.greedy_tokens(out)  # the ring's hot path (greedy)
 
     @torch.inference_mode()
     def measure(self, repeat: int = 7) -> StageCosts:

@@ -39,6 +39,12 @@ class SamplerState:
             del h[e.start :]
             h.extend(e.token_ids)
 
+    def greedy_only(self, plan: BatchPlan) -> bool:
+        """Every row that samples takes the plain argmax (no penalty, nothing banned): the last stage can then
+        reduce the logits chunk by chunk (`StageModel.greedy_tokens`) instead of building them whole."""
+        params = [self.params[e.rid] for e in plan.entries if e.samples]
+        return all(p.greedy and p.repetition_penalty == 1.0 and p.min_tokens == 0 for p in params)
+
     def sample(self, plan: BatchPlan, logits: torch.Tensor) -> torch.Tensor:
         rids = [e.rid for e in plan.entries if e.samples]
         params = [self.params[r] for r in rids]

@@ -245,7 +245,10 @@ class StageLoop:
         )
         if self.stage.is_last:
             head_start = time.perf_counter()
-            out = self.sampler.sample(plan, self.model.compute_logits(out)).cpu()
+            if self.sampler.greedy_only(plan):
+                out = self.model.greedy_tokens(out).cpu()
+            else:
+                out = self.sampler.sample(plan, self.model.compute_logits(out)).cpu()
             self.times.head += time.perf_counter() - head_start
             self.times.sample_rows += out.numel()
         self.times.compute += time.perf_counter() - start
