@@ -75,7 +75,7 @@ class StageLoop:
         self.cfg, self.stage, self.model, self.blocks, self.pool, self.io = cfg, stage, model, blocks, pool, io
         self.planner, self.device = planner, device
         # Decode attention through the CPU kernel where it applies (float32 KV on CPU, a C compiler at hand).
-        self.native_decode = bool(pool.caches) and native.usable_for(pool.caches[0][0].dtype, device)
+        self.use_native_decode = bool(pool.caches) and native.usable_for(pool.caches[0][0].dtype, device)
         self.sampler = SamplerState(device, eos_ids) if stage.is_last else None
         self.pending_outputs: deque[tuple[int, torch.Tensor]] = deque()  # last stage: sampled, not yet sent
         self.next_output = 0  # stage 0: the micro-batch whose outputs come back next
@@ -239,7 +239,7 @@ class StageLoop:
         if not plan.entries:
             return torch.empty(0, dtype=torch.long) if self.stage.is_last else None
         start = time.perf_counter()
-        batch, ids = build_forward_batch(plan, self.blocks, self.device, self.native_decode)
+        batch, ids = build_forward_batch(plan, self.blocks, self.device, self.use_native_decode)
         out = self.model(
             batch, input_ids=ids if self.stage.is_first else None, proxy=proxy, kv_caches=self.pool.caches
         )
