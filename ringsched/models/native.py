@@ -50,6 +50,7 @@ class NativeDecode:
     tables: torch.Tensor  # [b, nblk] int64 cache blocks of each context (padding: block 0, never read)
     lens: torch.Tensor  # [b] int64 context length of each decode, its own new token included
     block_size: int
+    max_len: int  # the longest of `lens` (sizes the kernel's score buffer)
 
 
 def enabled() -> bool:
@@ -67,14 +68,14 @@ def paged_decode(
     """`q` [b, H, D] (the decode rows, rotary applied); caches [slots, KVH, D] float32. Returns [b, H, D]."""
     lib = _library()
     assert lib is not None, "paged_decode called although usable_for() said no"
-    q = q.contiguous()
+    q = q.contiguous()  # the decode rows, gathered: already contiguous, so no copy
     b, heads, dim = q.shape
     if not (k_cache.is_contiguous() and v_cache.is_contiguous() and d.tables.is_contiguous()):
         raise ValueError("paged_decode needs contiguous caches and block tables")
     out = torch.empty_like(q)
     rc = lib.paged_decode(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), d.tables.data_ptr(), d.lens.data_ptr(),
-        b, heads, k_cache.shape[1], dim, d.block_size, d.tables.shape[1], int(d.lens.max()) if b else 1,
+        b, heads, k_cache.shape[1], dim, d.block_size, d.tables.shape[1], d.max_len,
         scale, out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:

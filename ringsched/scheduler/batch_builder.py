@@ -55,7 +55,11 @@ def build_forward_batch(
     if native and dec_rows:
         tables, _ = blocks.padded_blocks(dec_rids, dec_lens)
         batch.native_decode = NativeDecode(
-            torch.tensor(dec_rows, dtype=torch.long), tables.contiguous(), torch.tensor(dec_lens), blocks.block_size
+            torch.tensor(dec_rows, dtype=torch.long),
+            tables.contiguous(),
+            torch.tensor(dec_lens),
+            blocks.block_size,
+            max(dec_lens),
         )
     elif dec_rows:
         batch.decodes = _decode_groups(dec_rows, dec_rids, dec_lens, blocks, device)
