@@ -6,6 +6,14 @@ step's activations landed on freshly mapped pages: 33 million minor page faults 
 in the kernel zeroing pages, against 1.4 million on stage 1. A stage's working set is the same every step, so
 it keeps the heap at its high-water mark (no trimming) and serves every tensor up to the largest mmap
 threshold glibc allows (32 MiB) from that heap. Peak memory is unchanged: it is the high-water mark either way.
+
+MKL, torch's BLAS on x86, has its own pool on top of malloc ("fast memory management"): the packing buffers
+of each matrix multiply's shape are kept for the life of the process. A stage sees many shapes (every
+micro-batch's row count, the head's logit rows), so the pool only grows: measured on stage 1 of a 2-stage
+SmolLM2 ring, 53 MiB of its heap and 60 MiB of other mappings were MKL's, and `F.linear` over 92 row counts
+of an 8192 x 576 weight kept 66 MiB. Stages run with that pool off (`MKL_DISABLE_FAST_MM=1`); MKL then
+takes its buffers from malloc, which the kept heap serves without faults. Same throughput, measured (PP=2
+`[17, 13]`, two runs each way, alternating: 215.1, 224.5 tok/s with the pool against 215.2, 239.3 without).
 """
 
 from __future__ import annotations
@@ -13,12 +21,31 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 logger = logging.getLogger(__name__)
 
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
 _MMAP_THRESHOLD_MAX = 32 * 2**20  # glibc's ceiling on 64-bit (HEAP_MAX_SIZE / 2)
 _NEVER_TRIM = 2**31 - 1  # mallopt takes an int: its largest value
+
+# Read by MKL when it first allocates, so it must be in a stage's environment from its start.
+STAGE_ALLOCATOR_ENV = {"MKL_DISABLE_FAST_MM": "1"}
+
+
+@contextmanager
+def stage_allocator_env() -> Iterator[None]:
+    """Processes started inside inherit `STAGE_ALLOCATOR_ENV` (a value the user set is kept); the caller's
+    own environment is restored after."""
+    added = {k: v for k, v in STAGE_ALLOCATOR_ENV.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
 
 
 def keep_heap(top_pad: int = 64 * 2**20) -> bool:

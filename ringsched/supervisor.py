@@ -26,6 +26,7 @@ from ringsched.affinity import stage_cpus
 from ringsched.comm.messages import Shutdown, StageStatus
 from ringsched.comm.zmq_io import Puller, Pusher, ipc_addr, new_ipc_dir
 from ringsched.config import EngineConfig
+from ringsched.heap import stage_allocator_env
 from ringsched.models.config import ModelConfig
 from ringsched.partition_auto import BatchShape, choose_partition
 from ringsched.rendezvous import Rendezvous
@@ -109,7 +110,7 @@ class Supervisor:
                 target=stage_main, args=(self.cfg, rank, self.model_dir, self.addrs, local),
                 name=f"ringsched-stage{rank}", daemon=True,
             )  # fmt: skip
-            with _without_main_module():
+            with _without_main_module(), stage_allocator_env():
                 p.start()
             self.procs.append(p)
             self.ranks.append(rank)

@@ -1,7 +1,22 @@
 """A stage keeps its heap: re-allocating a step's buffers must not fault in fresh pages each time."""
 
+import ctypes
+import multiprocessing as mp
+import os
 import subprocess
 import sys
+
+import pytest
+import torch
+
+from ringsched.heap import STAGE_ALLOCATOR_ENV, stage_allocator_env
+
+
+def _has_mallinfo2() -> bool:
+    try:
+        return hasattr(ctypes.CDLL("libc.so.6"), "mallinfo2")
+    except OSError:
+        return False
 
 _GROWING_BUFFERS = """
 import resource, sys, torch
@@ -29,3 +44,62 @@ def test_kept_heap_faults_each_page_once():
     # largest once (plus what torch's first calls touch).
     assert kept < 6 * pages_of_largest, (kept, default)
     assert default > 4 * kept, (kept, default)
+
+
+_MANY_SHAPES = """
+import ctypes, torch
+import torch.nn.functional as F
+from ringsched.heap import keep_heap
+
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+
+
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+keep_heap()
+torch.set_num_threads(1)
+w, x = torch.randn(8192, 576), torch.randn(640, 576)
+F.linear(x[:1], w)
+base = libc.mallinfo2().uordblks
+for rows in range(1, 640, 7):  # a stage's micro-batches come in every row count
+    F.linear(x[:rows], w)
+print((libc.mallinfo2().uordblks - base) / 2**20)
+"""
+
+
+def _kept_mib(env: dict) -> float:
+    out = subprocess.run([sys.executable, "-c", _MANY_SHAPES], capture_output=True, text=True, check=True, env=env)
+    return float(out.stdout.split()[-1])
+
+
+@pytest.mark.skipif(not torch.backends.mkl.is_available() or not _has_mallinfo2(), reason="MKL and glibc only")
+def test_mkl_pool_off_keeps_nothing_per_shape():
+    base = {k: v for k, v in os.environ.items() if k not in STAGE_ALLOCATOR_ENV}
+    pooled, stage = _kept_mib(base), _kept_mib({**base, **STAGE_ALLOCATOR_ENV})
+    # MKL's pool keeps each shape's packing buffers (66 MiB here); with it off they go back to malloc.
+    assert pooled > 16, pooled
+    assert stage < 1, stage
+
+
+def _child_env(q) -> None:
+    q.put({k: os.environ.get(k) for k in STAGE_ALLOCATOR_ENV})
+
+
+def test_stage_processes_start_with_the_allocator_env(monkeypatch):
+    for k in STAGE_ALLOCATOR_ENV:
+        monkeypatch.delenv(k, raising=False)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with stage_allocator_env():
+        p = ctx.Process(target=_child_env, args=(q,))
+        p.start()
+    assert q.get(timeout=60) == STAGE_ALLOCATOR_ENV
+    p.join(timeout=60)
+    assert all(k not in os.environ for k in STAGE_ALLOCATOR_ENV)  # the caller's environment is restored
+    monkeypatch.setenv("MKL_DISABLE_FAST_MM", "0")  # the user's choice wins
+    with stage_allocator_env():
+        assert os.environ["MKL_DISABLE_FAST_MM"] == "0"
+    assert os.environ["MKL_DISABLE_FAST_MM"] == "0"
