@@ -168,6 +168,8 @@ def test_cores_count_as_unequal_only_when_every_round_says_so():
     assert cores_layer_ms([[51.0, 65.0, 53.0], [51.5, 52.0, 54.0]]) == (52.5, 52.5)
     # Core 0 slower in every round: each core keeps its own median.
     assert cores_layer_ms([[60.0, 61.0, 62.0], [50.0, 52.0, 51.0]]) == (61.0, 51.0)
+    # Disjoint but within 10% (a neighbour on one core for the probe's few seconds): still one pooled figure.
+    assert cores_layer_ms([[52.0, 53.0, 54.0], [55.0, 56.0, 55.5]]) == (54.5, 54.5)
 
 
 def test_probe_spans_more_than_the_cache_but_at_most_a_stage(tiny_llama_dir):
