@@ -251,9 +251,10 @@ def cores_layer_ms(samples: list[list[float]]) -> tuple[float, ...]:
     `UNEQUAL_CORES` apart; otherwise they share the median of all rounds. Measured one core at a time on a
     shared host, single rounds swing by 25% (65 vs 51 ms for the same layer), which would otherwise move layers
     between equal cores at random; and a probe of a few seconds can catch a neighbour on one core for all its
-    rounds: once here it read SmolLM2's layer ~5% slower on stage 1's core, chose [18, 12] over [17, 13], and
-    stage 1 then idled 17% of the run. A 4% difference is enough to move a layer at 30 layers, so a smaller
-    real difference is better ignored than a passing one planned for."""
+    rounds. With SmolLM2 a 4% difference between the cores' layer times is enough to move a layer ([18, 12]
+    instead of [17, 13]; once here `auto` chose [18, 12] and stage 1 idled 17% of the run, though which of
+    its timings caused it was not recorded), so a smaller real difference is better ignored than a passing
+    one planned for."""
     medians = [statistics.median(s) for s in samples]
     disjoint = max(min(s) for s in samples) > min(max(s) for s in samples)
     if disjoint and max(medians) > (1 + UNEQUAL_CORES) * min(medians):
