@@ -40,8 +40,10 @@ from ringsched.bench.sweep_report import load_sweep, save_json, write_report
 from ringsched.models.fetch import DEFAULT_MODEL, FetchError
 from ringsched.server.testing import ServerProcess
 
-# Stages report their times every 0.5 s; waiting a little longer makes /metrics cover the whole rung.
+# Stages report their times every 0.5 s (an idle stage too), so two equal reads this far apart mean the
+# stages have reported since the rung ended; a fixed wait undercounted when a loaded host delayed a report.
 STATS_SETTLE_S = 0.7
+STATS_SETTLE_DEADLINE_S = 10.0
 DEFAULT_OUT_DIR = "bench-sweep"
 # Flags the sweep sets itself, so --server-args may not.
 OWN_FLAGS = ("--host", "--port", "--model", "--api-key")
@@ -251,8 +253,18 @@ def run_ladder(plan: SweepPlan, url: str, label: str, rungs: list[dict[str, Any]
 
 
 def settled_stages(url: str) -> dict[int, dict[str, float]]:
+    """The stages' times once they have stopped moving: the first of two equal reads `STATS_SETTLE_S` apart
+    (the server is idle between rungs), or the last read after `STATS_SETTLE_DEADLINE_S`."""
+    deadline = time.monotonic() + STATS_SETTLE_DEADLINE_S
     time.sleep(STATS_SETTLE_S)
-    return scrape_stages(url)
+    last = scrape_stages(url)
+    while time.monotonic() < deadline:
+        time.sleep(STATS_SETTLE_S)
+        now = scrape_stages(url)
+        if now == last:
+            return now
+        last = now
+    return last
 
 
 def run_rung(
