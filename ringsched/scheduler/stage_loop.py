@@ -10,8 +10,8 @@ loop"):
 4. run this stage's layers (the last stage also samples);
 5. non-last stages post the `"proxy"` send of `t` (async; posted before step 6 so the next stage can start
    while this one waits);
-6. the output exchange: the last stage sends the sampled tokens of `t - depth`, stage 0 receives those of
-   `t - pp_loop_size + 1` and updates its requests.
+6. the output exchange: the last stage sends the sampled tokens of `t - max(depth - 1, 0)`, stage 0
+   receives those of `t - pp_loop_size + 1` and updates its requests.
 
 Stage 0 receives the results of a slot's previous micro-batch just before it plans that slot again, so a
 request is in at most one in-flight micro-batch and no stage waits in a full pipeline.
@@ -258,11 +258,20 @@ class StageLoop:
 
     # -- 6: outputs ---------------------------------------------------------------------------------------
     def exchange_outputs(self, t: int, flush: bool = False) -> None:
-        """The last stage sends what it holds beyond `depth` (everything when `flush`); stage 0 takes in the
-        outputs up to micro-batch `t - pp_loop_size + 1` (up to `t - 1`, all it planned, when `flush`)."""
+        """The last stage sends what it holds beyond `depth - 1` (everything when `flush`); stage 0 takes in the
+        outputs up to micro-batch `t - pp_loop_size + 1` (up to `t - 1`, all it planned, when `flush`).
+
+        Why `depth - 1` and not `depth`: holding the newest `depth` outputs tied stage 0 to the last stage
+        exactly as at depth 0. Planning `t + 1` needs the outputs of `t + 1 - loop`; held `depth` micro-batches,
+        they left the last stage only once it had computed `t - 1`, so stage 0 computed `t + 1` beside the last
+        stage's `t` and the extra slot gave it no slack. Held `depth - 1`, they leave after `t - 2`: stage 0
+        can run a micro-batch further ahead and the ring absorbs a slow micro-batch on either stage. The send
+        at the end of `t` waits for stage 0 to take the outputs of `t - depth`, which it does once it has
+        posted the proxy of `t + 1`: the same moment this stage needs that proxy, so it costs no wait."""
         depth, loop = self.cfg.pp_async_batch_depth, self.cfg.pp_loop_size
+        hold = max(depth - 1, 0)
         if self.stage.is_last:
-            while self.pending_outputs and (flush or len(self.pending_outputs) > depth):
+            while self.pending_outputs and (flush or len(self.pending_outputs) > hold):
                 seq, tokens = self.pending_outputs.popleft()
                 if self.stage.is_first:  # one stage: the outputs never leave the process
                     self._deliver(seq, tokens)
