@@ -13,7 +13,8 @@ from ringsched.models.fetch import DEFAULT_MODEL, FetchError, resolve_model
 ENGINE_FLAGS = (
     "model", "pp_size", "pp_async_batch_depth", "max_running_requests", "pp_max_micro_batch_size",
     "chunked_prefill_size", "kv_cache_memory", "max_model_len", "dtype", "device", "threads_per_stage",
-    "pp_layer_partition", "pp_auto_input_len", "pp_auto_output_len", "dist_init_addr", "stage_timeout", "seed",
+    "pp_layer_partition", "pp_flex_layers", "pp_flex_policy", "pp_auto_input_len", "pp_auto_output_len",
+    "dist_init_addr", "stage_timeout", "seed",
     "nnodes", "node_rank", "host_ip", "dist_timeout",
 )  # fmt: skip
 
@@ -38,6 +39,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="layers per stage, e.g. 16,14, or `auto`: measure the cost of a layer, the embedding and the "
         "lm_head here and pick the split whose slowest stage is fastest",
     )
+    g.add_argument("--pp-flex-layers", type=int, default=0,
+                   help="PP=2: both stages hold this many layers on each side of the cut, and stage 0 moves the "
+                   "cut per micro-batch to balance prefill- and decode-heavy batches (default 0: a fixed cut)")
+    g.add_argument("--pp-flex-policy", default="balance", choices=["balance", "cycle"],
+                   help="how the flexible cut is chosen: balance the measured stage times, or cycle (tests)")
     g.add_argument("--pp-auto-input-len", type=int, default=128,
                    help="typical prompt tokens of the workload `auto` balances for (bench offline: its --input-len)")
     g.add_argument("--pp-auto-output-len", type=int, default=128,

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ringsched.flex import FlexBoundary
 from ringsched.partition import ENV_OVERRIDE, PartitionError, resolve_partition
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -56,6 +57,10 @@ class EngineConfig:
     device: str = "auto"
     threads_per_stage: int | None = None
     pp_layer_partition: str | None = None
+    # PP=2: layers on each side of the cut that both stages hold, so stage 0 can move the cut per micro-batch
+    # (ringsched/flex.py). "cycle" visits every cut in turn (tests); "balance" is the real policy.
+    pp_flex_layers: int = 0
+    pp_flex_policy: str = "balance"
     # The requests `auto` measures for: typical prompt and output lengths (they set the probe's decode context
     # and its share of prefill tokens, so the head's weight against a layer's).
     pp_auto_input_len: int = 128
@@ -78,6 +83,18 @@ class EngineConfig:
             self.pp_async_batch_depth >= 0,
             f"--pp-async-batch-depth must be >= 0 (0 = exactly pp_size micro-batches), got "
             f"{self.pp_async_batch_depth}",
+        )
+        _require(
+            self.pp_flex_layers >= 0, f"--pp-flex-layers must be >= 0 (0 = a fixed cut), got {self.pp_flex_layers}"
+        )
+        _require(
+            self.pp_flex_layers == 0 or self.pp_size == 2,
+            f"--pp-flex-layers moves the cut between two stages; it needs --pp-size 2 (got {self.pp_size}), or "
+            "leave it at 0",
+        )
+        _require(
+            self.pp_flex_policy in ("balance", "cycle"),
+            f"--pp-flex-policy {self.pp_flex_policy!r}: use balance or cycle",
         )
         _require(
             self.max_running_requests >= 1,
@@ -180,9 +197,19 @@ class EngineConfig:
         return text.strip().lower() == "auto"
 
     def check_partition(self, num_layers: int) -> None:
-        """Fail early, in the caller's process, on a bad `--pp-layer-partition` (`auto` is decided later)."""
+        """Fail early, in the caller's process, on a bad `--pp-layer-partition` or `--pp-flex-layers` (`auto`
+        is decided later)."""
         if not self.auto_partition:
-            self.partition(num_layers)
+            self.flex_boundary(num_layers, self.partition(num_layers))
+
+    def flex_boundary(self, num_layers: int, counts: list[int]) -> FlexBoundary | None:
+        """The cut range `--pp-flex-layers` gives around the partition's cut, or None for a fixed cut."""
+        if not self.pp_flex_layers:
+            return None
+        try:
+            return FlexBoundary(num_layers, counts[0], self.pp_flex_layers)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     def partition(self, num_layers: int) -> list[int]:
         if self.auto_partition:  # the launcher replaces "auto" by its measured decision before stages start

@@ -92,12 +92,13 @@ class Supervisor:
         try:
             self.rendezvous = Rendezvous(self.cfg, self.cfg.model, self.model_dir, partition)
             self.rendezvous.join()
+            # The stages (and this node, when it left `auto` to node 0) take the partition node 0 runs.
+            decided = ",".join(map(str, self.rendezvous.partition))
+            self.cfg = replace(self.cfg, host_ip=self.rendezvous.host_ip, pp_layer_partition=decided)
+            self.cfg.check_partition(sum(self.rendezvous.partition))  # `auto` may leave no room for the flex
         except BaseException:
             self.stop()
             raise
-        # The stages (and this node, when it left `auto` to node 0) take the partition node 0 runs.
-        decided = ",".join(map(str, self.rendezvous.partition))
-        self.cfg = replace(self.cfg, host_ip=self.rendezvous.host_ip, pp_layer_partition=decided)
         if self.cfg.nnodes > 1:
             logger.info(
                 "node %d of %d joined the rendezvous at %s as %s; stages %s run here",

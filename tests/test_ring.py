@@ -26,15 +26,16 @@ def workload():
     return greedy + seeded
 
 
-def run(pp: int, depth: int) -> tuple[list[list[int]], dict]:
-    with Engine(pp_size=pp, pp_async_batch_depth=depth, **ENGINE_KW) as llm:
+def run(pp: int, depth: int, **kw) -> tuple[list[list[int]], dict]:
+    with Engine(pp_size=pp, pp_async_batch_depth=depth, **ENGINE_KW, **kw) as llm:
         outs = run_staggered(llm, workload())
         usage = stage_kv_usage(llm)
         pids = [p.pid for p in llm.supervisor.procs]
+        stats = dict(llm.supervisor.stats)
     assert usage == {r: 0.0 for r in range(pp)}, f"KV not freed on every stage: {usage}"
     for pid in pids:
         assert not any(c.pid == pid for c in children_of(os.getpid())), "a stage outlived the engine"
-    return outs, usage
+    return outs, stats
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +56,16 @@ def test_identical_across_pp_and_depth(reference, pp, depth):
     outs, _ = run(pp, depth)
     mismatched = [i for i, (a, b) in enumerate(zip(outs, reference, strict=True)) if a != b]
     assert not mismatched, f"requests {mismatched} differ from PP=1 at pp={pp} depth={depth}"
+
+
+def test_flexible_cut_gives_the_same_tokens(reference):
+    """`--pp-flex-layers`: every micro-batch cut somewhere else (cycle), the shared layers' K/V mirrored both
+    ways; the tokens are PP=1's and the KV is freed on both stages (checked in `run`)."""
+    outs, stats = run(2, 1, pp_flex_layers=2, pp_flex_policy="cycle")
+    cuts = {int(c): n for c, n in stats[0]["flex_cuts"].items()}
+    assert sorted(cuts) == [13, 14, 15, 16, 17] and min(cuts.values()) > 10, cuts
+    mismatched = [i for i, (a, b) in enumerate(zip(outs, reference, strict=True)) if a != b]
+    assert not mismatched, f"requests {mismatched} differ from PP=1 with a moving cut"
 
 
 def test_lengths_and_variety(reference):

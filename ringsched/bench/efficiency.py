@@ -106,7 +106,10 @@ def stage_flops(deltas: list[dict], partition: list[int], flops: FlopModel, elap
     """Per stage: model GFLOP/s over the run's wall time and over the stage's own compute time."""
     out = []
     for d, layers in zip(deltas, partition, strict=True):
-        total = flops.stage_flops(d["tokens"], layers, d["sample_rows"])
+        # With a flexible cut the layers differ per micro-batch: the stage counted tokens x layers it ran.
+        total = flops.stage_flops(d["layer_tokens"], 1, d["sample_rows"]) if d.get("layer_tokens") else (
+            flops.stage_flops(d["tokens"], layers, d["sample_rows"])
+        )
         out.append({"model_gflop": total / 1e9, "gflops_per_s_wall": total / elapsed / 1e9,
                     "gflops_per_s_compute": total / max(d["compute_s"], 1e-9) / 1e9})  # fmt: skip
     return out

@@ -17,7 +17,7 @@ from ringsched.cli_args import add_engine_args, config_from_args, engine_kwargs
 from ringsched.config import EngineConfig
 
 TIME_KEYS = ("compute_s", "wait_s", "sched_s", "comm_s")
-COUNT_KEYS = ("batches", "tokens", "sample_rows", "head_s")  # head_s: part of compute_s
+COUNT_KEYS = ("batches", "tokens", "layer_tokens", "sample_rows", "head_s")  # head_s: part of compute_s
 
 
 def add_offline_args(p: argparse.ArgumentParser) -> None:
@@ -109,13 +109,15 @@ def run_offline(args: argparse.Namespace) -> dict:
                                    before)  # fmt: skip
             runs.append(run)
         info = {r: dict(i) for r, i in llm.supervisor.info.items()}
-    partition = [info[r]["layers"][1] - info[r]["layers"][0] for r in sorted(info)]  # as run (`auto` decided)
+    # As run (`auto` decided). With --pp-flex-layers: the partition the cut moves around, not the layers held.
+    partition = [info[r].get("cut_layers", info[r]["layers"][1] - info[r]["layers"][0]) for r in sorted(info)]
     med = {k: statistics.median(r[k] for r in runs) for k in ("output_tokens_per_s", "requests_per_s", "elapsed_s")}
     busy = [statistics.median(r["stage_busy_fraction"][i] for r in runs) for i in range(cfg.pp_size)]
     result = {
         "pp_size": cfg.pp_size, "threads_per_stage": cfg.threads, "pp_async_batch_depth": cfg.pp_async_batch_depth,
-        "partition": partition, "num_prompts": args.num_prompts, "input_len": args.input_len,
-        "output_len": args.output_len, "dtype": cfg.dtype, **med, "stage_busy_fraction": busy,
+        "partition": partition, "pp_flex_layers": cfg.pp_flex_layers, "num_prompts": args.num_prompts,
+        "input_len": args.input_len, "output_len": args.output_len, "dtype": cfg.dtype, **med,
+        "stage_busy_fraction": busy,
         "stage_time_fractions": _median_per_stage([r["stage_time_fractions"] for r in runs]),
         "stage_memory": [stage_memory(before[r], info[r]) for r in sorted(info)], "runs": runs,
     }  # fmt: skip

@@ -47,6 +47,7 @@ class BatchPlan:
     announce: list[NewRequest] = field(default_factory=list)  # requests scheduled for the first time
     frees: list[str] = field(default_factory=list)  # free KV before this batch (finished, aborted, preempted)
     drops: list[str] = field(default_factory=list)  # forget entirely (finished or aborted)
+    cut: int = -1  # --pp-flex-layers: stage 0 runs layers [0, cut), stage 1 the rest; -1: the fixed partition
     shutdown: bool = False
 
     @property

@@ -176,15 +176,17 @@ class StageModel(nn.Module):
         input_ids: torch.Tensor | None = None,
         proxy: dict[str, torch.Tensor] | None = None,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        layers: range | None = None,
     ) -> dict[str, torch.Tensor] | torch.Tensor:
         """First stage takes `input_ids` [T], others `proxy`. Returns the proxy dict, or on the last stage
-        the final-normed hidden states of `batch.logit_rows` ([S, hidden])."""
+        the final-normed hidden states of `batch.logit_rows` ([S, hidden]). `layers`: the held layers to run
+        (default all; a flexible cut runs part of them)."""
         if self.stage.is_first:
             hidden, residual = self.model.embed_tokens(input_ids), None
         else:
             assert proxy is not None, "a non-first stage needs the previous stage's proxy tensors"
             hidden, residual = proxy["hidden_states"], proxy["residual"]
-        for i in range(self.stage.start_layer, self.stage.end_layer):
+        for i in layers if layers is not None else range(self.stage.start_layer, self.stage.end_layer):
             kv = kv_caches[i - self.stage.start_layer] if kv_caches is not None else None
             hidden, residual = self.model.layers[i](hidden, residual, batch, kv)
         if not self.stage.is_last:

@@ -31,10 +31,12 @@ from ringsched.comm.messages import AbortRequest, BatchPlan, NewRequest, OutputB
 from ringsched.comm.tensor_channel import SequenceMismatch, TensorChannel
 from ringsched.comm.zmq_io import Puller, Pusher
 from ringsched.config import EngineConfig
+from ringsched.flex import FlexBoundary
 from ringsched.kv_cache import BlockTable, KVPool
 from ringsched.models import native
 from ringsched.models.llama import StageModel
 from ringsched.scheduler.batch_builder import build_forward_batch
+from ringsched.scheduler.flex_ring import FlexRing
 from ringsched.scheduler.gc_policy import GcPolicy
 from ringsched.scheduler.planner import Planner
 from ringsched.scheduler.sampler_state import SamplerState
@@ -71,13 +73,17 @@ class StageLoop:
         planner: Planner | None,
         device: torch.device,
         eos_ids: tuple[int, ...] = (),
+        flex: FlexBoundary | None = None,
     ) -> None:
         self.cfg, self.stage, self.model, self.blocks, self.pool, self.io = cfg, stage, model, blocks, pool, io
         self.planner, self.device = planner, device
         # Decode attention through the CPU kernel where it applies (float32 KV on CPU, a C compiler at hand).
         self.use_native_decode = bool(pool.caches) and native.usable_for(pool.caches[0][0].dtype, device)
         self.sampler = SamplerState(device, eos_ids) if stage.is_last else None
-        self.pending_outputs: deque[tuple[int, torch.Tensor]] = deque()  # last stage: sampled, not yet sent
+        # --pp-flex-layers: the cut moves per micro-batch and the shared layers' K/V are mirrored.
+        self.flex = FlexRing(flex, stage, pool.caches, device, cfg.pp_flex_policy) if flex else None
+        # Last stage: sampled, not yet sent (seq, the message's tensors).
+        self.pending_outputs: deque[tuple[int, list[torch.Tensor]]] = deque()
         self.next_output = 0  # stage 0: the micro-batch whose outputs come back next
         self.times = StageTimes()
         self.gc = GcPolicy()
@@ -118,10 +124,10 @@ class StageLoop:
         out = self.forward(plan, proxy)
         start = time.perf_counter()
         if not last and plan.entries:
-            tensors = [out["hidden_states"], out["residual"]]
+            tensors = [out["hidden_states"], out["residual"], *out.get("kv", [])]
             self._with_peer(self.stage.next, self.io.chan.send, self.stage.next, "proxy", plan.slot, t, tensors)
         if last:
-            self.pending_outputs.append((t, out))
+            self.pending_outputs.append((t, self._output_payload(out)))
         peer = 0 if last else self.stage.prev
         waited = self.times.wait_output
         self._with_peer(peer, self.exchange_outputs, t)
@@ -186,6 +192,8 @@ class StageLoop:
             start = time.perf_counter()
             plan = self.planner.plan(t % self.cfg.pp_loop_size, t)
             self.times.sched += time.perf_counter() - start
+        if self.flex and not plan.shutdown:
+            self.flex.choose(plan)
         if self.io.plan_out:
             start = time.perf_counter()
             self.io.plan_out.send(plan)
@@ -232,17 +240,25 @@ class StageLoop:
         start = time.perf_counter()
         msg = self._with_peer(self.stage.prev, self.io.chan.recv, self.stage.prev, "proxy", plan.seq)
         self.times.wait_prev += time.perf_counter() - start
-        return {"hidden_states": msg.tensors[0], "residual": msg.tensors[1]}
+        return {"hidden_states": msg.tensors[0], "residual": msg.tensors[1], "kv": msg.tensors[2:]}
 
     @torch.inference_mode()
     def forward(self, plan: BatchPlan, proxy):
+        self._flex_out: tuple[float, list[torch.Tensor]] = (0.0, [])  # last stage: (compute s, K/V rows) for stage 0
         if not plan.entries:
             return torch.empty(0, dtype=torch.long) if self.stage.is_last else None
         start = time.perf_counter()
         batch, ids = build_forward_batch(plan, self.blocks, self.device, self.use_native_decode)
+        layers = self.flex.layers(plan) if self.flex else None
+        if self.flex and not self.stage.is_first:
+            self.flex.mirror_in(plan, proxy["kv"], batch.slot_mapping)
         out = self.model(
-            batch, input_ids=ids if self.stage.is_first else None, proxy=proxy, kv_caches=self.pool.caches
+            batch, input_ids=ids if self.stage.is_first else None, proxy=proxy, kv_caches=self.pool.caches,
+            layers=layers,
         )
+        mirrored = self.flex.mirror_out(plan, batch.slot_mapping) if self.flex else []
+        if not self.stage.is_last:
+            out["kv"] = mirrored
         if self.stage.is_last:
             head_start = time.perf_counter()
             if self.sampler.greedy_only(plan):
@@ -251,9 +267,15 @@ class StageLoop:
                 out = self.sampler.sample(plan, self.model.compute_logits(out)).cpu()
             self.times.head += time.perf_counter() - head_start
             self.times.sample_rows += out.numel()
-        self.times.compute += time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        self.times.compute += elapsed
+        if self.flex and self.stage.is_first:
+            self.flex.sent(plan, elapsed, batch.slot_mapping)
+        elif self.flex:
+            self._flex_out = (elapsed, mirrored)
         self.times.batches += 1
         self.times.tokens += plan.num_tokens
+        self.times.layer_tokens += plan.num_tokens * (len(layers) if layers is not None else self.stage.num_layers)
         return out
 
     # -- 6: outputs ---------------------------------------------------------------------------------------
@@ -272,12 +294,11 @@ class StageLoop:
         hold = max(depth - 1, 0)
         if self.stage.is_last:
             while self.pending_outputs and (flush or len(self.pending_outputs) > hold):
-                seq, tokens = self.pending_outputs.popleft()
+                seq, payload = self.pending_outputs.popleft()
                 if self.stage.is_first:  # one stage: the outputs never leave the process
-                    self._deliver(seq, tokens)
+                    self._deliver(seq, payload[0] if payload else torch.empty(0, dtype=torch.long))
                     self.next_output = seq + 1
                 else:
-                    payload = [tokens.to(self.device)] if tokens.numel() else []  # NCCL sends device tensors only
                     self.io.chan.send(0, "output", seq % loop, seq, payload)
         if not self.stage.is_first or self.stage.is_last:
             return
@@ -286,8 +307,20 @@ class StageLoop:
             start = time.perf_counter()
             msg = self.io.chan.recv(self.stage.prev, "output", self.next_output)
             self.times.wait_output += time.perf_counter() - start
-            self._deliver(msg.seq, msg.tensors[0].cpu() if msg.tensors else torch.empty(0, dtype=torch.long))
+            if self.flex:
+                tokens = self.flex.on_output(msg.seq, msg.tensors)
+            else:
+                tokens = msg.tensors[0].cpu() if msg.tensors else torch.empty(0, dtype=torch.long)
+            self._deliver(msg.seq, tokens)
             self.next_output += 1
+
+    def _output_payload(self, tokens: torch.Tensor) -> list[torch.Tensor]:
+        """Last stage: the output message of one micro-batch (NCCL sends device tensors only)."""
+        if self.flex:
+            return self.flex.output_payload(tokens, *self._flex_out)
+        if not tokens.numel():
+            return []
+        return [tokens if self.stage.is_first else tokens.to(self.device)]
 
     def _deliver(self, seq: int, tokens: torch.Tensor) -> None:
         outs = self.planner.on_output(seq, tokens.tolist())
@@ -309,7 +342,14 @@ class StageLoop:
             "peak_rss_bytes": peak_rss_bytes(),
             "peak_device_bytes": torch.cuda.max_memory_allocated(self.device) if on_gpu else 0,
             **self.times.snapshot(),
+            **self._flex_stats(),
         }
+
+    def _flex_stats(self) -> dict:
+        """Stage 0 with a flexible cut: how many micro-batches were cut where (msgpack keys are strings)."""
+        if not (self.flex and self.stage.is_first):
+            return {}
+        return {"flex_cuts": {str(c): n for c, n in sorted(self.flex.cuts.items())}}
 
     def maybe_report(self, period: float = 0.5) -> None:
         """Now and then: this stage's stats to the launcher; stage 0 adds the scheduler's to the front end."""

@@ -23,6 +23,7 @@ class StageTimes:
     start: float = field(default_factory=time.perf_counter)
     batches: int = 0
     tokens: int = 0
+    layer_tokens: int = 0  # tokens times the layers they ran through here (a flexible cut varies the layers)
     sample_rows: int = 0  # last stage: rows through the final norm, lm_head and sampling
 
     def snapshot(self) -> dict:
@@ -38,6 +39,7 @@ class StageTimes:
             "wall_s": wall,
             "batches": self.batches,
             "tokens": self.tokens,
+            "layer_tokens": self.layer_tokens,
             "sample_rows": self.sample_rows,
         }
 

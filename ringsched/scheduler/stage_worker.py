@@ -112,16 +112,20 @@ def _setup(cfg, rank, model_dir, addrs, ctx, ctl, local_rank) -> StageLoop:
         )
     mcfg = ModelConfig.from_dir(model_dir)
     counts = cfg.partition(mcfg.num_layers)
-    start, end = stage_ranges(counts)[rank]
+    flex = cfg.flex_boundary(mcfg.num_layers, counts)
+    start, end = flex.held(rank) if flex else stage_ranges(counts)[rank]
     stage = StageInfo(rank, cfg.pp_size, start, end)
     if rank == 0:
         log_partition(counts, cfg.pp_layer_partition)
+        if flex:
+            logger.info("flexible cut: each micro-batch is cut after layer %d to %d", flex.lo, flex.hi)
     model = load_stage_model(model_dir, stage, cfg.torch_dtype, device)
     num_blocks = _kv_blocks(cfg, mcfg, stage, device)
     pool = KVPool(mcfg, stage.num_layers, num_blocks, cfg.block_size, cfg.torch_dtype, device)
     blocks = BlockTable(num_blocks, cfg.block_size, follower=not stage.is_first)
     info = {
         "layers": [start, end],
+        "cut_layers": counts[rank],  # without --pp-flex-layers, end - start
         "weights_bytes": weights_bytes(model),
         "kv_bytes": pool.nbytes,
         "kv_tokens": blocks.capacity_tokens,
@@ -160,7 +164,7 @@ def _setup(cfg, rank, model_dir, addrs, ctx, ctl, local_rank) -> StageLoop:
         report=lambda stats: ctl.send(StageStatus(rank, "stats", stats)),
     )
     ctl.send(StageStatus(rank, "ready", info))
-    return StageLoop(cfg, stage, model, blocks, pool, io, planner, device, eos_ids)
+    return StageLoop(cfg, stage, model, blocks, pool, io, planner, device, eos_ids, flex)
 
 
 def _plan_channels(cfg: EngineConfig, stage: StageInfo, addrs: StageAddrs, ctx, store) -> tuple:

@@ -1,0 +1,84 @@
+"""A stage's side of the flexible cut (`--pp-flex-layers`, `ringsched/flex.py`): which layers a micro-batch runs
+here, the K/V rows mirrored to and from the other stage, and (stage 0) the cut of each new micro-batch.
+
+Wire format, PP=2 only: the proxy of micro-batch `t` is `[hidden_states, residual, kv?]`, `kv` being the K/V
+rows of the shared layers stage 0 ran (`[lo, cut)`, `flex.gather_kv`'s one tensor, absent when there are none);
+the output message is `[meta, tokens?, kv?]` with `meta` = `[number of sampled tokens, stage 1 compute in
+microseconds]`, the tokens when there are any, and the K/V rows of the shared layers stage 1 ran (`[cut, hi)`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ringsched.comm.messages import BatchPlan
+from ringsched.flex import CutChooser, FlexBoundary, gather_kv, scatter_kv
+from ringsched.stage import StageInfo
+
+
+@dataclass
+class _Sent:
+    """Stage 0's record of a micro-batch in flight, for when its outputs come back."""
+
+    tokens: int
+    samples: int
+    cut: int
+    compute_s: float
+    slots: torch.Tensor
+
+
+class FlexRing:
+    def __init__(
+        self,
+        boundary: FlexBoundary,
+        stage: StageInfo,
+        caches: list[tuple[torch.Tensor, torch.Tensor]],
+        device: torch.device,
+        policy: str = "balance",
+    ) -> None:
+        self.b, self.stage, self.caches, self.device = boundary, stage, caches, device
+        self.chooser = CutChooser(boundary, policy) if stage.is_first else None
+        self._sent: dict[int, _Sent] = {}
+        self.cuts: dict[int, int] = {}  # how often each cut was used (stats, tests)
+
+    # -- stage 0 ------------------------------------------------------------------------------------------
+    def choose(self, plan: BatchPlan) -> None:
+        if plan.entries:
+            plan.cut = self.chooser.choose(plan.num_tokens, plan.num_samples)
+            self.cuts[plan.cut] = self.cuts.get(plan.cut, 0) + 1
+
+    def sent(self, plan: BatchPlan, compute_s: float, slots: torch.Tensor) -> None:
+        self._sent[plan.seq] = _Sent(plan.num_tokens, plan.num_samples, plan.cut, compute_s, slots)
+
+    def on_output(self, seq: int, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """Stage 0: take one output message apart; mirror stage 1's K/V rows and learn from its time. Returns
+        the sampled tokens."""
+        meta = tensors[0].cpu()
+        n, stage1_us = int(meta[0]), int(meta[1])
+        tokens = tensors[1].cpu() if n else torch.empty(0, dtype=torch.long)
+        rows = tensors[1 + (1 if n else 0) :]
+        sent = self._sent.pop(seq, None)
+        if sent is None:  # an empty micro-batch: nothing ran
+            return tokens
+        scatter_kv(self.caches, self.stage.start_layer, self.b.mirrored(1, sent.cut), sent.slots, rows)
+        self.chooser.observe(sent.tokens, sent.samples, sent.cut, sent.compute_s, stage1_us / 1e6)
+        return tokens
+
+    # -- both -----------------------------------------------------------------------------------------------
+    def layers(self, plan: BatchPlan) -> range:
+        return self.b.run_range(self.stage.rank, plan.cut)
+
+    def mirror_in(self, plan: BatchPlan, rows: list[torch.Tensor], slots: torch.Tensor) -> None:
+        """Stage 1: write the K/V rows stage 0 ran for this micro-batch's shared layers."""
+        scatter_kv(self.caches, self.stage.start_layer, self.b.mirrored(0, plan.cut), slots, rows)
+
+    def mirror_out(self, plan: BatchPlan, slots: torch.Tensor) -> list[torch.Tensor]:
+        """The K/V rows this stage ran for the shared layers, to send to the other stage."""
+        return gather_kv(self.caches, self.stage.start_layer, self.b.mirrored(self.stage.rank, plan.cut), slots)
+
+    def output_payload(self, tokens: torch.Tensor, compute_s: float, rows: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Stage 1: the output message of one micro-batch (see the module doc)."""
+        meta = torch.tensor([tokens.numel(), int(compute_s * 1e6)], dtype=torch.long, device=self.device)
+        return [meta] + ([tokens.to(self.device)] if tokens.numel() else []) + rows
