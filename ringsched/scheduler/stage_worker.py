@@ -118,7 +118,7 @@ def _setup(cfg, rank, model_dir, addrs, ctx, ctl, local_rank) -> StageLoop:
     if rank == 0:
         log_partition(counts, cfg.pp_layer_partition)
         if flex:
-            logger.info("flexible cut: each micro-batch is cut after layer %d to %d", flex.lo, flex.hi)
+            logger.info("flexible cut: stage 0 runs the first %d to %d layers of each micro-batch", flex.lo, flex.hi)
     model = load_stage_model(model_dir, stage, cfg.torch_dtype, device)
     num_blocks = _kv_blocks(cfg, mcfg, stage, device)
     pool = KVPool(mcfg, stage.num_layers, num_blocks, cfg.block_size, cfg.torch_dtype, device)
