@@ -13,6 +13,7 @@ import time
 
 from ringsched.bench.efficiency import FlopModel, efficiency, matmul_gflops, mean_context, stage_flops
 from ringsched.bench.memory import format_memory, stage_memory
+from ringsched.bench.stage_metrics import settled
 from ringsched.cli_args import add_engine_args, config_from_args, engine_kwargs
 from ringsched.config import EngineConfig
 
@@ -38,27 +39,17 @@ def _prompts(n: int, length: int, vocab: int, rng: random.Random) -> list[list[i
     return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(n)]
 
 
-def _fresh_stats(llm, deadline_s: float = 10.0) -> dict[int, dict]:
-    """Every stage's stats once they have settled: stages report every 0.5 s, idle or not, so two reads 0.7 s
-    apart that agree on every time and count include the last micro-batch (one fixed wait of 0.7 s could
-    miss it on a loaded host, and the next run then counted it)."""
-    deadline = time.monotonic() + deadline_s
+def _fresh_stats(llm) -> dict[int, dict]:
+    """Every stage's stats once every time and count has stopped moving (`stage_metrics.settled`)."""
 
     def read() -> dict[int, dict]:
-        time.sleep(0.7)
         llm.poll(0.05)
         return {r: dict(s) for r, s in llm.supervisor.stats.items()}
 
     def moved(a: dict[int, dict], b: dict[int, dict]) -> bool:
         return a.keys() != b.keys() or any(a[r].get(k) != b[r].get(k) for r in a for k in TIME_KEYS + COUNT_KEYS)
 
-    last = read()
-    while time.monotonic() < deadline:
-        now = read()
-        if not moved(last, now):
-            return now
-        last = now
-    return last
+    return settled(read, moved)
 
 
 def _stage_deltas(before: dict[int, dict], after: dict[int, dict]) -> list[dict]:

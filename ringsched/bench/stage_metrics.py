@@ -8,10 +8,14 @@ snapshots into what each stage spent in between, with `busy_fraction` = compute 
 
 from __future__ import annotations
 
+import time
 import urllib.request
+from collections.abc import Callable
+from typing import TypeVar
 
 from prometheus_client.parser import text_string_to_metric_families
 
+T = TypeVar("T")
 TIME_KINDS = ("compute", "wait", "sched", "comm")
 TIME_METRIC = "ringsched:stage_time_seconds"
 MEMORY_METRIC = "ringsched:stage_peak_memory_bytes"
@@ -50,3 +54,21 @@ def stage_deltas(
         row["peak_memory_bytes"] = int(end.get("peak_memory_bytes", 0))
         rows.append(row)
     return rows
+
+
+def settled(
+    read: Callable[[], T], moved: Callable[[T, T], bool], interval_s: float = 0.7, deadline_s: float = 10.0
+) -> T:
+    """Stage stats once they have stopped moving. Stages report every 0.5 s, idle or not, so two reads
+    `interval_s` apart that agree include the last micro-batch; one fixed wait could miss it on a loaded host
+    (CI saw a busy fraction of 1.26 when the next measurement counted it). The last read after `deadline_s`."""
+    deadline = time.monotonic() + deadline_s
+    time.sleep(interval_s)
+    last = read()
+    while time.monotonic() < deadline:
+        time.sleep(interval_s)
+        now = read()
+        if not moved(last, now):
+            return now
+        last = now
+    return last

@@ -27,14 +27,13 @@ import dataclasses
 import shlex
 import signal
 import sys
-import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from ringsched.bench.serve import ServeConfig, benchmark, load_requests, run_serve
-from ringsched.bench.stage_metrics import scrape_stages, stage_deltas
+from ringsched.bench.stage_metrics import scrape_stages, settled, stage_deltas
 from ringsched.bench.sweep_plan import RateLadder, ServerConfig, SweepConfigError, parse_rates
 from ringsched.bench.sweep_report import load_sweep, save_json, write_report
 from ringsched.models.fetch import DEFAULT_MODEL, FetchError
@@ -253,18 +252,8 @@ def run_ladder(plan: SweepPlan, url: str, label: str, rungs: list[dict[str, Any]
 
 
 def settled_stages(url: str) -> dict[int, dict[str, float]]:
-    """The stages' times once they have stopped moving: the first of two equal reads `STATS_SETTLE_S` apart
-    (the server is idle between rungs), or the last read after `STATS_SETTLE_DEADLINE_S`."""
-    deadline = time.monotonic() + STATS_SETTLE_DEADLINE_S
-    time.sleep(STATS_SETTLE_S)
-    last = scrape_stages(url)
-    while time.monotonic() < deadline:
-        time.sleep(STATS_SETTLE_S)
-        now = scrape_stages(url)
-        if now == last:
-            return now
-        last = now
-    return last
+    """The stages' times once they have stopped moving (the server is idle between rungs)."""
+    return settled(lambda: scrape_stages(url), lambda a, b: a != b, STATS_SETTLE_S, STATS_SETTLE_DEADLINE_S)
 
 
 def run_rung(
