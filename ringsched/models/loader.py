@@ -77,7 +77,7 @@ def load_stage_model(
     model.load_state_dict(state, assign=True, strict=True)
     if cfg.tie_word_embeddings and stage.is_first and stage.is_last:
         model.lm_head.weight = model.model.embed_tokens.weight
-    return model.eval().requires_grad_(False)
+    return model.eval().requires_grad_(False).lay_out_for_cpu()
 
 
 def weights_bytes(model: torch.nn.Module) -> int:
