@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 
 from ringsched.models.config import ModelConfig
-from ringsched.models.llama import StageModel
+from ringsched.models.llama import StageModel, cpu_layout
 from ringsched.stage import StageInfo
 
 logger = logging.getLogger(__name__)
@@ -64,20 +64,23 @@ def load_stage_model(
         by_file.setdefault(index[source], []).append((name, source))
     state: dict[str, torch.Tensor] = {}
     for path, names in by_file.items():
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for name, source in names:
+        for name, source in names:
+            # One handle per tensor: a handle's mapping keeps every page it read resident until it closes, so
+            # copying tensors (the CPU layout) through one handle held the file twice at the peak (measured
+            # for SmolLM2: 1039 MiB peak against 638 this way).
+            with safe_open(path, framework="pt", device="cpu") as f:
                 t = f.get_tensor(source)
-                if stats is not None:
-                    stats.tensors_read.append(source)
-                    stats.bytes_read += t.numel() * t.element_size()
-                state[name] = t.to(device=device, dtype=dtype)
+            if stats is not None:
+                stats.tensors_read.append(source)
+                stats.bytes_read += t.numel() * t.element_size()
+            state[name] = cpu_layout(name, t.to(device=device, dtype=dtype))
     # Tied and both on this stage (pp_size 1): one tensor, not two copies.
     if cfg.tie_word_embeddings and stage.is_first and stage.is_last:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, assign=True, strict=True)
     if cfg.tie_word_embeddings and stage.is_first and stage.is_last:
         model.lm_head.weight = model.model.embed_tokens.weight
-    return model.eval().requires_grad_(False).lay_out_for_cpu()
+    return model.eval().requires_grad_(False)
 
 
 def weights_bytes(model: torch.nn.Module) -> int:
