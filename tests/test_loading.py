@@ -25,6 +25,7 @@ import torch
 
 from ringsched.models.attention import ForwardBatch
 from ringsched.models.config import ModelConfig
+from ringsched.models.llama import StageModel
 from ringsched.models.loader import LoadStats, load_stage_model, weights_bytes
 from ringsched.models.random_model import random_config, write_random_model
 from ringsched.partition import get_pp_indices
@@ -135,7 +136,6 @@ import json, resource, sys
 import psutil
 import torch
 import ringsched.models.loader as loader
-from ringsched.models.attention import ForwardBatch
 from ringsched.models.config import ModelConfig
 from ringsched.partition import get_pp_indices
 from ringsched.stage import StageInfo
@@ -210,3 +210,21 @@ def test_cpu_layout_keeps_names_shapes_and_results(tmp_path):
         out = model(ForwardBatch.no_cache(37), input_ids=ids)
         ref = reference(ForwardBatch.no_cache(37), input_ids=ids)
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_lay_out_for_cpu_with_biases():
+    """A model built in place (the `auto` probe's) gets the same layout, biases and norms left as they were."""
+    cfg = ModelConfig.from_dict(
+        random_config("qwen2", layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, vocab=512, tie=True)
+    )
+    model = StageModel(cfg, StageInfo(0, 1, 0, 2))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model.lay_out_for_cpu()
+    attn = model.model.layers[0].self_attn
+    assert attn.q_proj.bias is not None and attn.q_proj.bias.shape == (64,)
+    assert attn.q_proj.weight.shape == (64, 64) and attn.q_proj.weight.stride() == (1, 64)
+    assert model.model.norm.weight.is_contiguous()
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), n
+    with torch.inference_mode():
+        model(ForwardBatch.no_cache(5), input_ids=torch.arange(5))

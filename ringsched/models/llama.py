@@ -217,8 +217,9 @@ class StageModel(nn.Module):
         """`cpu_layout` applied to every parameter (models built in place, such as the partition probe's)."""
         for name, p in list(self.named_parameters()):
             laid = cpu_layout(name, p.detach())
-            if laid is not p:
-                self.get_submodule(name.rsplit(".", 1)[0]).weight = nn.Parameter(laid, requires_grad=False)
+            if laid.data_ptr() != p.data_ptr():  # a copy was made: this one is re-laid
+                owner, attr = name.rsplit(".", 1)
+                setattr(self.get_submodule(owner), attr, nn.Parameter(laid, requires_grad=False))
         return self
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
