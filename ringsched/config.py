@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -56,7 +57,7 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "auto"
     threads_per_stage: int | None = None
-    pp_layer_partition: str | None = None
+    pp_layer_partition: str | Sequence[int] | None = None  # "auto", "16,14", or [16, 14] from Python
     # PP=2: layers on each side of the cut that both stages hold, so stage 0 can move the cut per micro-batch
     # (ringsched/flex.py). "cycle" visits every cut in turn (tests); "balance" is the real policy.
     pp_flex_layers: int = 0
@@ -78,6 +79,13 @@ class EngineConfig:
     ipc_dir: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
+        if isinstance(self.pp_layer_partition, (list, tuple)):
+            _require(
+                all(isinstance(n, int) and not isinstance(n, bool) for n in self.pp_layer_partition),
+                f"pp_layer_partition {self.pp_layer_partition!r}: give layer counts as integers, e.g. [16, 14]",
+            )
+            # One form from here on (it travels to the stages and prints in logs like the flag's).
+            object.__setattr__(self, "pp_layer_partition", ",".join(map(str, self.pp_layer_partition)))
         _require(self.pp_size >= 1, f"--pp-size must be >= 1, got {self.pp_size}")
         _require(
             self.pp_async_batch_depth >= 0,

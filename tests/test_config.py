@@ -46,6 +46,17 @@ def test_derived_values():
         EngineConfig(pp_size=31).partition(30)
 
 
+def test_partition_as_a_list_from_python():
+    # Engine(pp_layer_partition=[16, 14]) reads as naturally as the flag's "16,14"; both become one form.
+    cfg = EngineConfig(pp_size=2, pp_layer_partition=[16, 14])
+    assert cfg.pp_layer_partition == "16,14" and cfg.partition(30) == [16, 14]
+    assert EngineConfig(pp_size=2, pp_layer_partition=(16, 14)) == EngineConfig(pp_size=2, pp_layer_partition="16,14")
+    with pytest.raises(ConfigError, match="sums to 31"):
+        EngineConfig(pp_size=2, pp_layer_partition=[16, 15]).partition(30)
+    with pytest.raises(ConfigError, match="as integers"):
+        EngineConfig(pp_size=2, pp_layer_partition=[16, "14"])
+
+
 def test_memory_sizes():
     assert parse_memory("2G") == 2 * 2**30 and parse_memory("512MiB") == 512 * 2**20 and parse_memory(1000) == 1000
     assert parse_memory("0.3") == 0.3
