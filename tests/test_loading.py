@@ -5,7 +5,7 @@ that are views into that mapping; nothing is read from disk until a page is touc
 projections are copied on CPU (`llama.cpu_layout`), the embedding, norms and head stay views, so peak RSS
 straight after loading counts only part of the weights. The weights become resident when a forward
 pass touches them. The subprocess therefore loads, then reads every parameter once (what a forward does to
-every weight it owns; an embedding lookup would touch only a few rows), and measures peak RSS (`ru_maxrss`)
+every weight it owns; an embedding lookup would touch only a few rows), and measures peak RSS (`VmHWM`)
 minus the RSS after importing torch and ringsched (and after torch's one-time ~75 MiB initialisation of
 meta-device module construction, which is code, not weights). Pages of tensors the stage does not own are
 never touched, so they never count. A sanity bound checks the whole model's increase really covers its
@@ -132,7 +132,7 @@ def test_tiny_three_stage_reads(tmp_path, tie):
 
 
 MEASURE = r"""
-import json, resource, sys
+import json, sys
 import psutil
 import torch
 import ringsched.models.loader as loader
@@ -147,13 +147,22 @@ start, end = get_pp_indices(cfg.num_layers, rank, size)
 # weights); pay it before the baseline so it does not blur the comparison.
 with torch.device("meta"):
     torch.nn.Embedding(2, 2)
+
+
+def hwm():
+    # VmHWM, not ru_maxrss: at exec Linux carries the parent's high-water mark into ru_maxrss, so a child of a
+    # pytest process that had loaded models read +1221 MiB whatever it loaded.
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
 base = psutil.Process().memory_info().rss
 model = loader.load_stage_model(model_dir, StageInfo(rank, size, start, end))
-after_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+after_load = hwm()
 with torch.no_grad():
     for p in model.parameters():
         p.sum()  # read every byte of every weight this stage holds, as a forward pass would
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+peak = hwm()
 print(json.dumps({"base": base, "after_load": after_load - base, "increase": peak - base,
                   "param_bytes": loader.weights_bytes(model)}))
 """

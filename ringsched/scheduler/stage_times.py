@@ -45,6 +45,15 @@ class StageTimes:
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident memory (Linux reports ru_maxrss in KiB, macOS in bytes)."""
+    """This process's peak resident memory. On Linux its own `VmHWM`: `ru_maxrss` starts from the parent's
+    high-water mark at exec, so a small stage spawned by a large process would report the parent's peak.
+    Elsewhere `ru_maxrss` (KiB on Linux, bytes on macOS)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
