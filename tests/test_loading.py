@@ -136,6 +136,7 @@ import json, sys
 import psutil
 import torch
 import ringsched.models.loader as loader
+from ringsched.scheduler.stage_times import peak_rss_bytes
 from ringsched.models.config import ModelConfig
 from ringsched.partition import get_pp_indices
 from ringsched.stage import StageInfo
@@ -148,21 +149,14 @@ start, end = get_pp_indices(cfg.num_layers, rank, size)
 with torch.device("meta"):
     torch.nn.Embedding(2, 2)
 
-
-def hwm():
-    # VmHWM, not ru_maxrss: at exec Linux carries the parent's high-water mark into ru_maxrss, so a child of a
-    # pytest process that had loaded models read +1221 MiB whatever it loaded.
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-
-
 base = psutil.Process().memory_info().rss
 model = loader.load_stage_model(model_dir, StageInfo(rank, size, start, end))
-after_load = hwm()
+# The stages' own measure (VmHWM: ru_maxrss would start from the pytest parent's high-water mark).
+after_load = peak_rss_bytes()
 with torch.no_grad():
     for p in model.parameters():
         p.sum()  # read every byte of every weight this stage holds, as a forward pass would
-peak = hwm()
+peak = peak_rss_bytes()
 print(json.dumps({"base": base, "after_load": after_load - base, "increase": peak - base,
                   "param_bytes": loader.weights_bytes(model)}))
 """
