@@ -19,7 +19,6 @@ from ringsched.models.config import ModelConfig
 from ringsched.stage import StageInfo
 
 HEAD_VOCAB_CHUNK = 8192  # vocabulary rows of the lm_head per step of `compute_logits` / `greedy_tokens` on CPU
-MLP_CHUNK_BYTES = 8 * 2**20  # the most one `[rows, intermediate]` MLP buffer may take (see `mlp_row_chunk`)
 
 
 def cpu_layout(name: str, weight: torch.Tensor) -> torch.Tensor:
@@ -140,31 +139,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = mlp_row_chunk(self.gate_proj.out_features, x.element_size())
-        if x.shape[0] <= rows:
-            return self._rows(x)
-        # A long prefill chunk a slice of rows at a time: its two [tokens, intermediate] buffers are the largest
-        # tensors a stage makes, and their peak (not the FLOPs) is what a row slice saves. Each row's values are
-        # the same bit for bit whatever the slice (checked with MKL's sgemm at 128-2048 rows).
-        pieces = -(-x.shape[0] // rows)  # equal slices: a short remainder slice runs slower per row
-        out = x.new_empty(x.shape[0], self.down_proj.out_features)
-        for dst, src in zip(out.tensor_split(pieces), x.tensor_split(pieces), strict=True):
-            dst.copy_(self._rows(src))
-        return out
-
-    def _rows(self, x: torch.Tensor) -> torch.Tensor:
-        # In place: one [tokens, intermediate] buffer fewer at the peak, with the same values bit for bit.
+        # In place: one [tokens, intermediate] buffer fewer at the step's peak (11 MiB for a 512-token chunk of a
+        # 1B model, the largest tensors a stage makes), with the same values bit for bit.
         h = self.gate_proj(x)
         F.silu(h, inplace=True)
         return self.down_proj(h.mul_(self.up_proj(x)))
-
-
-def mlp_row_chunk(intermediate: int, element_size: int) -> int:
-    """Rows of the MLP computed at once: as many as keep one `[rows, intermediate]` buffer within
-    `MLP_CHUNK_BYTES`, in multiples of 128 and at least 128 (a matmul's speed per row is flat from there on this
-    machine's CPUs). SmolLM2 float32: 1280 rows (the default 512-token chunk runs whole); a 1B Llama (5632): 256."""
-    rows = MLP_CHUNK_BYTES // (intermediate * element_size) // 128 * 128
-    return max(rows, 128)
 
 
 class DecoderLayer(nn.Module):
