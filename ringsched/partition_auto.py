@@ -165,7 +165,7 @@ class CostProbe:
 
     def _layers(self) -> None:
         for layer, cache in zip(self.model.model.layers[: self.layers], self.pool.caches, strict=True):
-            layer(self.hidden, self.residual.clone(), self.batch, cache)
+            layer(self.hidden.clone(), self.residual.clone(), self.batch, cache)  # a layer writes over its inputs
 
     def _embed(self) -> None:
         self.model.model.embed_tokens(self.ids)

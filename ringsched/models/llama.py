@@ -44,18 +44,33 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`out`: a tensor of `x`'s shape and dtype to write the result into (the caller's dead input), so a step
+        allocates one `[tokens, hidden]` buffer fewer; the same values bit for bit (products commute)."""
         dtype = x.dtype
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        inv = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if out is None or self.weight.dtype != dtype or out.dtype != dtype or out.shape != x.shape:
+            return self.weight * (xf * inv).to(dtype)
+        if xf is x:  # float32: the product goes straight into `out`
+            torch.mul(xf, inv, out=out)
+        else:  # `xf` is this call's own float32 copy: scale it in place, round into `out` as `.to` rounds
+            out.copy_(xf.mul_(inv))
+        return out.mul_(self.weight)
 
     def add_forward(
         self, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`residual += x; return norm(residual), residual` (the first layer starts the residual)."""
-        residual = x if residual is None else x + residual
-        return self(residual), residual
+        """`residual += x; return norm(residual), residual` (the first layer starts the residual).
+
+        Both in place: `x` (a layer's output or a stage's input) and the residual are owned by the forward pass
+        and `x` is dead after the add, so the sum goes into the residual and the norm into `x`. On a 1B
+        model's 512-token chunk that is two 4 MiB buffers fewer per norm at the step's peak. The caller must
+        not read `x` or the residual it passed afterwards."""
+        if residual is None:
+            return self(x), x
+        residual.add_(x)  # x + residual, the same bits (addition commutes)
+        return self(residual, out=x), residual
 
 
 class Rotary(nn.Module):
@@ -94,12 +109,16 @@ class Rotary(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self._cos_sin(positions, q.dtype, q.device)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`x * cos + rotate_half(x) * sin`, the same operations in the same order (so the same bits) with two
+    temporaries fewer: the products land in buffers this function owns."""
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+    rot = torch.cat((x2, x1), dim=-1)
+    rot[..., : x1.shape[-1]].neg_()
+    return (x * cos).add_(rot.mul_(sin))
 
 
 class Attention(nn.Module):
@@ -139,11 +158,32 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # In place: one [tokens, intermediate] buffer fewer at the step's peak (11 MiB for a 512-token chunk of a
-        # 1B model, the largest tensors a stage makes), with the same values bit for bit.
+        rows = mlp_slice_rows(x.shape[0], self.gate_proj.weight.shape[0], x.element_size())
+        if rows >= x.shape[0]:
+            return self._rows(x)
+        # A long prefill chunk a slice of rows at a time: its `[tokens, intermediate]` gate and up buffers are
+        # the largest tensors a step makes (2 x 11 MiB for a 512-token chunk of a 1B model). Each row's result
+        # is the same whatever the slice (`tests/test_forward_memory.py`).
+        out = x.new_empty(x.shape[0], self.down_proj.weight.shape[0])
+        for start in range(0, x.shape[0], rows):
+            out[start : start + rows] = self._rows(x[start : start + rows])
+        return out
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        # In place: one [tokens, intermediate] buffer fewer, with the same values bit for bit.
         h = self.gate_proj(x)
         F.silu(h, inplace=True)
         return self.down_proj(h.mul_(self.up_proj(x)))
+
+
+MLP_SLICE_BYTES = 8 * 2**20  # an MLP step's [rows, intermediate] buffers above this are cut into row slices
+
+
+def mlp_slice_rows(tokens: int, intermediate: int, elt: int) -> int:
+    """Rows per MLP slice: equal slices (no short remainder) of at most `MLP_SLICE_BYTES` each, but never
+    under 128 rows, where the matmuls get slower per row and each slice reads the weights again."""
+    slices = min(-(-tokens * intermediate * elt // MLP_SLICE_BYTES), max(tokens // 128, 1))
+    return -(-tokens // slices)
 
 
 class DecoderLayer(nn.Module):
