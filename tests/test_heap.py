@@ -85,7 +85,7 @@ def test_mkl_pool_off_keeps_nothing_per_shape():
 
 
 _BF16_SHAPES = """
-import resource, torch
+import torch
 import torch.nn.functional as F
 torch.set_num_threads(1)
 ws = [torch.randn(o, i).to(torch.bfloat16) for o, i in [(576, 576), (192, 576), (1536, 576), (576, 1536)]]
