@@ -20,9 +20,9 @@ entries each (oneDNN's own and ideep's, torch's wrapper), and a stage sees a new
 tail of its micro-batches: measured, `F.linear` over 128 row counts of SmolLM2's four layer shapes kept 323
 MiB, and a bfloat16 PP=2 ring's stages grew by ~90 MiB in the last seconds of a run, as its micro-batches
 shrank, to 357-503 MiB above weights + KV. Stages cap both caches at 32 entries (5.7 MiB kept in the same
-test at 8): 289-315 MiB in the same ring; throughput 321, 329, 356 tok/s against 339, 353, 355 (alternating;
-medians 329 and 353, the ranges overlap: a cost of a few percent is not ruled out). float32 (MKL) does not
-use these caches.
+test at 8): 289-329 MiB above weights + KV in the same ring (357-526 without), throughput median 344 tok/s
+against 353 over five runs each, alternating, ranges 321-377 and 339-361 (no cost the host's noise shows).
+float32 (MKL) does not use these caches.
 """
 
 from __future__ import annotations
