@@ -50,7 +50,7 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         xf = x.float()
         inv = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        if out is None or self.weight.dtype != dtype or out.dtype != dtype or out.shape != x.shape:
+        if out is None or self.weight.dtype != dtype:
             return self.weight * (xf * inv).to(dtype)
         if xf is x:  # float32: the product goes straight into `out`
             torch.mul(xf, inv, out=out)
@@ -158,15 +158,15 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = mlp_slice_rows(x.shape[0], self.gate_proj.weight.shape[0], x.element_size())
-        if rows >= x.shape[0]:
+        pieces = mlp_slices(x.shape[0], self.gate_proj.out_features, x.element_size())
+        if pieces == 1:
             return self._rows(x)
         # A long prefill chunk a slice of rows at a time: its `[tokens, intermediate]` gate and up buffers are
         # the largest tensors a step makes (2 x 11 MiB for a 512-token chunk of a 1B model). Each row's result
         # is the same whatever the slice (`tests/test_forward_memory.py`).
-        out = x.new_empty(x.shape[0], self.down_proj.weight.shape[0])
-        for start in range(0, x.shape[0], rows):
-            out[start : start + rows] = self._rows(x[start : start + rows])
+        out = x.new_empty(x.shape[0], self.down_proj.out_features)
+        for dst, src in zip(out.tensor_split(pieces), x.tensor_split(pieces), strict=True):
+            dst.copy_(self._rows(src))
         return out
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -179,11 +179,10 @@ class MLP(nn.Module):
 MLP_SLICE_BYTES = 8 * 2**20  # an MLP step's [rows, intermediate] buffers above this are cut into row slices
 
 
-def mlp_slice_rows(tokens: int, intermediate: int, elt: int) -> int:
-    """Rows per MLP slice: equal slices (no short remainder) of at most `MLP_SLICE_BYTES` each, but never
-    under 128 rows, where the matmuls get slower per row and each slice reads the weights again."""
-    slices = min(-(-tokens * intermediate * elt // MLP_SLICE_BYTES), max(tokens // 128, 1))
-    return -(-tokens // slices)
+def mlp_slices(tokens: int, intermediate: int, elt: int) -> int:
+    """How many equal row slices an MLP step runs in: enough that each `[rows, intermediate]` buffer is at most
+    `MLP_SLICE_BYTES`, but none under 128 rows (slower matmuls per row, and each slice reads the weights again)."""
+    return max(1, min(-(-tokens * intermediate * elt // MLP_SLICE_BYTES), tokens // 128))
 
 
 class DecoderLayer(nn.Module):
