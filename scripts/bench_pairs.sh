@@ -5,7 +5,7 @@
 # Usage: [KV=2G] [PP1_ARGS="..."] scripts/bench_pairs.sh [OUT_DIR] [REPEATS] [NUM_PROMPTS] [extra PP=2 flags...]
 # e.g. each stage holding the same resources (one core, 2G of KV), so PP=2 runs twice the requests:
 #   KV=2G PP1_ARGS="--max-running-requests 128" scripts/bench_pairs.sh out 3 256 \
-#       --max-running-requests 256 --pp-layer-partition auto
+#       --max-running-requests 256 --pp-layer-partition auto --pp-flex-layers 2
 set -euo pipefail
 out=${1:-bench-pairs}
 reps=${2:-3}

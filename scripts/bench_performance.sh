@@ -11,8 +11,9 @@ step() { echo "== $(date +%T) $*" >&2; }
 
 # 1. Adding a stage, each stage with the same resources (one core, 2G of KV): PP=2 holds twice the requests.
 step "pairs"
+# The flexible cut at the default depth 0 (two micro-batches of 128 rows) is the fastest PP=2 measured.
 KV=2G PP1_ARGS="--max-running-requests 128" "$here/bench_pairs.sh" "$out/pairs" 3 256 \
-    --max-running-requests 256 --pp-layer-partition auto > "$out/pairs.txt"
+    --max-running-requests 256 --pp-layer-partition auto --pp-flex-layers 2 > "$out/pairs.txt"
 
 # 2. The sweep: PP=1 and PP=2 at one thread per stage, PP=1 at two threads; a ladder of rates to saturation.
 step "sweep"
