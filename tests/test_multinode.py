@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -51,6 +53,11 @@ def reference(smollm2_dir) -> dict[str, str]:
 def net(tmp_path, smollm2_dir) -> NetHosts:
     with NetHosts(2, tmp_path) as hosts:
         yield hosts
+    # The hosts end SIGKILLed, as machines switched off, so each launcher leaves its ipc sockets' directory
+    # (`zmq_io.new_ipc_dir`, named by its pid) in the temporary directory: remove them.
+    for p in hosts.procs:
+        for d in Path(tempfile.gettempdir()).glob(f"ringsched-{p.pid}-*"):
+            shutil.rmtree(d, ignore_errors=True)
 
 
 # -- helpers ---------------------------------------------------------------------------------------------------
