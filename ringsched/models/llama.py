@@ -21,7 +21,8 @@ from ringsched.stage import StageInfo
 # Vocabulary rows of the lm_head per step of `compute_logits` / `greedy_tokens` on CPU. Measured (one thread, a
 # process per setting, AMD EPYC Zen 4): 1024 words against 8192 took SmolLM2's greedy head from 81 to 65 ms at
 # 86 rows, 104-109 to 91-98 at 128 and 18 to 14 at 4; a 1B Llama's (32000 x 2048) from 87 to 66 ms at 32 rows;
-# and the step's peak memory from 17-21 to 6-9 MiB (MKL packs a chunk of the weight per call). 512 was no faster.
+# and the step's peak memory from 17-21 to 6-9 MiB (likely MKL's copy of the weight chunk it multiplies). 512
+# was no faster.
 HEAD_VOCAB_CHUNK = 1024
 
 
