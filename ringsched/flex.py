@@ -114,12 +114,16 @@ class CutChooser:
         slope = (self._sxy / self._s1 - mean_x * mean_y) / var
         return mean_y + slope * (share - mean_x)
 
-    def observe(self, tokens: int, samples: int, cut: int, stage0_s: float, stage1_s: float) -> None:
-        """One micro-batch's measured compute: stage 0 ran `cut` layers (and the embedding), stage 1 the rest
-        and the head."""
+    def observe(
+        self, tokens: int, samples: int, cut: int, stage0_s: float, stage1_s: float, layer_s: float | None = None
+    ) -> None:
+        """One micro-batch's measured times: stage 0 ran `cut` layers (and the embedding), stage 1 the rest
+        and the head. `layer_s`, a layer's time when the stage times include more than the model (default: stage
+        0's time over its layers)."""
         if tokens == 0 or cut == 0 or stage0_s <= 0:
             return
-        ideal = cut + (stage1_s - stage0_s) / (2 * stage0_s / cut)
+        layer_s = layer_s if layer_s and layer_s > 0 else stage0_s / cut
+        ideal = cut + (stage1_s - stage0_s) / (2 * layer_s)
         # One odd measurement (a page fault storm, a neighbour on the core) must not drag the fit far.
         ideal = min(max(ideal, self.b.lo - self.b.k), self.b.hi + self.b.k)
         x, d = samples / tokens, DECAY

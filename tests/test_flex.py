@@ -98,3 +98,36 @@ def test_mirror_round_trip():
     with pytest.raises(RuntimeError, match="2 shared layers, got 0"):
         scatter_kv(there, 2, range(2, 4), slots, [])
     scatter_kv(there, 2, range(2, 2), slots, [])  # nothing shared was run: nothing to write
+
+
+def test_time_outside_the_model_counts_in_the_balance():
+    """The ring's pace is each stage's whole time per micro-batch: a stage 0 that also spends time planning and
+    delivering outputs gets fewer layers than compute alone would give it, and stage 1 reports its own."""
+    from ringsched.comm.messages import BatchPlan, PlanEntry
+    from ringsched.scheduler.flex_ring import FlexRing
+    from ringsched.stage import StageInfo
+
+    b, cpu = FlexBoundary(30, 15, 3), torch.device("cpu")
+
+    def caches(n):
+        return [(torch.zeros(8, 1, 2), torch.zeros(8, 1, 2)) for _ in range(n)]
+
+    def learnt_cut(overhead0: float, overhead1: float) -> float:
+        s0 = FlexRing(b, StageInfo(0, 2, 0, b.hi), caches(b.hi), cpu)
+        s1 = FlexRing(b, StageInfo(1, 2, b.lo, 30), caches(30 - b.lo), cpu)
+        slots = torch.tensor([1, 2])
+        for seq in range(60):
+            s0.note_overhead(overhead0)
+            s1.note_overhead(overhead1)
+            plan = BatchPlan(0, seq, [PlanEntry(str(i), 0, [1], True) for i in range(2)])
+            s0.choose(plan)
+            layer = 0.01  # compute: every layer costs the same on both stages; no head
+            s0.sent(plan, plan.cut * layer, slots)
+            rows = gather_kv(s1.caches, b.lo, b.mirrored(1, plan.cut), slots)
+            s0.on_output(seq, s1.output_payload(torch.tensor([7, 7]), (30 - plan.cut) * layer, rows))
+        return s0.chooser.predict(1.0)
+
+    assert abs(learnt_cut(0.0, 0.0) - 15) < 0.3  # compute alone: the even cut
+    # Stage 0 spends 40 ms per micro-batch outside the model (4 layers' time): it should run 2 layers fewer.
+    assert abs(learnt_cut(0.04, 0.0) - 13) < 0.4
+    assert abs(learnt_cut(0.0, 0.04) - 17) < 0.4  # and the other way round

@@ -3,8 +3,9 @@ here, the K/V rows mirrored to and from the other stage, and (stage 0) the cut o
 
 Wire format, PP=2 only: the proxy of micro-batch `t` is `[hidden_states, residual, kv?]`, `kv` being the K/V
 rows of the shared layers stage 0 ran (`[lo, cut)`, `flex.gather_kv`'s one tensor, absent when there are none);
-the output message is `[meta, tokens?, kv?]` with `meta` = `[number of sampled tokens, stage 1 compute in
-microseconds]`, the tokens when there are any, and the K/V rows of the shared layers stage 1 ran (`[cut, hi)`).
+the output message is `[meta, tokens?, kv?]` with `meta` = `[number of sampled tokens, stage 1's time for the
+micro-batch in microseconds]`, the tokens when there are any, and the K/V rows of the shared layers stage 1 ran
+(`[cut, hi)`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from ringsched.comm.messages import BatchPlan
 from ringsched.flex import CutChooser, FlexBoundary, gather_kv, scatter_kv
 from ringsched.stage import StageInfo
 
+# Memory of the per-micro-batch overhead's average (about 20 micro-batches).
+OVERHEAD_DECAY = 0.95
+
 
 @dataclass
 class _Sent:
@@ -26,6 +30,7 @@ class _Sent:
     samples: int
     cut: int
     compute_s: float
+    overhead_s: float
     slots: torch.Tensor
 
 
@@ -42,6 +47,19 @@ class FlexRing:
         self.chooser = CutChooser(boundary, policy) if stage.is_first else None
         self._sent: dict[int, _Sent] = {}
         self.cuts: dict[int, int] = {}  # how often each cut was used (stats, tests)
+        self._overhead = 0.0  # this stage's mean time per micro-batch outside the model
+        self._noted = False
+
+    def note_overhead(self, seconds: float) -> None:
+        """One step's time outside the model and its waits: planning, posting sends, delivering outputs.
+
+        Why the chooser needs it: the ring's pace is each stage's whole time per micro-batch, not its model
+        compute. Stage 0 also plans, relays and hands every sampled token to the front end (~1% of a SmolLM2
+        decode step at 128 rows, ~3 ms); balancing compute alone left stage 1 waiting that long per step."""
+        if self._noted:
+            self._overhead = OVERHEAD_DECAY * self._overhead + (1 - OVERHEAD_DECAY) * seconds
+        else:  # the first step sets it: an average started from 0 would under-count the first ~20
+            self._overhead, self._noted = seconds, True
 
     # -- stage 0 ------------------------------------------------------------------------------------------
     def choose(self, plan: BatchPlan) -> None:
@@ -50,7 +68,7 @@ class FlexRing:
             self.cuts[plan.cut] = self.cuts.get(plan.cut, 0) + 1
 
     def sent(self, plan: BatchPlan, compute_s: float, slots: torch.Tensor) -> None:
-        self._sent[plan.seq] = _Sent(plan.num_tokens, plan.num_samples, plan.cut, compute_s, slots)
+        self._sent[plan.seq] = _Sent(plan.num_tokens, plan.num_samples, plan.cut, compute_s, self._overhead, slots)
 
     def on_output(self, seq: int, tensors: list[torch.Tensor]) -> torch.Tensor:
         """Stage 0: take one output message apart; mirror stage 1's K/V rows and learn from its time. Returns
@@ -63,7 +81,10 @@ class FlexRing:
         if sent is None:  # an empty micro-batch: nothing ran
             return tokens
         scatter_kv(self.caches, self.stage.start_layer, self.b.mirrored(1, sent.cut), sent.slots, rows)
-        self.chooser.observe(sent.tokens, sent.samples, sent.cut, sent.compute_s, stage1_us / 1e6)
+        self.chooser.observe(
+            sent.tokens, sent.samples, sent.cut, sent.compute_s + sent.overhead_s, stage1_us / 1e6,
+            layer_s=sent.compute_s / sent.cut if sent.cut else None,
+        )
         return tokens
 
     # -- both -----------------------------------------------------------------------------------------------
@@ -80,5 +101,6 @@ class FlexRing:
 
     def output_payload(self, tokens: torch.Tensor, compute_s: float, rows: list[torch.Tensor]) -> list[torch.Tensor]:
         """Stage 1: the output message of one micro-batch (see the module doc)."""
-        meta = torch.tensor([tokens.numel(), int(compute_s * 1e6)], dtype=torch.long, device=self.device)
+        spent_us = int((compute_s + self._overhead) * 1e6)
+        meta = torch.tensor([tokens.numel(), spent_us], dtype=torch.long, device=self.device)
         return [meta] + ([tokens.to(self.device)] if tokens.numel() else []) + rows

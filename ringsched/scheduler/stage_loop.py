@@ -100,6 +100,7 @@ class StageLoop(OutputExchange):
 
     def _run(self) -> None:
         t = 0
+        spent_before = 0.0  # sched + comm seconds at the end of the previous step (--pp-flex-layers)
         while True:
             self.maybe_report()
             self.io.alive()  # a busy stage must notice an orphaned ring too (one getppid() per micro-batch)
@@ -114,6 +115,10 @@ class StageLoop(OutputExchange):
             start = time.perf_counter()
             self.gc.after_step()
             self.times.sched += time.perf_counter() - start
+            if self.flex:
+                spent = self.times.sched + self.times.comm
+                self.flex.note_overhead(spent - spent_before)
+                spent_before = spent
             t += 1
 
     def step(self, plan: BatchPlan) -> None:
