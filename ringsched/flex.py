@@ -15,8 +15,9 @@ so whichever stage runs a shared layer next finds the whole context in its own c
 one in-flight micro-batch, so the mirror lands before that request is computed again.
 
 The cut is chosen by `CutChooser` from what the stages measured: stage 0 times its own layers, stage 1 reports
-its compute time with the sampled tokens; from the two times of each micro-batch the chooser learns which cut
-would have balanced it, as a function of the micro-batch's sampled rows per token.
+its compute time with the sampled tokens, each adding its mean time per micro-batch outside the model
+(`FlexRing.note_overhead`); from the two times of each micro-batch the chooser learns which cut would have
+balanced it, as a function of the micro-batch's sampled rows per token.
 """
 
 from __future__ import annotations
@@ -71,8 +72,8 @@ class FlexBoundary:
 class CutChooser:
     """Stage 0's choice of cut per micro-batch, learnt from the stage times measured so far.
 
-    From one micro-batch's two compute times the cut that would have balanced it is about
-    `cut + (stage1 - stage0) / (2 * stage0 / cut)` (moving a layer moves one layer's time). That ideal cut is
+    From one micro-batch's two stage times the cut that would have balanced it is about
+    `cut + (stage1 - stage0) / (2 * layer)` (moving a layer moves one layer's time). That ideal cut is
     fitted against the micro-batch's sampled rows per token, the share that decides how much the head weighs
     against the layers (about 1 in a decode batch, a few percent in a prefill chunk), and a new micro-batch gets
     the fitted cut for its share. Measuring the cut directly, rather than modelling a layer's and the head's

@@ -53,9 +53,10 @@ class FlexRing:
     def note_overhead(self, seconds: float) -> None:
         """One step's time outside the model and its waits: planning, posting sends, delivering outputs.
 
-        Why the chooser needs it: the ring's pace is each stage's whole time per micro-batch, not its model
-        compute. Stage 0 also plans, relays and hands every sampled token to the front end (~1% of a SmolLM2
-        decode step at 128 rows, ~3 ms); balancing compute alone left stage 1 waiting that long per step."""
+        Why the chooser counts it: the ring's pace is each stage's whole time per micro-batch, not its model
+        compute, and stage 0 also plans, relays and hands every sampled token to the front end. In the offline
+        benchmark that is ~4 ms of a ~350 ms SmolLM2 step and counting it measured neutral (docs/performance.md,
+        session 13); it weighs more where stage 0's share outside the model is larger (many small requests)."""
         if self._noted:
             self._overhead = OVERHEAD_DECAY * self._overhead + (1 - OVERHEAD_DECAY) * seconds
         else:  # the first step sets it: an average started from 0 would under-count the first ~20
