@@ -56,7 +56,8 @@ class FlexRing:
         Why the chooser counts it: the ring's pace is each stage's whole time per micro-batch, not its model
         compute, and stage 0 also plans, relays and hands every sampled token to the front end. In the offline
         benchmark that is ~4 ms of a ~350 ms SmolLM2 step and counting it measured neutral (docs/performance.md,
-        session 13); it weighs more where stage 0's share outside the model is larger (many small requests)."""
+        session 13); it weighs more where that share is larger, as with a smaller model beside the same per-request
+        work."""
         if self._noted:
             self._overhead = OVERHEAD_DECAY * self._overhead + (1 - OVERHEAD_DECAY) * seconds
         else:  # the first step sets it: an average started from 0 would under-count the first ~20
