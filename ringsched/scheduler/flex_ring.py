@@ -85,7 +85,7 @@ class FlexRing:
         scatter_kv(self.caches, self.stage.start_layer, self.b.mirrored(1, sent.cut), sent.slots, rows)
         self.chooser.observe(
             sent.tokens, sent.samples, sent.cut, sent.compute_s + sent.overhead_s, stage1_us / 1e6,
-            layer_s=sent.compute_s / sent.cut if sent.cut else None,
+            layer_s=sent.compute_s / sent.cut,  # cut >= lo >= 1: FlexBoundary keeps a layer on each stage
         )
         return tokens
 
