@@ -33,6 +33,9 @@ def test_config_strings_become_launcher_flags():
     assert ServerConfig.parse("pp=2,partition=auto").flags == ["--pp-size", "2", "--pp-layer-partition", "auto"]
     assert ServerConfig.parse("pp=2,running=256").flags == ["--pp-size", "2", "--max-running-requests", "256"]
     assert ServerConfig.parse("threads=2").flags == ["--threads-per-stage", "2"]
+    assert ServerConfig.parse("pp=2,flex=2,depth=0").flags == [
+        "--pp-size", "2", "--pp-async-batch-depth", "0", "--pp-flex-layers", "2",
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -44,6 +47,7 @@ def test_config_strings_become_launcher_flags():
         ("pp=two", "pp must be an integer"),
         ("pp=0", "pp must be >= 1"),
         ("depth=-1", "depth must be >= 0"),
+        ("pp=2,flex=-1", "flex must be >= 0"),
         ("tp=2", "unknown key 'tp'"),
         ("pp=1,pp=2", "pp is given twice"),
         ("dtype=fp8", "dtype must be one of"),

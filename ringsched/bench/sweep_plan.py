@@ -18,6 +18,7 @@ CONFIG_FLAGS = {
     "threads": "--threads-per-stage",
     "depth": "--pp-async-batch-depth",
     "partition": "--pp-layer-partition",
+    "flex": "--pp-flex-layers",
     "dtype": "--dtype",
     "mbs": "--pp-max-micro-batch-size",
     "running": "--max-running-requests",
@@ -40,13 +41,14 @@ class ServerConfig:
     threads: int | None = None
     depth: int | None = None
     partition: tuple[int, ...] | str | None = None
+    flex: int | None = None
     dtype: str | None = None
     mbs: int | None = None
     running: int | None = None
 
     def __post_init__(self) -> None:
         where = f"--config {self.label!r}"
-        for key, low in (("pp", 1), ("threads", 1), ("depth", 0), ("mbs", 1), ("running", 1)):
+        for key, low in (("pp", 1), ("threads", 1), ("depth", 0), ("flex", 0), ("mbs", 1), ("running", 1)):
             value = getattr(self, key)
             if value is not None and value < low:
                 raise SweepConfigError(f"{where}: {key} must be >= {low}, got {value}")
