@@ -19,27 +19,29 @@ KV=2G PP1_ARGS="--max-running-requests 128" "$here/bench_pairs.sh" "$out/pairs" 
 step "sweep"
 python -m ringsched.bench sweep --rates 0.5,1,2 --num-prompts 24 --out-dir "$out/sweep" \
     --server-args="--kv-cache-memory 2G" \
-    --config pp=1,threads=1,running=128 --config pp=2,threads=1,running=256,partition=auto \
+    --config pp=1,threads=1,running=128 --config pp=2,threads=1,running=256,partition=auto,depth=0,flex=2 \
     --config pp=1,threads=2,running=128 > "$out/sweep.txt"
 
-# 4. bfloat16 (AMX on this CPU) beside float32.
+# 3. bfloat16 (AMX on this CPU) beside float32.
 step "bf16"
 $off --pp-size 1 --num-prompts 128 --max-running-requests 128 --dtype bfloat16 | tail -1 > "$out/pp1_bf16.json"
 $off --pp-size 2 --num-prompts 128 --max-running-requests 256 --pp-layer-partition auto --dtype bfloat16 \
     | tail -1 > "$out/pp2_bf16.json"
 
-# 5. A random ~1B Llama: the weight-bandwidth-bound regime (few requests, decode-heavy).
+# 4. A random ~1B Llama: the weight-bandwidth-bound regime (few requests, decode-heavy). 256-token prefill
+#    chunks halve the ring's fill and transition waits; PP=1 runs as fast with them as with 512.
 step "1B"
 big=${RINGSCHED_CACHE:-$HOME/.cache/ringsched}/models/random-llama-1b
 [[ -f $big/config.json ]] || python -m ringsched.models random --layers 20 --hidden 2048 --intermediate 5632 \
     --heads 32 --kv-heads 8 --vocab 32000 --out "$big" >/dev/null
 for pp in 1 2; do
     python -m ringsched.bench offline --model "$big" --pp-size "$pp" --threads-per-stage 1 --num-prompts 64 \
-        --input-len 32 --output-len 64 --max-running-requests $((32 * pp)) --kv-cache-memory 1G --json \
+        --input-len 32 --output-len 64 --max-running-requests $((32 * pp)) --kv-cache-memory 1G \
+        --pp-layer-partition auto --chunked-prefill-size 256 --warmup-prompts 2 --json \
         | tail -1 > "$out/big_pp$pp.json"
 done
 
-# 6. transformers on the same requests (float32 and bfloat16, both cores).
+# 5. transformers on the same requests (float32 and bfloat16, both cores).
 step "hf"
 python -m ringsched.bench hf --num-prompts 128 --batch-sizes 64,128 --json | tail -1 > "$out/hf_fp32.json"
 $off --pp-size 2 --num-prompts 128 --max-running-requests 256 --pp-layer-partition auto | tail -1 > "$out/pp2_128.json"
@@ -47,7 +49,7 @@ python -m ringsched.bench hf --num-prompts 128 --batch-sizes 64,128 --dtype bflo
     > "$out/hf_bf16.json"
 $off --pp-size 2 --num-prompts 128 --max-running-requests 256 --pp-layer-partition auto --dtype bfloat16 \
     | tail -1 > "$out/pp2_128_bf16.json"
-# 7. The same PP=2 with the even split and with async depth 1 (a third micro-batch in flight).
+# 6. The same PP=2 with the even split and with async depth 1 (a third micro-batch in flight).
 step "pp2 variants"
 $off --pp-size 2 --num-prompts 256 --max-running-requests 256 --pp-layer-partition 15,15 | tail -1 > "$out/pp2_even.json"
 $off --pp-size 2 --num-prompts 256 --max-running-requests 258 --pp-max-micro-batch-size 86 \
