@@ -29,3 +29,17 @@ def test_bench_hf_both_modes(tiny_llama_dir, capsys):
     # Both modes are greedy over the same weights: the same tokens.
     assert cb["same_tokens_as_generate"] == n
     assert result["best_output_tokens_per_s"] >= gen["best_output_tokens_per_s"]
+
+
+def test_bench_hf_without_generate_batch(tiny_llama_dir, capsys):
+    n, out_len = 4, 3
+    rc = main(["hf", "--model", str(tiny_llama_dir), "--num-prompts", str(n), "--input-len", "8",
+               "--output-len", str(out_len), "--batch-sizes", "4", "--warmup-prompts", "2", "--no-generate-batch",
+               "--json"])  # fmt: skip
+    assert rc == 0
+    out = capsys.readouterr().out
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["generate_batch"] is None
+    assert "generate_batch:" not in out
+    assert result["generate"]["output_tokens"] == {"4": n * out_len}
+    assert result["best_output_tokens_per_s"] == result["generate"]["best_output_tokens_per_s"]

@@ -8,7 +8,8 @@ measured ones), every request generates exactly `--output-len` tokens, greedy. T
 
 The contract: output tokens/s of each mode, the best overall, and the number of tokens each mode really
 produced (a mode that stops early would otherwise look fast). A `generate_batch` failure is reported as
-`{"error": ...}` in the result instead of ending the run.
+`{"error": ...}` in the result instead of ending the run; `--no-generate-batch` leaves that mode out (it takes
+several times as long as the static batches on CPU) and reports it as null.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ def add_hf_args(p: argparse.ArgumentParser) -> None:
                    help="drawn first, as in `bench offline`; a few of them run a short unmeasured generate (0: none)")
     p.add_argument("--cb-max-batch-tokens", type=int, default=512,
                    help="generate_batch tokens per step (default: ringsched's --chunked-prefill-size)")
+    p.add_argument("--generate-batch", action=argparse.BooleanOptionalAction, default=True,
+                   help="also measure generate_batch (continuous batching; on CPU the slowest mode by far)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
 
@@ -136,12 +139,14 @@ def bench_generate_batch(model: PreTrainedModel, prompts: list[list[int]], out_l
             "max_batch_tokens": max_batch_tokens, "same_tokens_as_generate": same}  # fmt: skip
 
 
-def _warmup(model: PreTrainedModel, prompts: list[list[int]], max_batch_tokens: int) -> None:
+def _warmup(model: PreTrainedModel, prompts: list[list[int]], max_batch_tokens: int, cb: bool) -> None:
     """A short unmeasured run of each mode: first-call costs (allocator, kernels, lazy imports) stay out."""
     if not prompts:
         return
     few = prompts[:4]
     _generate_once(model, few, len(few), 4)
+    if not cb:
+        return
     try:
         _run_generate_batch(model, few, 4, max_batch_tokens)
     except Exception:  # the measured run reports it
@@ -167,10 +172,13 @@ def run_hf(args: argparse.Namespace) -> int:
     print(f"transformers {transformers.__version__}, {args.dtype}, {args.threads} threads: {args.num_prompts} "
           f"prompts of {args.input_len} tokens, {args.output_len} new tokens each")
     with torch.inference_mode():
-        _warmup(model, warm, args.cb_max_batch_tokens)
+        _warmup(model, warm, args.cb_max_batch_tokens, args.generate_batch)
         gen = bench_generate(model, prompts, sizes, args.output_len)
-        cb = bench_generate_batch(model, prompts, args.output_len, args.cb_max_batch_tokens, gen.pop("_new_tokens"))
-    best = max(gen["best_output_tokens_per_s"], cb.get("output_tokens_per_s", 0.0))
+        reference = gen.pop("_new_tokens")
+        cb = None
+        if args.generate_batch:
+            cb = bench_generate_batch(model, prompts, args.output_len, args.cb_max_batch_tokens, reference)
+    best = max(gen["best_output_tokens_per_s"], (cb or {}).get("output_tokens_per_s", 0.0))
     print(f"  best: {best:.1f} output tok/s")
     result = {
         "dtype": args.dtype, "threads": args.threads, "num_prompts": args.num_prompts, "input_len": args.input_len,
