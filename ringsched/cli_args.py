@@ -42,8 +42,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pp-flex-layers", type=int, default=0,
                    help="PP=2: both stages hold this many layers on each side of the cut, and stage 0 moves the "
                    "cut per micro-batch to balance prefill- and decode-heavy batches (default 0: a fixed cut)")
-    g.add_argument("--pp-flex-policy", default="balance", choices=["balance", "cycle"],
-                   help="how the flexible cut is chosen: balance the measured stage times, or cycle (tests)")
+    g.add_argument("--pp-flex-policy", default="balance", choices=["balance", "ready", "cycle"],
+                   help="how the flexible cut is chosen: balance (predicted from the measured stage times), ready "
+                   "(stage 0 runs shared layers until stage 1 is ready for the micro-batch; CPU stages), or "
+                   "cycle (tests)")
     g.add_argument("--pp-auto-input-len", type=int, default=128,
                    help="typical prompt tokens of the workload `auto` balances for (bench offline: its --input-len)")
     g.add_argument("--pp-auto-output-len", type=int, default=128,

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ringsched.flex import FlexBoundary
+from ringsched.flex import FLEX_POLICIES, FlexBoundary
 from ringsched.partition import ENV_OVERRIDE, PartitionError, resolve_partition
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -59,7 +59,8 @@ class EngineConfig:
     threads_per_stage: int | None = None
     pp_layer_partition: str | Sequence[int] | None = None  # "auto", "16,14", or [16, 14] from Python
     # PP=2: layers on each side of the cut that both stages hold, so stage 0 can move the cut per micro-batch
-    # (ringsched/flex.py). "cycle" visits every cut in turn (tests); "balance" is the real policy.
+    # (ringsched/flex.py). "balance" predicts each micro-batch's cut from the measured stage times; "ready" cuts
+    # when stage 1 is ready for the micro-batch (CPU stages); "cycle" visits every cut in turn (tests).
     pp_flex_layers: int = 0
     pp_flex_policy: str = "balance"
     # The requests `auto` measures for: typical prompt and output lengths (they set the probe's decode context
@@ -101,8 +102,8 @@ class EngineConfig:
             "leave it at 0",
         )
         _require(
-            self.pp_flex_policy in ("balance", "cycle"),
-            f"--pp-flex-policy {self.pp_flex_policy!r}: use balance or cycle",
+            self.pp_flex_policy in FLEX_POLICIES,
+            f"--pp-flex-policy {self.pp_flex_policy!r}: use one of {', '.join(FLEX_POLICIES)}",
         )
         _require(
             self.max_running_requests >= 1,

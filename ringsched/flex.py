@@ -8,16 +8,23 @@ follows, stage 0 waited (measured on SmolLM2, [17, 13], 256 requests of 128 + 12
 for 104 s of mean stage compute).
 
 How: both stages hold the `2K` layers around the partition's cut (weights and KV), and stage 0 picks a cut in
-`[base - K, base + K]` for each micro-batch; it travels in the plan (`BatchPlan.cut`), so every stage applies
-the same one. Stage 0 runs layers `[0, cut)`, stage 1 `[cut, L)`. The K/V rows a stage writes for the shared
-layers it ran are mirrored to the other stage (with the proxy tensors forward, with the sampled tokens back),
-so whichever stage runs a shared layer next finds the whole context in its own cache. A request is in at most
-one in-flight micro-batch, so the mirror lands before that request is computed again.
+`[base - K, base + K]` for each micro-batch. Stage 0 runs layers `[0, cut)`, stage 1 `[cut, L)`. The K/V rows a
+stage writes for the shared layers it ran are mirrored to the other stage (with the proxy tensors forward, with
+the sampled tokens back), so whichever stage runs a shared layer next finds the whole context in its own cache.
+A request is in at most one in-flight micro-batch, so the mirror lands before that request is computed again.
+Stage 1 reads the cut from the proxy: the K/V rows stage 0 sends are those of layers `[base - K, cut)`.
 
-The cut is chosen by `CutChooser` from what the stages measured: stage 0 times its own layers, stage 1 reports
-its compute time with the sampled tokens, each adding its mean time per micro-batch outside the model
-(`FlexRing.note_overhead`); from the two times of each micro-batch the chooser learns which cut would have
-balanced it, as a function of the micro-batch's sampled rows per token.
+Two policies choose the cut (`--pp-flex-policy`). `balance` predicts it before the micro-batch starts, from
+what the stages measured: stage 0 times its own layers, stage 1 reports its compute time with the sampled
+tokens, each adding its mean time per micro-batch outside the model (`FlexRing.note_overhead`); from the two
+times of each micro-batch `CutChooser` learns which cut would have balanced it, as a function of the
+micro-batch's sampled rows per token. `ready` decides it while the micro-batch runs: stage 0 runs the shared
+layers one at a time until stage 1 is ready for it, or about to be (`scheduler/flex_ready.py`). Why: at depth
+0 the two micro-batches alternate in lock-step, and the moment stage 1 is free is also the moment stage 0 gets
+the sampled tokens it needs to plan its next micro-batch. Cutting earlier leaves stage 0 waiting for those
+tokens, cutting later leaves stage 1 waiting; a predicted cut cannot follow a step that runs 10% slow on a noisy
+host, a measured one can. It needs each layer to have finished when Python moves on, so it is for CPU stages
+(on a GPU the layers are queued ahead and the check would come too early).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+FLEX_POLICIES = ("balance", "ready", "cycle")
 # Observations before the chooser trusts its fit (until then: the partition's own cut).
 WARMUP_OBSERVATIONS = 8
 # Weight of older observations in the fits: ~50 micro-batches of memory follows a host whose speed drifts.

@@ -76,6 +76,7 @@ class Supervisor:
             front_out=ipc_addr(ipc_dir, "front-out"),
             # One node: every plan channel is a local ipc socket. Several: tcp, exchanged through the store.
             plans=tuple(ipc_addr(ipc_dir, f"plan-{k}") for k in range(cfg.pp_size)) if cfg.nnodes == 1 else (),
+            progress=ipc_addr(ipc_dir, "progress") if cfg.nnodes == 1 else "",
         )
         self.ctx = zmq.Context()
         self.ctl = Puller(self.ctx, self.addrs.ctl)

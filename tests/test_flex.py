@@ -131,3 +131,106 @@ def test_time_outside_the_model_counts_in_the_balance():
     # Stage 0 spends 40 ms per micro-batch outside the model (4 layers' time): it should run 2 layers fewer.
     assert abs(learnt_cut(0.04, 0.0) - 13) < 0.4
     assert abs(learnt_cut(0.0, 0.04) - 17) < 0.4  # and the other way round
+
+
+class FakeProgressIn:
+    """Stage 1's StageProgress messages as stage 0's Puller hands them out."""
+
+    def __init__(self) -> None:
+        self.queued: list = []
+
+    def drain(self) -> list:
+        out, self.queued = self.queued, []
+        return out
+
+
+def ready_rings(b: FlexBoundary):
+    from ringsched.scheduler.flex_ring import FlexRing
+    from ringsched.stage import StageInfo
+
+    cpu = torch.device("cpu")
+    caches0 = [(torch.arange(8.0).view(8, 1, 1).repeat(1, 1, 2) + i, torch.zeros(8, 1, 2)) for i in range(b.hi)]
+    caches1 = [(torch.zeros(8, 1, 2), torch.zeros(8, 1, 2)) for _ in range(30 - b.lo)]
+    progress_in, sent = FakeProgressIn(), []
+    s0 = FlexRing(b, StageInfo(0, 2, 0, b.hi), caches0, cpu, "ready", progress_in=progress_in)
+    out = type("FakePusher", (), {"send": staticmethod(sent.append)})()
+    s1 = FlexRing(b, StageInfo(1, 2, b.lo, 30), caches1, cpu, "ready", progress_out=out)
+    return s0, s1, progress_in, sent, caches0, caches1
+
+
+def test_ready_policy_cuts_when_stage_1_is_ready_or_about_to_be():
+    """`--pp-flex-policy ready`: stage 0 runs the shared layers until stage 1 has finished the micro-batch before,
+    or expects to within half a layer; the cut is not in the plan."""
+    import time
+
+    from ringsched.comm.messages import BatchPlan, PlanEntry, StageProgress
+
+    b = FlexBoundary(30, 15, 3)
+    s0, _, progress_in, _, _, _ = ready_rings(b)
+
+    def run(seq: int, at_layer: dict) -> tuple[list[int], BatchPlan]:
+        plan = BatchPlan(seq % 2, seq, [PlanEntry("a", 0, [1], True)])
+        s0.choose(plan)
+        assert plan.cut == -1  # decided while the micro-batch runs
+        ran = []
+        for i in s0.layers(plan):
+            ran.append(i)
+            time.sleep(0.002)  # a layer's time: 2 ms
+            progress_in.queued += at_layer.get(i, [])
+        return ran, plan
+
+    ran, plan = run(0, {})  # nothing before micro-batch 0: stage 1 is free at once
+    assert ran == list(range(b.lo)) and plan.cut == b.lo
+    ran, plan = run(1, {13: [StageProgress(0, time.time() + 60)], 14: [StageProgress(0, 0.0, done=True)]})
+    assert ran == list(range(15)) and plan.cut == 15  # done during layer 14
+    ran, plan = run(2, {1: [StageProgress(1, time.time() + 60)]})  # never done: the last shared layer is ours
+    assert ran == list(range(b.hi)) and plan.cut == b.hi
+    # Expected done within half a layer (1 ms) of the cut at 15: cut there rather than keep stage 1 waiting.
+    soon = time.time() + 15 * 0.002 + 0.0005
+    ran, plan = run(3, {1: [StageProgress(2, time.time() + 60)], 14: [StageProgress(2, soon)]})
+    assert plan.cut == 15, ran
+    # A forecast for another micro-batch says nothing about this one.
+    progress_in.queued.append(StageProgress(3, 0.0))
+    ran, plan = run(5, {16: [StageProgress(4, 0.0, done=True)]})
+    assert plan.cut == 17
+
+
+def test_ready_policy_stage_1_reads_the_cut_and_reports_progress():
+    import time
+
+    from ringsched.comm.messages import BatchPlan, PlanEntry, StageProgress
+
+    b = FlexBoundary(30, 15, 3)
+    s0, s1, progress_in, sent, caches0, caches1 = ready_rings(b)
+    slots = torch.tensor([1, 5])
+    mb = BatchPlan(0, 0, [PlanEntry("a", 0, [1, 2], True)])
+    assert list(s0.layers(mb)) == list(range(b.lo)) and mb.cut == b.lo  # nothing before it: stage 1 is free
+    mb = BatchPlan(1, 1, [PlanEntry("a", 0, [1, 2], True)])
+    for i in s0.layers(mb):
+        if i == 15:
+            progress_in.queued.append(StageProgress(0, 0.0, done=True))
+    assert mb.cut == 16
+    rows = s0.mirror_out(mb, slots)
+    theirs = BatchPlan(1, 1, [PlanEntry("a", 0, [1, 2], True)])  # as stage 1 decodes it: cut -1
+    s1.take_cut(theirs, rows)
+    assert theirs.cut == 16
+    s1.mirror_in(theirs, rows, slots)
+    for i in b.mirrored(0, 16):
+        assert torch.equal(caches1[i - b.lo][0][slots], caches0[i][0][slots])
+    assert list(s1.layers(theirs)) == list(range(16, 30))
+    # No forecast before the first layer is timed; then one before each layer, not done.
+    assert [m.seq for m in sent] == [1] * 13 and not any(m.done for m in sent)
+    s1.head_took(2, 0.004)
+    s1.done(theirs)
+    assert sent[-1].seq == 1 and sent[-1].done
+    # The next micro-batch: a forecast before each layer, finishing at the end of its layers plus the head.
+    nxt = BatchPlan(0, 2, [PlanEntry("a", 2, [3], True), PlanEntry("b", 0, [4], True)], cut=18)
+    sent.clear()
+    t0 = time.time()
+    for _ in s1.layers(nxt):
+        time.sleep(0.002)
+    assert [m.seq for m in sent] == [2] * 12  # the first from the micro-batch before's pace
+    last = sent[-1].finish_at - t0  # one layer left at ~2 ms a layer, plus 2 rows of head at 2 ms each
+    assert 0.022 + 0.002 + 0.004 - 0.003 < last < 0.022 + 0.002 + 0.004 + 0.02, last
+    with pytest.raises(RuntimeError, match="the plan cuts at layer 17, the proxy at 16"):
+        s1.take_cut(BatchPlan(0, 4, [], cut=17), rows)

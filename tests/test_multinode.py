@@ -1,9 +1,10 @@
 """The ring across machines: two hosts with their own addresses (network namespaces joined by a veth pair),
 node 0 in one and node 1 in the other, each started with the same `python -m ringsched.launch` command.
 
-Covered: greedy text equal to a single-node run at PP=2 and PP=4; node 1 killed and the link cut while streams
-are open (every process gone within --stage-timeout + 10 s, the error names node 1, every stream ends with an
-error chunk); rendezvous refusing a different partition and timing out on a missing node.
+Covered: greedy text equal to a single-node run at PP=2 (also with the cut decided while running) and PP=4;
+node 1 killed and the link cut while streams are open (every process gone within --stage-timeout + 10 s, the
+error names node 1, every stream ends with an error chunk); rendezvous refusing a different partition and
+timing out on a missing node.
 
 Every client request runs inside node 0's namespace (`tests/ns_client.py`): the test process itself has no
 route to the hosts. Needs root; skipped with the reason where network namespaces are unavailable.
@@ -113,9 +114,14 @@ def lines_with(text: str, *words: str) -> list[str]:
 
 
 # -- serving across two hosts ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("pp", [2, 4])
-def test_two_hosts_match_single_node_greedy(net, reference, pp):
-    nodes = [launch(net, 0, pp, stage_timeout=FAST_TIMEOUT), launch(net, 1, pp, stage_timeout=FAST_TIMEOUT)]
+# The third case also sends stage 1's progress across the hosts (`--pp-flex-policy ready`: a tcp channel whose
+# address travels through the store).
+READY = ("--pp-flex-layers", "2", "--pp-flex-policy", "ready")
+
+
+@pytest.mark.parametrize("pp,extra", [(2, ()), (4, ()), (2, READY)], ids=["2", "4", "2-ready"])
+def test_two_hosts_match_single_node_greedy(net, reference, pp, extra):
+    nodes = [launch(net, r, pp, *extra, stage_timeout=FAST_TIMEOUT) for r in (0, 1)]
     wait_ready(net, nodes)
     out = client(net, "greedy", base_url(net), "--prompt", PROMPT, "--chat", CHAT, "--max-tokens", str(MAX_TOKENS))
     assert out == reference, logs(net)

@@ -68,6 +68,16 @@ def test_flexible_cut_gives_the_same_tokens(reference):
     assert not mismatched, f"requests {mismatched} differ from PP=1 with a moving cut"
 
 
+def test_cut_decided_while_running_gives_the_same_tokens(reference):
+    """`--pp-flex-policy ready` at depth 0: stage 0 cuts each micro-batch when stage 1 is (about to be) ready,
+    stage 1 reads the cut from the K/V rows it receives; the tokens are PP=1's and the KV is freed."""
+    outs, stats = run(2, 0, pp_flex_layers=2, pp_flex_policy="ready")
+    cuts = {int(c): n for c, n in stats[0]["flex_cuts"].items()}
+    assert cuts and set(cuts) <= set(range(13, 18)), cuts
+    mismatched = [i for i, (a, b) in enumerate(zip(outs, reference, strict=True)) if a != b]
+    assert not mismatched, f"requests {mismatched} differ from PP=1 with the cut decided while running"
+
+
 def test_lengths_and_variety(reference):
     work = workload()
     for (_ids, params), out in zip(work, reference, strict=True):

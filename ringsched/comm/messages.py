@@ -47,7 +47,9 @@ class BatchPlan:
     announce: list[NewRequest] = field(default_factory=list)  # requests scheduled for the first time
     frees: list[str] = field(default_factory=list)  # free KV before this batch (finished, aborted, preempted)
     drops: list[str] = field(default_factory=list)  # forget entirely (finished or aborted)
-    cut: int = -1  # --pp-flex-layers: stage 0 runs layers [0, cut), stage 1 the rest; -1: the fixed partition
+    # --pp-flex-layers: stage 0 runs layers [0, cut), stage 1 the rest. -1: the fixed partition, or (policy
+    # ready) a cut stage 0 decides while it runs, which stage 1 reads from the proxy.
+    cut: int = -1
     shutdown: bool = False
 
     @property
@@ -88,6 +90,16 @@ class StageStatus:
 
 
 @dataclass
+class StageProgress:
+    """Stage 1 -> stage 0 (`--pp-flex-policy ready`): when stage 1 expects to finish micro-batch `seq` (wall clock,
+    `time.time()`), sent before each of its layers; `done` once it has finished and is ready for the next one."""
+
+    seq: int
+    finish_at: float
+    done: bool = False
+
+
+@dataclass
 class Shutdown:
     reason: str = ""
 
@@ -99,6 +111,7 @@ _TYPES: dict[str, type] = {
     "out": OutputBatch,
     "status": StageStatus,
     "shutdown": Shutdown,
+    "progress": StageProgress,
 }
 _TAGS = {cls: tag for tag, cls in _TYPES.items()}
 

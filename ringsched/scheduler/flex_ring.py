@@ -10,12 +10,15 @@ micro-batch in microseconds]`, the tokens when there are any, and the K/V rows o
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
 from ringsched.comm.messages import BatchPlan
+from ringsched.comm.zmq_io import Puller, Pusher
 from ringsched.flex import CutChooser, FlexBoundary, gather_kv, scatter_kv
+from ringsched.scheduler.flex_ready import ProgressReporter, ReadyCut
 from ringsched.stage import StageInfo
 
 # Memory of the per-micro-batch overhead's average (about 20 micro-batches).
@@ -42,9 +45,16 @@ class FlexRing:
         caches: list[tuple[torch.Tensor, torch.Tensor]],
         device: torch.device,
         policy: str = "balance",
+        progress_in: Puller | None = None,
+        progress_out: Pusher | None = None,
     ) -> None:
         self.b, self.stage, self.caches, self.device = boundary, stage, caches, device
-        self.chooser = CutChooser(boundary, policy) if stage.is_first else None
+        ready = policy == "ready"
+        if ready and (progress_in if stage.is_first else progress_out) is None:
+            raise ValueError("--pp-flex-policy ready needs the channel for stage 1's progress")
+        self.chooser = CutChooser(boundary, policy) if stage.is_first and not ready else None
+        self.ready_cut = ReadyCut(boundary, progress_in) if ready and stage.is_first else None
+        self.reporter = ProgressReporter(progress_out) if ready and not stage.is_first else None
         self._sent: dict[int, _Sent] = {}
         self.cuts: dict[int, int] = {}  # how often each cut was used (stats, tests)
         self._overhead = 0.0  # this stage's mean time per micro-batch outside the model
@@ -65,11 +75,12 @@ class FlexRing:
 
     # -- stage 0 ------------------------------------------------------------------------------------------
     def choose(self, plan: BatchPlan) -> None:
-        if plan.entries:
+        """Before the plan leaves: `balance` and `cycle` set its cut; `ready` leaves it to the forward pass."""
+        if plan.entries and self.chooser is not None:
             plan.cut = self.chooser.choose(plan.num_tokens, plan.num_samples)
-            self.cuts[plan.cut] = self.cuts.get(plan.cut, 0) + 1
 
     def sent(self, plan: BatchPlan, compute_s: float, slots: torch.Tensor) -> None:
+        self.cuts[plan.cut] = self.cuts.get(plan.cut, 0) + 1
         self._sent[plan.seq] = _Sent(plan.num_tokens, plan.num_samples, plan.cut, compute_s, self._overhead, slots)
 
     def on_output(self, seq: int, tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -83,15 +94,41 @@ class FlexRing:
         if sent is None:  # an empty micro-batch: nothing ran
             return tokens
         scatter_kv(self.caches, self.stage.start_layer, self.b.mirrored(1, sent.cut), sent.slots, rows)
+        if self.chooser is None:
+            return tokens
         self.chooser.observe(
             sent.tokens, sent.samples, sent.cut, sent.compute_s + sent.overhead_s, stage1_us / 1e6,
             layer_s=sent.compute_s / sent.cut,  # cut >= lo >= 1: FlexBoundary keeps a layer on each stage
         )
         return tokens
 
+    # -- stage 1 --------------------------------------------------------------------------------------------
+    def take_cut(self, plan: BatchPlan, rows: list[torch.Tensor]) -> None:
+        """Stage 1: the cut of this micro-batch, from the K/V rows stage 0 sent (layers `[lo, cut)`); the plan's
+        own cut, when stage 0 chose it in advance, must agree."""
+        cut = self.b.lo + (rows[0].shape[0] // 2 if len(rows) == 1 else 0)
+        if plan.cut >= 0 and plan.cut != cut:
+            raise RuntimeError(f"micro-batch {plan.seq}: the plan cuts at layer {plan.cut}, the proxy at {cut}")
+        plan.cut = cut
+
+    def head_took(self, rows: int, seconds: float) -> None:
+        """Stage 1: the head's time for this micro-batch's sampled rows (policy `ready` forecasts with it)."""
+        if self.reporter:
+            self.reporter.head_took(rows, seconds)
+
+    def done(self, plan: BatchPlan) -> None:
+        """Stage 1: this micro-batch is computed (policy `ready`: stage 0 may cut the next one)."""
+        if self.reporter:
+            self.reporter.done(plan)
+
     # -- both -----------------------------------------------------------------------------------------------
-    def layers(self, plan: BatchPlan) -> range:
-        return self.b.run_range(self.stage.rank, plan.cut)
+    def layers(self, plan: BatchPlan) -> Iterator[int]:
+        """The layers this stage runs for `plan`, in order (policy `ready`, stage 0: `plan.cut` is set once the
+        last one has been asked for)."""
+        if self.ready_cut:
+            return self.ready_cut.layers(plan)
+        run = self.b.run_range(self.stage.rank, plan.cut)
+        return self.reporter.layers(plan, run) if self.reporter else iter(run)
 
     def mirror_in(self, plan: BatchPlan, rows: list[torch.Tensor], slots: torch.Tensor) -> None:
         """Stage 1: write the K/V rows stage 0 ran for this micro-batch's shared layers."""

@@ -60,6 +60,8 @@ class StageIO:
     front_out: Pusher | None  # stage 0: outputs for the front end
     alive: Callable[[], None]  # raises when this process should stop (parent gone)
     report: Callable[[dict], None]  # per-stage stats to the launcher
+    progress_in: Puller | None = None  # stage 0, --pp-flex-policy ready: stage 1's StageProgress
+    progress_out: Pusher | None = None  # stage 1, likewise
 
 
 class StageLoop(OutputExchange):
@@ -82,7 +84,9 @@ class StageLoop(OutputExchange):
         self.use_native_decode = bool(pool.caches) and native.usable_for(pool.caches[0][0].dtype, device)
         self.sampler = SamplerState(device, eos_ids) if stage.is_last else None
         # --pp-flex-layers: the cut moves per micro-batch and the shared layers' K/V are mirrored.
-        self.flex = FlexRing(flex, stage, pool.caches, device, cfg.pp_flex_policy) if flex else None
+        self.flex = None
+        if flex:
+            self.flex = FlexRing(flex, stage, pool.caches, device, cfg.pp_flex_policy, io.progress_in, io.progress_out)
         # Last stage: sampled, not yet sent (seq, the message's tensors).
         self.pending_outputs: deque[tuple[int, list[torch.Tensor]]] = deque()
         self.next_output = 0  # stage 0: the micro-batch whose outputs come back next
@@ -129,6 +133,8 @@ class StageLoop(OutputExchange):
         proxy = self.recv_proxy(plan) if not self.stage.is_first and plan.entries else None
         out = self.forward(plan, proxy)
         start = time.perf_counter()
+        if self.flex and last:
+            self.flex.done(plan)
         if not last and plan.entries:
             tensors = [out["hidden_states"], out["residual"], *out.get("kv", [])]
             self._with_peer(self.stage.next, self.io.chan.send, self.stage.next, "proxy", plan.slot, t, tensors)
@@ -255,9 +261,10 @@ class StageLoop(OutputExchange):
             return torch.empty(0, dtype=torch.long) if self.stage.is_last else None
         start = time.perf_counter()
         batch, ids = build_forward_batch(plan, self.blocks, self.device, self.use_native_decode)
-        layers = self.flex.layers(plan) if self.flex else None
         if self.flex and not self.stage.is_first:
+            self.flex.take_cut(plan, proxy["kv"])
             self.flex.mirror_in(plan, proxy["kv"], batch.slot_mapping)
+        layers = self.flex.layers(plan) if self.flex else None  # policy ready: sets plan.cut as it runs
         out = self.model(
             batch, input_ids=ids if self.stage.is_first else None, proxy=proxy, kv_caches=self.pool.caches,
             layers=layers,
@@ -271,7 +278,10 @@ class StageLoop(OutputExchange):
                 out = self.model.greedy_tokens(out).cpu()
             else:
                 out = self.sampler.sample(plan, self.model.compute_logits(out)).cpu()
-            self.times.head += time.perf_counter() - head_start
+            head_s = time.perf_counter() - head_start
+            self.times.head += head_s
+            if self.flex:
+                self.flex.head_took(plan.num_samples, head_s)
             self.times.sample_rows += out.numel()
         elapsed = time.perf_counter() - start
         self.times.compute += elapsed
@@ -281,7 +291,8 @@ class StageLoop(OutputExchange):
             self._flex_out = (elapsed, mirrored)
         self.times.batches += 1
         self.times.tokens += plan.num_tokens
-        self.times.layer_tokens += plan.num_tokens * (len(layers) if layers is not None else self.stage.num_layers)
+        ran = len(self.flex.b.run_range(self.stage.rank, plan.cut)) if self.flex else self.stage.num_layers
+        self.times.layer_tokens += plan.num_tokens * ran
         return out
 
     def stage_stats(self) -> dict:

@@ -42,6 +42,7 @@ class StageAddrs:
     front_in: str  # front end -> stage 0
     front_out: str  # stage 0 -> front end
     plans: tuple[str, ...]  # one node: plans[k] is stage k-1 -> stage k (index 0 unused); several: empty
+    progress: str = ""  # one node: stage 1 -> stage 0 (--pp-flex-policy ready); several: empty
 
 
 class ParentGone(RuntimeError):
@@ -154,6 +155,7 @@ def _setup(cfg, rank, model_dir, addrs, ctx, ctl, local_rank) -> StageLoop:
             random.Random(cfg.seed),
         )
     plan_in, plan_out = _plan_channels(cfg, stage, addrs, ctx, store)
+    progress_in, progress_out = _progress_channels(cfg, stage, addrs, ctx, store)
     io = StageIO(
         chan=TensorChannel(device),
         plan_in=plan_in,
@@ -162,6 +164,8 @@ def _setup(cfg, rank, model_dir, addrs, ctx, ctl, local_rank) -> StageLoop:
         front_out=Pusher(ctx, addrs.front_out) if stage.is_first else None,
         alive=alive,
         report=lambda stats: ctl.send(StageStatus(rank, "stats", stats)),
+        progress_in=progress_in,
+        progress_out=progress_out,
     )
     ctl.send(StageStatus(rank, "ready", info))
     return StageLoop(cfg, stage, model, blocks, pool, io, planner, device, eos_ids, flex)
@@ -182,6 +186,21 @@ def _plan_channels(cfg: EngineConfig, stage: StageInfo, addrs: StageAddrs, ctx, 
     if not stage.is_last:
         plan_out = Pusher(ctx, zstore.get(f"plan/{stage.rank + 1}").decode())
     return plan_in, plan_out
+
+
+def _progress_channels(cfg: EngineConfig, stage: StageInfo, addrs: StageAddrs, ctx, store) -> tuple:
+    """`--pp-flex-policy ready`: stage 1 tells stage 0 how far it is with its micro-batch. Stage 0 binds (ipc on
+    one node; across nodes a tcp port on its address, published in the store); stage 1 connects."""
+    if not (cfg.pp_flex_layers and cfg.pp_flex_policy == "ready"):
+        return None, None
+    if cfg.nnodes == 1:
+        return (Puller(ctx, addrs.progress), None) if stage.is_first else (None, Pusher(ctx, addrs.progress))
+    zstore = PrefixStore("zmq", store)
+    if stage.is_first:
+        progress_in = Puller(ctx, f"tcp://{cfg.host_ip}:*")
+        zstore.set("progress", progress_in.endpoint)
+        return progress_in, None
+    return None, Pusher(ctx, zstore.get("progress").decode())
 
 
 def _kv_blocks(cfg: EngineConfig, mcfg: ModelConfig, stage: StageInfo, device: torch.device) -> int:
