@@ -11,15 +11,17 @@ step() { echo "== $(date +%T) $*" >&2; }
 
 # 1. Adding a stage, each stage with the same resources (one core, 2G of KV): PP=2 holds twice the requests.
 step "pairs"
-# The flexible cut at the default depth 0 (two micro-batches of 128 rows) is the fastest PP=2 measured.
+# The flexible cut at the default depth 0 (two micro-batches of 128 rows), decided while each micro-batch runs
+# (`--pp-flex-policy ready`): the best median of set L in docs/performance.md.
 KV=2G PP1_ARGS="--max-running-requests 128" "$here/bench_pairs.sh" "$out/pairs" 3 256 \
-    --max-running-requests 256 --pp-layer-partition auto --pp-flex-layers 2 > "$out/pairs.txt"
+    --max-running-requests 256 --pp-layer-partition auto --pp-flex-layers 2 --pp-flex-policy ready > "$out/pairs.txt"
 
 # 2. The sweep: PP=1 and PP=2 at one thread per stage, PP=1 at two threads; a ladder of rates to saturation.
 step "sweep"
 python -m ringsched.bench sweep --rates 0.5,1,2 --num-prompts 24 --out-dir "$out/sweep" \
     --server-args="--kv-cache-memory 2G" \
-    --config pp=1,threads=1,running=128 --config pp=2,threads=1,running=256,partition=auto,depth=0,flex=2 \
+    --config pp=1,threads=1,running=128 \
+    --config pp=2,threads=1,running=256,partition=auto,depth=0,flex=2,policy=ready \
     --config pp=1,threads=2,running=128 > "$out/sweep.txt"
 
 # 3. bfloat16 (AMX on this CPU) beside float32.

@@ -36,6 +36,9 @@ def test_config_strings_become_launcher_flags():
     assert ServerConfig.parse("pp=2,flex=2,depth=0").flags == [
         "--pp-size", "2", "--pp-async-batch-depth", "0", "--pp-flex-layers", "2",
     ]  # fmt: skip
+    assert ServerConfig.parse("pp=2,policy=ready,flex=2").flags == [
+        "--pp-size", "2", "--pp-flex-layers", "2", "--pp-flex-policy", "ready",
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -48,6 +51,7 @@ def test_config_strings_become_launcher_flags():
         ("pp=0", "pp must be >= 1"),
         ("depth=-1", "depth must be >= 0"),
         ("pp=2,flex=-1", "flex must be >= 0"),
+        ("pp=2,flex=2,policy=fast", "policy must be one of balance, ready, cycle"),
         ("tp=2", "unknown key 'tp'"),
         ("pp=1,pp=2", "pp is given twice"),
         ("dtype=fp8", "dtype must be one of"),

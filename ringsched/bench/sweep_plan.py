@@ -12,6 +12,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ringsched.flex import FLEX_POLICIES
+
 # --config key -> launcher flag.
 CONFIG_FLAGS = {
     "pp": "--pp-size",
@@ -19,6 +21,7 @@ CONFIG_FLAGS = {
     "depth": "--pp-async-batch-depth",
     "partition": "--pp-layer-partition",
     "flex": "--pp-flex-layers",
+    "policy": "--pp-flex-policy",
     "dtype": "--dtype",
     "mbs": "--pp-max-micro-batch-size",
     "running": "--max-running-requests",
@@ -42,6 +45,7 @@ class ServerConfig:
     depth: int | None = None
     partition: tuple[int, ...] | str | None = None
     flex: int | None = None
+    policy: str | None = None
     dtype: str | None = None
     mbs: int | None = None
     running: int | None = None
@@ -52,6 +56,8 @@ class ServerConfig:
             value = getattr(self, key)
             if value is not None and value < low:
                 raise SweepConfigError(f"{where}: {key} must be >= {low}, got {value}")
+        if self.policy is not None and self.policy not in FLEX_POLICIES:
+            raise SweepConfigError(f"{where}: policy must be one of {', '.join(FLEX_POLICIES)}, got {self.policy!r}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise SweepConfigError(f"{where}: dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.partition is not None and self.partition != "auto":
@@ -95,7 +101,7 @@ class ServerConfig:
 
 
 def _parse_value(where: str, key: str, value: str) -> object:
-    if key == "dtype":
+    if key in ("dtype", "policy"):
         return value
     if key == "partition":
         if value == "auto":
