@@ -14,17 +14,17 @@ the sampled tokens back), so whichever stage runs a shared layer next finds the 
 A request is in at most one in-flight micro-batch, so the mirror lands before that request is computed again.
 Stage 1 reads the cut from the proxy: the K/V rows stage 0 sends are those of layers `[base - K, cut)`.
 
-Two policies choose the cut (`--pp-flex-policy`). `balance` predicts it before the micro-batch starts, from
-what the stages measured: stage 0 times its own layers, stage 1 reports its compute time with the sampled
-tokens, each adding its mean time per micro-batch outside the model (`FlexRing.note_overhead`); from the two
-times of each micro-batch `CutChooser` learns which cut would have balanced it, as a function of the
-micro-batch's sampled rows per token. `ready` decides it while the micro-batch runs: stage 0 runs the shared
-layers one at a time until stage 1 is ready for it, or about to be (`scheduler/flex_ready.py`). Why: at depth
-0 the two micro-batches alternate in lock-step, and the moment stage 1 is free is also the moment stage 0 gets
-the sampled tokens it needs to plan its next micro-batch. Cutting earlier leaves stage 0 waiting for those
-tokens, cutting later leaves stage 1 waiting; a predicted cut cannot follow a step that runs 10% slow on a noisy
-host, a measured one can. It needs each layer to have finished when Python moves on, so it is for CPU stages
-(on a GPU the layers are queued ahead and the check would come too early).
+Two policies choose the cut (`--pp-flex-policy`; `cycle` is for tests). `balance` predicts it before the micro-batch
+starts, from what the stages measured: stage 0 times its own layers, stage 1 reports its compute time with the
+sampled tokens, each adding its mean time per micro-batch outside the model (`FlexRing.note_overhead`); from the two
+times of each micro-batch `CutChooser` learns which cut would have balanced it, as a function of the micro-batch's
+sampled rows per token. `ready` decides it while the micro-batch runs: stage 0 runs the shared layers one at a time
+until stage 1 is ready for it, or about to be (`scheduler/flex_ready.py`). Why: at depth 0 the two micro-batches
+alternate in lock-step, and the moment stage 1 is free is also the moment stage 0 gets the sampled tokens it needs
+to plan its next micro-batch. Cutting earlier leaves stage 0 waiting for those tokens, cutting later leaves stage 1
+waiting; a predicted cut cannot follow a step that runs 10% slow on a noisy host, a measured one can. It needs each
+layer to have finished when Python moves on, so it is for CPU stages (on a GPU the layers are queued ahead and the
+check would come too early).
 """
 
 from __future__ import annotations
