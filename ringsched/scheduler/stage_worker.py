@@ -172,35 +172,39 @@ def _setup(cfg, rank, model_dir, addrs, ctx, ctl, local_rank) -> StageLoop:
 
 
 def _plan_channels(cfg: EngineConfig, stage: StageInfo, addrs: StageAddrs, ctx, store) -> tuple:
-    """Plans flow stage k -> k+1: ipc on one node; across nodes each stage binds a tcp port on its node's
-    address and publishes it in the store, where its predecessor finds it."""
-    if cfg.nnodes == 1:
-        plan_in = Puller(ctx, addrs.plans[stage.rank]) if not stage.is_first else None
-        plan_out = Pusher(ctx, addrs.plans[stage.rank + 1]) if not stage.is_last else None
-        return plan_in, plan_out
-    zstore = PrefixStore("zmq", store)
-    plan_in = plan_out = None
-    if not stage.is_first:
-        plan_in = Puller(ctx, f"tcp://{cfg.host_ip}:*")
-        zstore.set(f"plan/{stage.rank}", plan_in.endpoint)
-    if not stage.is_last:
-        plan_out = Pusher(ctx, zstore.get(f"plan/{stage.rank + 1}").decode())
+    """Plans flow stage k -> k+1; stage k binds the channel it receives on (see `_receiver`)."""
+    zstore = PrefixStore("zmq", store) if cfg.nnodes > 1 else None
+    ipc = addrs.plans or ("",) * cfg.pp_size  # several nodes: tcp, no ipc addresses
+    k = stage.rank
+    plan_in = None if stage.is_first else _receiver(ctx, zstore, cfg.host_ip, ipc[k], f"plan/{k}")
+    plan_out = None if stage.is_last else _sender(ctx, zstore, ipc[k + 1], f"plan/{k + 1}")
     return plan_in, plan_out
 
 
 def _progress_channels(cfg: EngineConfig, stage: StageInfo, addrs: StageAddrs, ctx, store) -> tuple:
-    """`--pp-flex-policy ready`: stage 1 tells stage 0 how far it is with its micro-batch. Stage 0 binds (ipc on
-    one node; across nodes a tcp port on its address, published in the store); stage 1 connects."""
+    """`--pp-flex-policy ready`: stage 1 tells stage 0 how far it is with its micro-batch; stage 0 binds."""
     if not (cfg.pp_flex_layers and cfg.pp_flex_policy == "ready"):
         return None, None
-    if cfg.nnodes == 1:
-        return (Puller(ctx, addrs.progress), None) if stage.is_first else (None, Pusher(ctx, addrs.progress))
-    zstore = PrefixStore("zmq", store)
+    zstore = PrefixStore("zmq", store) if cfg.nnodes > 1 else None
     if stage.is_first:
-        progress_in = Puller(ctx, f"tcp://{cfg.host_ip}:*")
-        zstore.set("progress", progress_in.endpoint)
-        return progress_in, None
-    return None, Pusher(ctx, zstore.get("progress").decode())
+        return _receiver(ctx, zstore, cfg.host_ip, addrs.progress, "progress"), None
+    return None, _sender(ctx, zstore, addrs.progress, "progress")
+
+
+def _receiver(ctx, zstore, host_ip: str, ipc: str, key: str) -> Puller:
+    """The receiving end of a stage-to-stage ZMQ channel binds: on one node (no store) the launcher's `ipc`
+    address; across nodes a free tcp port on this node's address, published in the store under `key`."""
+    if zstore is None:
+        return Puller(ctx, ipc)
+    puller = Puller(ctx, f"tcp://{host_ip}:*")
+    zstore.set(key, puller.endpoint)
+    return puller
+
+
+def _sender(ctx, zstore, ipc: str, key: str) -> Pusher:
+    """The sending end connects: to `ipc` on one node, or to what the receiver published under `key` (the
+    store's `get` waits for it, up to the store's timeout)."""
+    return Pusher(ctx, ipc if zstore is None else zstore.get(key).decode())
 
 
 def _kv_blocks(cfg: EngineConfig, mcfg: ModelConfig, stage: StageInfo, device: torch.device) -> int:
