@@ -57,30 +57,37 @@ def enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+KV_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def usable_for(dtype: torch.dtype, device: torch.device | str) -> bool:
     """Whether a stage with this KV dtype and device takes the kernel (building it now if needed)."""
-    return dtype == torch.float32 and torch.device(device).type == "cpu" and _library() is not None
+    return dtype in KV_DTYPES and torch.device(device).type == "cpu" and _library() is not None
 
 
 def paged_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, d: NativeDecode, scale: float
 ) -> torch.Tensor:
-    """`q` [b, H, D] (the decode rows, rotary applied); caches [slots, KVH, D] float32. Returns [b, H, D]."""
+    """`q` [b, H, D] (the decode rows, rotary applied); caches [slots, KVH, D], both float32 or both bfloat16.
+    Returns [b, H, D] in `q`'s dtype. The kernel works in float32: a bfloat16 `q` is widened (a few KiB per
+    layer) and the result rounded back to bfloat16."""
     lib = _library()
     assert lib is not None, "paged_decode called although usable_for() said no"
-    q = q.contiguous()  # the decode rows, gathered: already contiguous, so no copy
-    b, heads, dim = q.shape
+    if k_cache.dtype not in KV_DTYPES or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"paged_decode takes float32 or bfloat16 caches, not {k_cache.dtype}/{v_cache.dtype}")
+    qf = q.to(torch.float32).contiguous()  # the decode rows, gathered: float32 ones are not copied again
+    b, heads, dim = qf.shape
     if not (k_cache.is_contiguous() and v_cache.is_contiguous() and d.tables.is_contiguous()):
         raise ValueError("paged_decode needs contiguous caches and block tables")
-    out = torch.empty_like(q)
+    out = torch.empty_like(qf)
     rc = lib.paged_decode(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), d.tables.data_ptr(), d.lens.data_ptr(),
+        qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), d.tables.data_ptr(), d.lens.data_ptr(),
         b, heads, k_cache.shape[1], dim, d.block_size, d.tables.shape[1], d.max_len,
-        scale, out.data_ptr(), torch.get_num_threads(),
+        scale, out.data_ptr(), torch.get_num_threads(), int(k_cache.dtype == torch.bfloat16),
     )  # fmt: skip
     if rc != 0:
         raise MemoryError("paged_decode: a worker thread could not allocate its score buffer")
-    return out
+    return out.to(q.dtype)
 
 
 def _library() -> ctypes.CDLL | None:
@@ -99,7 +106,7 @@ def _load() -> ctypes.CDLL | None:
         logger.warning("decode attention: native kernel unavailable (%s); using the torch path", e)
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.paged_decode.argtypes = [ptr] * 5 + [i64] * 7 + [ctypes.c_float, ptr, i64]
+    lib.paged_decode.argtypes = [ptr] * 5 + [i64] * 7 + [ctypes.c_float, ptr, i64, i64]
     lib.paged_decode.restype = ctypes.c_int
     logger.info("decode attention: native CPU kernel %s", path.name)
     return lib

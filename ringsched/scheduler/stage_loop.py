@@ -81,7 +81,8 @@ class StageLoop(PlanFlow, OutputExchange):
     ) -> None:
         self.cfg, self.stage, self.model, self.blocks, self.pool, self.io = cfg, stage, model, blocks, pool, io
         self.planner, self.device = planner, device
-        # Decode attention through the CPU kernel where it applies (float32 KV on CPU, a C compiler at hand).
+        # Decode attention through the CPU kernel where it applies (float32 or bfloat16 KV on CPU, a C compiler
+        # at hand).
         self.use_native_decode = bool(pool.caches) and native.usable_for(pool.caches[0][0].dtype, device)
         self.sampler = SamplerState(device, eos_ids) if stage.is_last else None
         # --pp-flex-layers: the cut moves per micro-batch and the shared layers' K/V are mirrored.
