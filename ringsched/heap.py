@@ -19,10 +19,12 @@ bfloat16 matmuls on CPU go through oneDNN (not MKL), which keeps a primitive per
 entries each (oneDNN's own and ideep's, torch's wrapper), and a stage sees a new row count at every ramp and
 tail of its micro-batches: measured, `F.linear` over 128 row counts of SmolLM2's four layer shapes kept 323
 MiB, and a bfloat16 PP=2 ring's stages grew by ~90 MiB in the last seconds of a run, as its micro-batches
-shrank, to 357-503 MiB above weights + KV. Stages cap both caches at 32 entries (5.7 MiB kept in the same
-test at 8): 289-329 MiB above weights + KV in the same ring (357-526 without), throughput median 344 tok/s
-against 353 over five runs each, alternating, ranges 321-377 and 339-361 (no cost the host's noise shows).
-float32 (MKL) does not use these caches.
+shrank, to 357-503 MiB above weights + KV. Stages cap both caches at 16 entries: three row counts of a
+layer's five weight shapes, so two micro-batches of different sizes keep theirs (at 8 they evict each other
+every step: measured, matmuls ~15% slower than at 16 or 32 with two alternating row counts). At 32 a bfloat16
+ring's stages were 289-329 MiB above weights + KV (357-526 without a cap), and 307 on an AMX host; at 16 on
+that host 285-301, at the same throughput (docs/performance.md, "Memory per stage"). float32 (MKL) does not
+use these caches.
 """
 
 from __future__ import annotations
@@ -44,8 +46,8 @@ _NEVER_TRIM = 2**31 - 1  # mallopt takes an int: its largest value
 # must be in a stage's environment from its start. See the module docstring.
 STAGE_ALLOCATOR_ENV = {
     "MKL_DISABLE_FAST_MM": "1",
-    "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "32",
-    "LRU_CACHE_CAPACITY": "32",
+    "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16",
+    "LRU_CACHE_CAPACITY": "16",
 }
 
 

@@ -111,7 +111,7 @@ def test_stage_env_bounds_what_bfloat16_matmuls_keep_per_shape():
     )
     default, stage = run(base), run({**base, **STAGE_ALLOCATOR_ENV})
     # oneDNN's caches keep ~2.5 MiB per row count (248 MiB over 96 on this project's AMD host); capped at 32
-    # entries, 28 MiB there. Other CPUs pick other kernels, so the bound leaves room.
+    # entries, 28 MiB there (the stages' cap is 16 now). Other CPUs pick other kernels, so the bound leaves room.
     assert stage < 80, (stage, default)
     assert default < 80 or stage < default / 3, (stage, default)
 
