@@ -43,6 +43,7 @@ from ringsched.scheduler.plan_flow import PlanFlow
 from ringsched.scheduler.planner import Planner
 from ringsched.scheduler.sampler_state import SamplerState
 from ringsched.scheduler.stage_times import StageTimes, peak_rss_bytes
+from ringsched.scheduler.step_profiler import ProfileWindow, StepProfiler
 from ringsched.stage import StageInfo
 
 logger = logging.getLogger(__name__)
@@ -94,6 +95,8 @@ class StageLoop(PlanFlow, OutputExchange):
         self.next_output = 0  # stage 0: the micro-batch whose outputs come back next
         self.times = StageTimes()
         self.gc = GcPolicy()
+        window = ProfileWindow.from_env()  # RINGSCHED_TORCH_PROFILER_DIR: a debugging aid, off by default
+        self.profiler = StepProfiler(window, stage.rank, stage.size) if window else None
         self.stopping = False
         self._last_stats = 0.0
 
@@ -118,6 +121,8 @@ class StageLoop(PlanFlow, OutputExchange):
                     self.io.plan_out.send(plan)
                 return
             self.step(plan)
+            if self.profiler:
+                self.profiler.after_step(plan.num_tokens, self.times)
             start = time.perf_counter()
             self.gc.after_step()
             self.times.sched += time.perf_counter() - start
