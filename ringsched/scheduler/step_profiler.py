@@ -10,7 +10,8 @@ stage writes `stage{rank}_of{size}.txt`: the operators by self CPU time, grouped
 window's micro-batches, tokens, layer-tokens and compute seconds, so per-token figures can be set side by
 side. Code outside torch's operators (the native decode kernel, Python) appears only as the gap between the
 operators' total and the compute seconds. Writing the table stalls the stage for a few seconds once; the
-ring waits for it.
+ring waits for it. A window that has started records every micro-batch until COUNT qualifying ones have run,
+so on a server whose traffic stops mid-window the profiler's events wait (and hold memory) until it resumes.
 
 The profiler object is kept until the process exits (a stage leaves by `os._exit`, so it is never destroyed):
 destroying it in a stage of a ring aborted the stage with glibc's "free(): invalid next size" or a
