@@ -26,6 +26,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from ringsched.scheduler.stage_times import StageTimes
+
 logger = logging.getLogger(__name__)
 
 ENV_DIR = "RINGSCHED_TORCH_PROFILER_DIR"
@@ -62,7 +64,7 @@ class ProfileWindow:
 
 
 class StepProfiler:
-    """Call `after_step(num_tokens, times)` after every micro-batch; `times` is the stage's `StageTimes`."""
+    """Call `after_step(num_tokens, times)` after every micro-batch, with the stage's running `StageTimes`."""
 
     def __init__(self, window: ProfileWindow, rank: int, size: int) -> None:
         self.window, self.rank, self.size = window, rank, size
@@ -72,10 +74,10 @@ class StepProfiler:
         self.written: Path | None = None
 
     @staticmethod
-    def _counters(times) -> tuple[float, ...]:
+    def _counters(times: StageTimes) -> tuple[float, ...]:
         return (times.batches, times.tokens, times.layer_tokens, times.compute, times.head)
 
-    def after_step(self, num_tokens: int, times) -> None:
+    def after_step(self, num_tokens: int, times: StageTimes) -> None:
         if self.written is not None or num_tokens < self.window.min_tokens:
             return
         self._seen += 1
@@ -88,7 +90,7 @@ class StepProfiler:
         elif self._prof is not None and self._seen == self.window.start + self.window.count:
             self._finish(times)
 
-    def _finish(self, times) -> None:
+    def _finish(self, times: StageTimes) -> None:
         self._prof.__exit__(None, None, None)
         table = self._prof.key_averages(group_by_input_shape=True).table(
             sort_by="self_cpu_time_total", row_limit=60, max_name_column_width=28, max_shapes_column_width=70
