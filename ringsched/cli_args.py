@@ -14,7 +14,7 @@ ENGINE_FLAGS = (
     "model", "pp_size", "pp_async_batch_depth", "max_running_requests", "pp_max_micro_batch_size",
     "chunked_prefill_size", "kv_cache_memory", "max_model_len", "dtype", "device", "threads_per_stage",
     "pp_layer_partition", "pp_flex_layers", "pp_flex_policy", "pp_auto_input_len", "pp_auto_output_len",
-    "dist_init_addr", "stage_timeout", "seed",
+    "dist_init_addr", "stage_timeout", "heartbeat_timeout", "seed",
     "nnodes", "node_rank", "host_ip", "dist_timeout",
 )  # fmt: skip
 
@@ -51,7 +51,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pp-auto-output-len", type=int, default=128,
                    help="typical output tokens of the workload `auto` balances for (bench offline: its --output-len)")
     g.add_argument("--dist-init-addr", default=None, help="HOST:PORT for torch.distributed (default a free port)")
-    g.add_argument("--stage-timeout", type=float, default=60.0, help="seconds to wait on a neighbour or a silent node")
+    g.add_argument("--stage-timeout", type=float, default=60.0,
+                   help="seconds a stage may wait on a neighbour, a node may stay silent, or a stage's loop may make "
+                   "no progress while it has work, before the engine stops (default 60)")
+    g.add_argument("--heartbeat-timeout", type=float, default=10.0,
+                   help="seconds without a heartbeat (sent every 0.5 s) after which a stage counts as hung and the "
+                   "engine stops naming it, idle or busy (default 10)")
     g.add_argument("--seed", type=int, default=0)
     n = p.add_argument_group("nodes")
     n.add_argument("--nnodes", type=int, default=1, help="nodes the stages span (the same command on each)")

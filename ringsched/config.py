@@ -69,6 +69,7 @@ class EngineConfig:
     pp_auto_output_len: int = 128
     dist_init_addr: str | None = None
     stage_timeout: float = 60.0
+    heartbeat_timeout: float = 10.0  # a stage silent this long (stopped, hung) stops the engine
     nnodes: int = 1
     node_rank: int = 0
     host_ip: str | None = None  # the address other nodes reach this one at (default: the route to the head)
@@ -136,6 +137,10 @@ class EngineConfig:
             f"{self.pp_auto_input_len} and {self.pp_auto_output_len}",
         )
         _require(self.stage_timeout > 0, f"--stage-timeout must be > 0 seconds, got {self.stage_timeout}")
+        _require(
+            self.heartbeat_timeout >= 1,
+            f"--heartbeat-timeout must be >= 1 second (stages beat every 0.5 s), got {self.heartbeat_timeout}",
+        )
         _require(self.dist_timeout > 0, f"--dist-timeout must be > 0 seconds, got {self.dist_timeout}")
         _require(self.nnodes >= 1, f"--nnodes must be >= 1, got {self.nnodes}")
         _require(

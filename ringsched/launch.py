@@ -11,6 +11,7 @@ import argparse
 import sys
 
 from ringsched.cli_args import add_engine_args, config_from_args
+from ringsched.server.serving import DEFAULT_MAX_REQUEST_BYTES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,7 +22,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=None, help="HTTP port (default 30000; health port 30000+node-rank)")
     s.add_argument("--api-key", default=None, help="when set, every endpoint but /health needs this bearer key")
     s.add_argument("--served-model-name", default=None)
-    s.add_argument("--max-queued-requests", type=int, default=None, help="waiting requests before 503")
+    s.add_argument("--max-queued-requests", type=int, default=None,
+                   help="requests that may wait beyond --max-running-requests; more get 503 with Retry-After "
+                   "(default: no limit)")  # fmt: skip
+    s.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help=f"largest request body accepted; larger ones get 413 (default {DEFAULT_MAX_REQUEST_BYTES}, "
+                   "8 MiB)")  # fmt: skip
     s.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds running requests get on SIGTERM")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
@@ -31,8 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.port is None:
         args.port = 30000 + max(args.node_rank, 0)  # nodes sharing one host must not collide
-    if args.port < 0 or args.port > 65535:
-        print(f"error: --port {args.port} is not a port number (0-65535)", file=sys.stderr)
+    problem = _server_arg_problem(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     cfg = config_from_args(args, log_level=args.log_level)
     if cfg.node_rank > 0:
@@ -52,10 +59,23 @@ def main(argv: list[str] | None = None) -> int:
             max_queued_requests=args.max_queued_requests,
             shutdown_timeout=args.shutdown_timeout,
             log_level=args.log_level,
+            max_request_bytes=args.max_request_bytes,
         )
     except RendezvousError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+
+
+def _server_arg_problem(args: argparse.Namespace) -> str | None:
+    if not 0 <= args.port <= 65535:
+        return f"--port {args.port} is not a port number (0-65535)"
+    if args.max_queued_requests is not None and args.max_queued_requests < 0:
+        return f"--max-queued-requests must be >= 0 (or left out for no limit), got {args.max_queued_requests}"
+    if args.shutdown_timeout < 0:
+        return f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}"
+    if args.max_request_bytes < 1024:
+        return f"--max-request-bytes must be at least 1024 (bytes), got {args.max_request_bytes}"
+    return None
 
 
 if __name__ == "__main__":

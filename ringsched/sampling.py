@@ -20,7 +20,29 @@ import torch
 
 def _require(ok: bool, name: str, rule: str, value: Any) -> None:
     if not ok:
-        raise ValueError(f"{name} must be {rule}, got {value!r}")
+        raise ValueError(f"{name} must be {rule}, got {_shown(value)}")
+
+
+def _shown(value: Any, limit: int = 200) -> str:
+    """An error message quotes the offending value, but never a megabyte of it."""
+    if _is_int(value) and value.bit_length() > 256:  # repr of a huge int is slow, or refused past 4300 digits
+        return f"an int of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+
+
+def _finite(name: str, value: Any) -> float:
+    """`value` as a float; a ValueError naming `name` unless it is a finite number."""
+    try:
+        out = float(value) if _is_num(value) else math.nan
+    except OverflowError:  # an int beyond float's range
+        out = math.inf
+    _require(math.isfinite(out), name, "a finite number", value)
+    return out
+
+
+def _shorten(items: tuple) -> tuple:
+    return items if len(items) <= 8 else (*items[:8], "...")
 
 
 def _is_int(x: Any) -> bool:
@@ -29,6 +51,19 @@ def _is_int(x: Any) -> bool:
 
 def _is_num(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _is_int64(x: Any) -> bool:
+    """An int that msgpack, torch and numpy all carry as int64."""
+    return _is_int(x) and INT64_MIN <= x <= INT64_MAX
+
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# Bounds on the lists a request may carry (each costs work per generated token: the front end scans every
+# stop string after each token, the last stage bans stop ids while under min_tokens).
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
 
 
 @dataclass(frozen=True)
@@ -49,28 +84,37 @@ class SamplingParams:
         # JSON and msgpack hand us lists (and the OpenAI API a bare string or null for `stop`).
         stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
         ids = () if self.stop_token_ids is None else self.stop_token_ids
+        _require(isinstance(stop, (list, tuple)), "stop", "a string or a list of strings", stop)
+        _require(isinstance(ids, (list, tuple)), "stop_token_ids", "a list of token ids", ids)
         object.__setattr__(self, "stop", tuple(stop))
         object.__setattr__(self, "stop_token_ids", tuple(ids))
+        # Numbers become floats here, so an int too large for a float is refused now, not on a stage.
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+            object.__setattr__(self, name, _finite(name, getattr(self, name)))
 
         n = self.max_tokens
-        _require(_is_int(n) and n >= 1, "max_tokens", "an int >= 1", n)
-        t = self.temperature
-        _require(_is_num(t) and math.isfinite(t), "temperature", "a finite number", t)
-        _require(t >= 0, "temperature", ">= 0", t)
-        _require(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
-        _require(_is_int(self.top_k) and self.top_k >= -1, "top_k", "-1 or 0 (disabled) or >= 1", self.top_k)
-        _require(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
+        _require(_is_int64(n) and n >= 1, "max_tokens", "an int in [1, 2**63)", n)
+        _require(self.temperature >= 0, "temperature", ">= 0", self.temperature)
+        _require(0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
+        top_k_ok = _is_int64(self.top_k) and self.top_k >= -1
+        _require(top_k_ok, "top_k", "-1 or 0 (disabled) or an int in [1, 2**63)", self.top_k)
+        _require(0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
         seed_ok = self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**64)
         _require(seed_ok, "seed", "None or an int in [-2**63, 2**64) (torch's range)", self.seed)
-        ids_ok = all(_is_int(i) and i >= 0 for i in self.stop_token_ids)
-        _require(ids_ok, "stop_token_ids", "a list of ints >= 0", self.stop_token_ids)
-        stop_ok = all(isinstance(s, str) and s for s in self.stop)
-        _require(stop_ok, "stop", "a string or a list of non-empty strings", self.stop)
+        ids = self.stop_token_ids
+        _require(len(ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids", len(ids))
+        ids_ok = all(_is_int64(i) and i >= 0 for i in ids)
+        _require(ids_ok, "stop_token_ids", "a list of ints in [0, 2**63)", _shorten(ids))
+        stop = self.stop
+        _require(len(stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} strings", len(stop))
+        stop_ok = all(isinstance(s, str) and s for s in stop)
+        _require(stop_ok, "stop", "a string or a list of non-empty strings", _shorten(stop))
+        longest = max((len(s) for s in stop), default=0)
+        _require(longest <= MAX_STOP_STRING_CHARS, "stop", f"strings of at most {MAX_STOP_STRING_CHARS} characters "
+                 "(the length of the longest one is shown)", longest)  # fmt: skip
         _require(isinstance(self.ignore_eos, bool), "ignore_eos", "a bool", self.ignore_eos)
-        p = self.repetition_penalty
-        _require(_is_num(p) and math.isfinite(p), "repetition_penalty", "a finite number", p)
-        _require(p > 0, "repetition_penalty", "> 0 (1.0 disables it)", p)
-        min_ok = _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens
+        _require(self.repetition_penalty > 0, "repetition_penalty", "> 0 (1.0 disables it)", self.repetition_penalty)
+        min_ok = _is_int64(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens
         _require(min_ok, "min_tokens", f"an int in [0, max_tokens={self.max_tokens}]", self.min_tokens)
 
     @property

@@ -1,9 +1,11 @@
 """Start the stage processes of this node, wait until each is ready, watch them, stop them.
 
-Used by the offline `Engine` and by the launcher. Stages are spawned (not forked), named `ringsched-stageK`,
-and report over a ZMQ status channel. If any stage dies or reports an error, `check()` raises `StageFailure`
-naming the stage and its error; `stop()` always leaves no child behind (shutdown message, then terminate,
-then kill).
+Used by the offline `Engine` and by the launcher. Stages are spawned (not forked), shown as `ringsched-ppK`
+by `ps` and `pgrep`, and report over a ZMQ status channel, a heartbeat among the rest. `check()` raises
+`StageFailure` naming the stage and its cause when a stage dies or reports an error, when its heartbeats stop
+for `--heartbeat-timeout` (hung: stopped, or stuck holding the GIL), or when its loop makes no progress for
+`--stage-timeout` while inside a micro-batch (stuck); `stop()` always leaves no child behind (shutdown
+message, then kill; straight to kill once a failure is known).
 """
 
 from __future__ import annotations
@@ -24,13 +26,14 @@ import zmq
 
 from ringsched.affinity import stage_cpus
 from ringsched.comm.messages import Shutdown, StageStatus
+from ringsched.comm.tensor_channel import without_source_paths
 from ringsched.comm.zmq_io import Puller, Pusher, ipc_addr, new_ipc_dir
 from ringsched.config import EngineConfig
 from ringsched.heap import stage_allocator_env
 from ringsched.models.config import ModelConfig
 from ringsched.partition_auto import BatchShape, choose_partition
 from ringsched.rendezvous import Rendezvous
-from ringsched.scheduler.stage_worker import StageAddrs, stage_main
+from ringsched.scheduler.stage_worker import StageAddrs, process_name, stage_main
 
 logger = logging.getLogger("ringsched.launch")
 
@@ -86,6 +89,9 @@ class Supervisor:
         self.info: dict[int, dict] = {}
         self.stats: dict[int, dict] = {}
         self.failure: str | None = None
+        self._ready_at: dict[int, float] = {}
+        self._beats: dict[int, dict] = {}  # rank -> its latest heartbeat (sent_at, steps, in_step)
+        self._stalled: dict[int, tuple[int, float]] = {}  # rank -> (steps, since) while inside one micro-batch
 
     def start(self, timeout: float = 600.0) -> None:
         """Meet the other nodes, spawn this node's stages, wait until each is ready."""
@@ -110,7 +116,7 @@ class Supervisor:
         for local, rank in enumerate(self.cfg.local_ranks):
             p = spawn.Process(
                 target=stage_main, args=(self.cfg, rank, self.model_dir, self.addrs, local),
-                name=f"ringsched-stage{rank}", daemon=True,
+                name=process_name(rank), daemon=True,
             )  # fmt: skip
             with _without_main_module(), stage_allocator_env():
                 p.start()
@@ -175,6 +181,8 @@ class Supervisor:
                 self.failure = self._describe(errors, dead)
             elif self.rendezvous is not None and self.rendezvous.check():
                 self.failure = self.rendezvous.failure
+            else:
+                self.failure = self._liveness()
         if self.failure:
             raise StageFailure(self.failure)
 
@@ -184,23 +192,61 @@ class Supervisor:
             assert isinstance(m, StageStatus)
             if m.state == "ready":
                 self.info[m.rank] = m.info
+                self._ready_at[m.rank] = time.monotonic()
+            elif m.state == "heartbeat":
+                self._beats[m.rank] = m.info
             elif m.state == "stats":
                 self.stats[m.rank] = m.info
             elif m.state == "error":
                 errors[m.rank] = m.error or "unknown error"
         return errors
 
+    def _liveness(self) -> str | None:
+        """A ready stage whose heartbeats stopped (hung), or whose loop sat in one micro-batch too long (stuck).
+        Heartbeats carry the stage's monotonic clock (one clock per machine), so a supervisor that was slow to
+        look does not mistake its own delay for the stage's silence."""
+        now, cfg = time.monotonic(), self.cfg
+        for rank, p in zip(self.ranks, self.procs, strict=True):
+            if rank not in self._ready_at:
+                continue  # still loading: start()'s deadline covers it
+            beat = self._beats.get(rank)
+            silent = now - (beat["sent_at"] if beat else self._ready_at[rank])
+            if silent > cfg.heartbeat_timeout:
+                return (
+                    f"stage {rank} (pid {p.pid}) is hung: no heartbeat for {silent:.1f}s (--heartbeat-timeout "
+                    f"{cfg.heartbeat_timeout:g}); it is stopped, or blocked without releasing Python's GIL"
+                )
+            if beat is None or not beat["in_step"]:
+                self._stalled.pop(rank, None)
+                continue
+            steps, since = self._stalled.get(rank, (None, beat["sent_at"]))
+            if steps != beat["steps"]:
+                self._stalled[rank] = (beat["steps"], beat["sent_at"])
+            elif beat["sent_at"] - since > cfg.stage_timeout:
+                return (
+                    f"stage {rank} (pid {p.pid}) is stuck: one micro-batch has taken {beat['sent_at'] - since:.0f}s "
+                    f"without finishing (--stage-timeout {cfg.stage_timeout:g})"
+                )
+        return None
+
     def _describe(self, errors: dict[int, str], dead: list[tuple[int, mp.Process]]) -> str:
+        """The root cause first: a stage that died without a word, else the first error that is not a stage
+        losing its neighbour (which is what the others report once the failed one is gone). `errors` is in the
+        order the reports arrived."""
         silent = [(r, p) for r, p in dead if r not in errors]
         if silent:
             r, p = silent[0]
             how = f"was killed by signal {-p.exitcode}" if p.exitcode < 0 else f"exited with code {p.exitcode}"
             msg = f"stage {r} (pid {p.pid}) {how} without reporting an error"
-            others = [f"stage {k}: {e.splitlines()[0]}" for k, e in sorted(errors.items())]
+            others = [f"stage {k}: {without_source_paths(e.splitlines()[0])}" for k, e in errors.items()]
             return msg + (f"; then {'; '.join(others)}" if others else "")
-        r = min(errors)
+        causes = [k for k, e in errors.items() if not e.startswith("PeerLost")] or list(errors)
+        r = causes[0]
         where = f" (node {self.cfg.node_of(r)})" if self.cfg.nnodes > 1 else ""
-        return f"stage {r}{where} failed: {errors[r]}"
+        first, _, details = errors[r].partition("\n")
+        then = [k for k in errors if k != r]
+        after = f"; then stage{'s' if len(then) > 1 else ''} {', '.join(map(str, then))} stopped too" if then else ""
+        return f"stage {r}{where} failed: {without_source_paths(first)}{after}\n{details}"
 
     @property
     def alive(self) -> bool:
@@ -222,6 +268,8 @@ class Supervisor:
                 push.close()
             except zmq.ZMQError:
                 pass
+        if self.failure:  # a failed ring may not read the Shutdown (a stage is gone, hung or blocked on one)
+            grace = min(grace, 1.0)
         deadline = time.monotonic() + grace
         for p in self.procs:
             p.join(max(deadline - time.monotonic(), 0.05))

@@ -12,6 +12,7 @@ that long, and a peer that dies closes its connection, which fails the receive a
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict, deque
 from dataclasses import dataclass
 
@@ -23,6 +24,14 @@ _KIND_NAMES = {v: k for k, v in KINDS.items()}
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32]
 _MAX_TENSORS, _MAX_DIMS = 4, 4
 HEADER_LEN = 4 + _MAX_TENSORS * (2 + _MAX_DIMS)
+
+
+_SOURCE_PATH = re.compile(r"\[[^\]\s]*\.(?:cc|cpp|c|h|hpp):\d+\]\s*")
+
+
+def without_source_paths(text: str) -> str:
+    """`Connection closed by peer [...]` without gloo's `[/path/to/pair.cc:534] ` prefix: what people read."""
+    return _SOURCE_PATH.sub("", text)
 
 
 class SequenceMismatch(RuntimeError):

@@ -34,6 +34,7 @@ class Planner:
         eos_ids: tuple[int, ...],
         max_len: int,
         rng: random.Random | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         self.blocks = blocks
         self.micro_batch_size, self.max_running, self.token_budget = (
@@ -41,7 +42,7 @@ class Planner:
             max_running,
             token_budget,
         )
-        self.eos_ids, self.max_len = eos_ids, max_len
+        self.eos_ids, self.max_len, self.vocab_size = eos_ids, max_len, vocab_size
         self.waiting: deque[Request] = deque()
         self.running: OrderedDict[str, Request] = OrderedDict()  # admission order
         self.requests: dict[str, Request] = {}
@@ -53,29 +54,42 @@ class Planner:
 
     # -- intake ----------------------------------------------------------------------------------------
     def add(self, new: NewRequest) -> TokenOutput | None:
-        """Queue a request; an error output instead when it can never be served."""
-        params = SamplingParams.from_dict(new.params)
+        """Queue a request; an error output instead when it can never be served (whatever is wrong with it: a
+        request the front end did not check must not take the stage down)."""
+        try:
+            params = SamplingParams.from_dict(new.params)
+        except (TypeError, ValueError) as e:
+            return TokenOutput(new.rid, [], "error", f"bad sampling parameters: {e}", len(new.token_ids), 0)
         if params.seed is None and not params.greedy:
             # Decided once, here: the last stage then samples reproducibly whatever the batch or pp size.
             params = dataclasses.replace(params, seed=self._rng.randrange(2**31))
-        need = len(new.token_ids) + params.max_tokens
-        error = None
-        if not new.token_ids:
-            error = "the prompt is empty"
-        elif len(new.token_ids) >= self.max_len:
-            error = (
-                f"the prompt has {len(new.token_ids)} tokens; the maximum context length is {self.max_len}"
-            )
-        elif min(need, self.max_len) > self.blocks.capacity_tokens:
-            error = f"the request needs {need} tokens of KV but the pool holds {self.blocks.capacity_tokens}"
-        elif new.rid in self.requests:
-            error = f"request id {new.rid!r} is already in use"
+        error = self._refusal(new, params)
         if error:
             return TokenOutput(new.rid, [], "error", error, len(new.token_ids), 0)
         r = Request(new.rid, list(new.token_ids), params, self._arrivals)
         self._arrivals += 1
         self.requests[r.rid] = r
         self.waiting.append(r)
+        return None
+
+    def _refusal(self, new: NewRequest, params: SamplingParams) -> str | None:
+        ids, vocab = new.token_ids, self.vocab_size
+        need = len(ids) + params.max_tokens
+        if not ids:
+            return "the prompt is empty"
+        if len(ids) >= self.max_len:
+            return f"the prompt has {len(ids)} tokens; the maximum context length is {self.max_len}"
+        if min(need, self.max_len) > self.blocks.capacity_tokens:
+            return f"the request needs {need} tokens of KV but the pool holds {self.blocks.capacity_tokens}"
+        if new.rid in self.requests:
+            return f"request id {new.rid!r} is already in use"
+        if vocab is not None:
+            bad = [i for i in ids if not (isinstance(i, int) and 0 <= i < vocab)]
+            if bad:
+                return f"the prompt has token ids outside the vocabulary [0, {vocab}): {bad[:5]}"
+            bad = [i for i in params.stop_token_ids if i >= vocab]
+            if bad:
+                return f"stop_token_ids has ids outside the vocabulary [0, {vocab}): {bad[:5]}"
         return None
 
     def abort(self, rid: str) -> TokenOutput | None:
@@ -182,6 +196,12 @@ class Planner:
                 self._finish(r, free_now=True)
                 continue
             if tok is None:
+                continue
+            if tok < 0:  # the last stage could not sample it (sampler_state.FAILED): this request alone ends
+                error = "the request failed on the last stage while sampling its next token (see that stage's log)"
+                outs.append(TokenOutput(r.rid, [], "error", error, len(r.prompt_ids), len(r.output_ids),
+                                        "request_failed"))  # fmt: skip
+                self._finish(r, free_now=True)
                 continue
             r.output_ids.append(tok)
             reason = r.check_finish(self.eos_ids, self.max_len)

@@ -7,10 +7,16 @@ preemption, batch composition or the number of stages.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from ringsched.comm.messages import BatchPlan
 from ringsched.sampling import SamplingParams, make_generator, sample
+
+logger = logging.getLogger("ringsched.stage")
+
+FAILED = -1  # the token of a row whose request could not be sampled: stage 0 ends that request with an error
 
 
 class SamplerState:
@@ -46,7 +52,23 @@ class SamplerState:
         return all(p.greedy and p.repetition_penalty == 1.0 and p.min_tokens == 0 for p in params)
 
     def sample(self, plan: BatchPlan, logits: torch.Tensor) -> torch.Tensor:
+        """One token per sampling row of `plan`; `FAILED` for a row whose request's parameters made sampling
+        raise. The batch is sampled whole; only when that fails is it retried row by row to find the culprits,
+        so one request's failure never costs the others their tokens."""
         rids = [e.rid for e in plan.entries if e.samples]
+        try:
+            return self._sample(rids, logits)
+        except Exception:
+            logger.exception("sampling micro-batch %d failed; sampling its %d rows one by one", plan.seq, len(rids))
+        tokens = torch.full((len(rids),), FAILED, dtype=torch.long)
+        for i, rid in enumerate(rids):
+            try:
+                tokens[i] = self._sample([rid], logits[i : i + 1])[0].to(tokens.device)
+            except Exception as e:
+                logger.error("request %s: sampling failed, it ends with an error: %s: %s", rid, type(e).__name__, e)
+        return tokens
+
+    def _sample(self, rids: list[str], logits: torch.Tensor) -> torch.Tensor:
         params = [self.params[r] for r in rids]
         needs_history = any(p.repetition_penalty != 1.0 for p in params)
         histories = [self.history[r] if needs_history else [] for r in rids]

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ringsched.comm.messages import BatchPlan, OutputBatch
-from ringsched.comm.tensor_channel import SequenceMismatch, TensorChannel
+from ringsched.comm.tensor_channel import SequenceMismatch, TensorChannel, without_source_paths
 from ringsched.comm.zmq_io import Puller, Pusher
 from ringsched.config import EngineConfig
 from ringsched.flex import FlexBoundary
@@ -99,6 +99,9 @@ class StageLoop(PlanFlow, OutputExchange):
         self.profiler = StepProfiler(window, stage.rank, stage.size) if window else None
         self.stopping = False
         self._last_stats = 0.0
+        # Read by the heartbeat thread (stage_worker): micro-batches done, and whether one is under way now.
+        self.steps = 0
+        self.in_step = False
 
     def run(self) -> None:
         self.gc.start()
@@ -120,7 +123,10 @@ class StageLoop(PlanFlow, OutputExchange):
                 if self.io.plan_out:
                     self.io.plan_out.send(plan)
                 return
+            self.in_step = True
             self.step(plan)
+            self.in_step = False
+            self.steps += 1
             if self.profiler:
                 self.profiler.after_step(plan.num_tokens, self.times)
             start = time.perf_counter()
@@ -163,7 +169,7 @@ class StageLoop(PlanFlow, OutputExchange):
             here, there = self.stage.rank, peer
             if self.cfg.nnodes > 1:
                 here, there = f"{here} (node {self.cfg.node_of(here)})", f"{there} (node {self.cfg.node_of(there)})"
-            raise PeerLost(f"stage {here} lost stage {there}: {str(e).splitlines()[0]}") from e
+            raise PeerLost(f"stage {here} lost stage {there}: {without_source_paths(str(e).splitlines()[0])}") from e
 
     # -- 3, 4: compute ------------------------------------------------------------------------------------
     def recv_proxy(self, plan: BatchPlan) -> dict[str, torch.Tensor]:

@@ -11,6 +11,8 @@ import logging
 import os
 import random
 import signal
+import threading
+import time
 import traceback
 from dataclasses import dataclass
 
@@ -55,7 +57,7 @@ def stage_main(cfg: EngineConfig, rank: int, model_dir: str, addrs: StageAddrs, 
         format=f"[stage {rank}] %(asctime)s %(levelname)s %(message)s",
         force=True,
     )
-    _set_process_name(f"ringsched-stage{rank}")
+    _set_process_name(process_name(rank))
     # Ctrl-C in a terminal, and scancel or systemd's SIGTERM, reach the whole process group; the launcher owns
     # shutdown, so a stage ignores them and stops when told to (Shutdown plan), when its parent is gone, or by
     # the launcher's SIGKILL.
@@ -64,7 +66,9 @@ def stage_main(cfg: EngineConfig, rank: int, model_dir: str, addrs: StageAddrs, 
     ctx = zmq.Context()
     ctl = Pusher(ctx, addrs.ctl)
     try:
-        loop = _setup(cfg, rank, model_dir, addrs, ctx, ctl, local_rank)
+        loop, info = _setup(cfg, rank, model_dir, addrs, ctx, ctl, local_rank)
+        _start_heartbeat(ctx, addrs.ctl, rank, loop)
+        ctl.send(StageStatus(rank, "ready", info))
         loop.run()
         ctl.send(StageStatus(rank, "exited"))
         logger.info("stopped")
@@ -80,7 +84,7 @@ def stage_main(cfg: EngineConfig, rank: int, model_dir: str, addrs: StageAddrs, 
     os._exit(0)  # skip interpreter teardown: a peer's pending gloo work must not hang our exit
 
 
-def _setup(cfg, rank, model_dir, addrs, ctx, ctl, local_rank) -> StageLoop:
+def _setup(cfg, rank, model_dir, addrs, ctx, ctl, local_rank) -> tuple[StageLoop, dict]:
     parent = os.getppid()
 
     def alive() -> None:
@@ -153,6 +157,7 @@ def _setup(cfg, rank, model_dir, addrs, ctx, ctl, local_rank) -> StageLoop:
             eos_ids,
             max_len,
             random.Random(cfg.seed),
+            mcfg.vocab_size,
         )
     plan_in, plan_out = _plan_channels(cfg, stage, addrs, ctx, store)
     progress_in, progress_out = _progress_channels(cfg, stage, addrs, ctx, store)
@@ -167,8 +172,31 @@ def _setup(cfg, rank, model_dir, addrs, ctx, ctl, local_rank) -> StageLoop:
         progress_in=progress_in,
         progress_out=progress_out,
     )
-    ctl.send(StageStatus(rank, "ready", info))
-    return StageLoop(cfg, stage, model, blocks, pool, io, planner, device, eos_ids, flex)
+    return StageLoop(cfg, stage, model, blocks, pool, io, planner, device, eos_ids, flex), info
+
+
+HEARTBEAT_PERIOD_S = 0.5
+
+
+def _start_heartbeat(ctx: zmq.Context, addr: str, rank: int, loop: StageLoop) -> None:
+    """A thread that tells the supervisor, every `HEARTBEAT_PERIOD_S`, that this process runs and how far its loop
+    got: silence means the process is hung (stopped, or stuck holding the GIL); a step counter that stands
+    still while the loop is inside a step means the loop is stuck. The thread has its own socket (ZMQ sockets
+    are not thread-safe) and dies with the process."""
+
+    def beat() -> None:
+        sock = Pusher(ctx, addr)
+        while True:
+            info = {"sent_at": time.monotonic(), "steps": loop.steps, "in_step": loop.in_step}
+            sock.send(StageStatus(rank, "heartbeat", info))
+            time.sleep(HEARTBEAT_PERIOD_S)
+
+    threading.Thread(target=beat, name=f"heartbeat-{rank}", daemon=True).start()
+
+
+def process_name(rank: int) -> str:
+    """What `ps`, `top` and `pgrep` show for a stage: at most 15 characters, the kernel's limit."""
+    return f"ringsched-pp{rank}"
 
 
 def _plan_channels(cfg: EngineConfig, stage: StageInfo, addrs: StageAddrs, ctx, store) -> tuple:

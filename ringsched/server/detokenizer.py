@@ -82,12 +82,18 @@ class StopMatcher:
 
     def _tail_len(self, buf: str) -> int:
         """Length of the longest suffix of `buf` that is a proper prefix of some stop string."""
-        best = 0
+        best, last = 0, buf[-1]
         for s in self.stop:
-            for k in range(min(len(s) - 1, len(buf)), best, -1):
+            k = min(len(s) - 1, len(buf))
+            while k > best:
+                # Only a prefix that ends in `buf`'s last character can match: jump to the longest such one.
+                k = s.rfind(last, 0, k) + 1
+                if k <= best:
+                    break
                 if buf.endswith(s[:k]):
                     best = k
                     break
+                k -= 1
         return best
 
 

@@ -1,8 +1,11 @@
 """The generation endpoints: `/v1/completions`, `/v1/chat/completions` (OpenAI) and `/generate` (SGLang).
 
-Each handler validates (protocol.py), admits (503 when shutting down, unhealthy or the waiting queue is full),
-then either streams server-sent events or waits for the whole text. A non-streaming request whose client goes
-away is aborted too: `until_disconnect` polls the connection while the request runs.
+Each handler reads the body (413 past `--max-request-bytes`), validates and tokenizes it off the event loop
+(protocol.py), admits it (the open count is taken here, before any await: 503 when shutting down, unhealthy or
+when running plus queued requests are full), then streams server-sent events or waits for the whole text. The
+request is released (its count, and on the ring its KV) on every path: `_Stream` releases it once its response
+is over, even one that never started; a non-streaming request whose client goes away is aborted too
+(`until_disconnect` polls the connection while the request runs).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from ringsched.server.engine_client import EngineError
 from ringsched.server.protocol import APIError, Prepared, load_json, parse_chat, parse_completion, parse_generate
@@ -23,21 +27,36 @@ from ringsched.server.serving import Delta, ServerContext, collect, sse, text_de
 
 T = TypeVar("T")
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# A refused body is read on (and dropped) up to this many times the limit, so that a client still sending it
+# gets to read the 413 instead of a reset connection; past that the connection is closed.
+_DRAIN_FACTOR = 4
 
 
-def admit(ctx: ServerContext) -> None:
-    client = ctx.client
-    if not client.healthy:
-        raise APIError(503, f"the engine is not available: {client.failure}", "service_unavailable_error")
-    if not client.accepting:
-        raise APIError(503, "the server is shutting down", "service_unavailable_error")
-    limit = ctx.max_queued_requests
-    would_wait = client.num_open >= client.cfg.max_running_requests or client.sched_stats.get("waiting", 0) > 0
-    if limit is not None and would_wait and client.num_waiting() >= limit:
+def admit(ctx: ServerContext, rid: str) -> None:
+    try:
+        ctx.client.admit(rid, ctx.max_queued_requests)
+    except EngineError as e:
+        headers = {"Retry-After": "1"} if e.code == "queue_full" else None
+        raise APIError(e.status, str(e), e.type, code=e.code, headers=headers) from None
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, or a 413 once it passes `limit` bytes (at once when its Content-Length says so)."""
+    declared = request.headers.get("content-length", "")
+    size, chunks, too_big = 0, [], declared.isdigit() and int(declared) > limit
+    async for chunk in request.stream():
+        size += len(chunk)
+        too_big = too_big or size > limit
+        if too_big and size > _DRAIN_FACTOR * limit:
+            break
+        if not too_big:
+            chunks.append(chunk)
+    if too_big:
         raise APIError(
-            503, f"the server is busy: {client.num_waiting()} requests are waiting (--max-queued-requests "
-            f"{limit}); retry later", "service_unavailable_error", code="queue_full", headers={"Retry-After": "1"},
+            413, f"The request body is larger than this server accepts ({limit} bytes, --max-request-bytes)",
+            code="request_too_large",
         )  # fmt: skip
+    return b"".join(chunks)
 
 
 async def until_disconnect(request: Request, work: Awaitable[T], poll_s: float = 0.5) -> T | None:
@@ -58,38 +77,72 @@ async def until_disconnect(request: Request, work: Awaitable[T], poll_s: float =
 
 
 async def _prepare(request: Request, ctx: ServerContext, parse: Callable) -> Prepared:
-    body = load_json(await request.body())
-    req = parse(body, ctx.tokenizer, ctx.limits)
-    admit(ctx)
-    return req
+    raw = await read_body(request, ctx.max_request_bytes)
+    # Parsing, chat templates and tokenization run on a worker thread (long texts are tokenized without the GIL):
+    # a big request must not stall the streams and health checks this loop serves.
+    return await asyncio.to_thread(lambda: parse(load_json(raw), ctx.tokenizer, ctx.limits))
 
 
-async def _whole(request: Request, deltas: AsyncIterator[Delta]) -> tuple[str, Delta] | None:
+class _Stream(StreamingResponse):
+    """An SSE response that releases its request when it is over, however it ends (even never started)."""
+
+    def __init__(self, events: AsyncIterator[dict], release: Callable[[], None]) -> None:
+        super().__init__(sse(events), media_type="text/event-stream", headers=_SSE_HEADERS)
+        self._release = release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
+
+
+async def _serve(
+    request: Request,
+    ctx: ServerContext,
+    parse: Callable,
+    prefix: str,
+    events: Callable[[str, AsyncIterator[Delta], Prepared], AsyncIterator[dict]],
+    whole: Callable[[str, str, Delta], dict],
+) -> Response:
+    """Prepare, admit, then stream `events(rid, deltas, req)` or answer `whole(rid, text, last_delta)`."""
+    req = await _prepare(request, ctx, parse)
+    rid = f"{prefix}-{uuid.uuid4().hex}"
+    admit(ctx, rid)
+    streaming = False
     try:
-        return await until_disconnect(request, collect(deltas))
-    except EngineError as e:
-        kind = "invalid_request_error" if e.status == 400 else "service_unavailable_error"
-        raise APIError(e.status, str(e), kind) from None
-
-
-def _stream(events: AsyncIterator[dict]) -> StreamingResponse:
-    return StreamingResponse(sse(events), media_type="text/event-stream", headers=_SSE_HEADERS)
+        deltas = text_deltas(ctx, rid, req)
+        if req.stream:
+            response = _Stream(events(rid, deltas, req), lambda: ctx.client.release(rid))
+            streaming = True
+            return response
+        try:
+            result = await until_disconnect(request, collect(deltas))
+        except EngineError as e:
+            raise APIError(e.status, str(e), e.type, code=e.code) from None
+        if result is None:
+            return Response(status_code=499)
+        return JSONResponse(whole(rid, *result))
+    finally:
+        if not streaming:
+            ctx.client.release(rid)
 
 
 # -- /v1/completions ---------------------------------------------------------------------------------------------
 async def completions(request: Request, ctx: ServerContext) -> Response:
-    req = await _prepare(request, ctx, parse_completion)
-    rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    base = {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name}
-    deltas = text_deltas(ctx, rid, req)
-    if req.stream:
-        return _stream(_completion_events(base, deltas, req.include_usage))
-    result = await _whole(request, deltas)
-    if result is None:
-        return Response(status_code=499)
-    text, last = result
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason}
-    return JSONResponse({**base, "choices": [choice], "usage": usage(last)})
+    created = int(time.time())
+
+    def base(rid: str) -> dict:
+        return {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name}
+
+    def events(rid: str, deltas: AsyncIterator[Delta], req: Prepared) -> AsyncIterator[dict]:
+        return _completion_events(base(rid), deltas, req.include_usage)
+
+    def whole(rid: str, text: str, last: Delta) -> dict:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason}
+        return {**base(rid), "choices": [choice], "usage": usage(last)}
+
+    return await _serve(request, ctx, parse_completion, "cmpl", events, whole)
 
 
 async def _completion_events(base: dict, deltas: AsyncIterator[Delta], include_usage: bool) -> AsyncIterator[dict]:
@@ -106,20 +159,20 @@ async def _completion_events(base: dict, deltas: AsyncIterator[Delta], include_u
 
 # -- /v1/chat/completions ----------------------------------------------------------------------------------------
 async def chat_completions(request: Request, ctx: ServerContext) -> Response:
-    req = await _prepare(request, ctx, parse_chat)
-    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    deltas = text_deltas(ctx, rid, req)
-    if req.stream:
-        base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name}
-        return _stream(_chat_events(base, deltas, req.include_usage))
-    result = await _whole(request, deltas)
-    if result is None:
-        return Response(status_code=499)
-    text, last = result
-    message = {"role": "assistant", "content": text}
-    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": last.finish_reason}
-    base = {"id": rid, "object": "chat.completion", "created": created, "model": ctx.model_name}
-    return JSONResponse({**base, "choices": [choice], "usage": usage(last)})
+    created = int(time.time())
+
+    def base(rid: str, kind: str) -> dict:
+        return {"id": rid, "object": kind, "created": created, "model": ctx.model_name}
+
+    def events(rid: str, deltas: AsyncIterator[Delta], req: Prepared) -> AsyncIterator[dict]:
+        return _chat_events(base(rid, "chat.completion.chunk"), deltas, req.include_usage)
+
+    def whole(rid: str, text: str, last: Delta) -> dict:
+        message = {"role": "assistant", "content": text}
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": last.finish_reason}
+        return {**base(rid, "chat.completion"), "choices": [choice], "usage": usage(last)}
+
+    return await _serve(request, ctx, parse_chat, "chatcmpl", events, whole)
 
 
 async def _chat_events(base: dict, deltas: AsyncIterator[Delta], include_usage: bool) -> AsyncIterator[dict]:
@@ -143,16 +196,15 @@ async def _chat_events(base: dict, deltas: AsyncIterator[Delta], include_usage: 
 
 # -- /generate (SGLang) ------------------------------------------------------------------------------------------
 async def generate(request: Request, ctx: ServerContext) -> Response:
-    req = await _prepare(request, ctx, parse_generate)
-    rid, arrival = f"gen-{uuid.uuid4().hex}", time.monotonic()
-    deltas = text_deltas(ctx, rid, req)
-    if req.stream:
-        return _stream(_generate_events(rid, arrival, deltas))
-    result = await _whole(request, deltas)
-    if result is None:
-        return Response(status_code=499)
-    text, last = result
-    return JSONResponse({"text": text, "meta_info": _meta(rid, arrival, last)})
+    arrival = time.monotonic()
+
+    def events(rid: str, deltas: AsyncIterator[Delta], req: Prepared) -> AsyncIterator[dict]:
+        return _generate_events(rid, arrival, deltas)
+
+    def whole(rid: str, text: str, last: Delta) -> dict:
+        return {"text": text, "meta_info": _meta(rid, arrival, last)}
+
+    return await _serve(request, ctx, parse_generate, "gen", events, whole)
 
 
 def _meta(rid: str, arrival: float, d: Delta) -> dict:

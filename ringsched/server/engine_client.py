@@ -35,11 +35,30 @@ _WATCH_PERIOD_S = 0.25  # how often the stages' status channel is read: sets how
 
 
 class EngineError(RuntimeError):
-    """A request that could not be served. `status` is the HTTP status a non-streaming reply should carry."""
+    """A request that could not be served. `status` is the HTTP status a non-streaming reply carries, `code` the
+    error's OpenAI `code` string (None for plain refusals)."""
 
-    def __init__(self, message: str, status: int = 500) -> None:
+    def __init__(self, message: str, status: int = 500, code: str | None = None) -> None:
         super().__init__(message)
-        self.status = status
+        self.status, self.code = status, code
+
+    @property
+    def type(self) -> str:
+        kinds = {400: "invalid_request_error", 500: "internal_server_error"}
+        return kinds.get(self.status, "service_unavailable_error")
+
+
+def _shutting_down() -> EngineError:
+    return EngineError("the request was aborted: the server is shutting down", 503, "shutting_down")
+
+
+@dataclass
+class _Open:
+    """One admitted request: its queue of outputs, and how far it got (an abort is owed once it was sent)."""
+
+    queue: asyncio.Queue
+    sent: bool = False
+    done: bool = False
 
 
 @dataclass
@@ -62,7 +81,7 @@ class EngineClient:
         self._out_sync.bind(self.supervisor.addrs.front_out)
         # PUSH with no high-water mark never blocks, so sends (aborts included) are plain calls, safe in finally.
         self._in = Pusher(self._zctx, self.supervisor.addrs.front_in)
-        self._queues: dict[str, asyncio.Queue[TokenOutput | EngineError]] = {}
+        self._open: dict[str, _Open] = {}  # admitted and not yet released: the one count of open requests
         self._task: asyncio.Task | None = None
         self.sched_stats: dict = {}  # stage 0's latest scheduler gauges
         self.counters = RequestCounters()
@@ -99,9 +118,9 @@ class EngineClient:
                 if msg.stats:
                     self.sched_stats = msg.stats
                 for out in msg.outputs:
-                    q = self._queues.get(out.rid)
-                    if q is not None:  # None: its caller left (an abort's acknowledgement, say)
-                        q.put_nowait(out)
+                    req = self._open.get(out.rid)
+                    if req is not None:  # None: its caller left (an abort's acknowledgement, say)
+                        req.queue.put_nowait(out)
         finally:
             watch.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -128,61 +147,83 @@ class EngineClient:
         ]
         summary = "; then ".join([*killed, first])
         self.failure, self.healthy, self.accepting = summary, False, False
-        logger.error("the engine failed, ending %d open request(s) with an error: %s", len(self._queues), summary)
+        logger.error("the engine failed, ending %d open request(s) with an error: %s", len(self._open), summary)
         if details:
             logger.error("details:\n%s", details)
-        self._end_all(EngineError(f"the engine failed: {summary}", 503))
+        self._end_all(EngineError(f"the engine failed: {summary}", 503, "engine_failed"))
         if self.on_failure:
             self.on_failure(summary)
 
     def _end_all(self, error: EngineError) -> None:
         """End every open request with `error`; aborting each frees its KV on the ring if the ring still runs."""
-        for rid, q in list(self._queues.items()):
-            self._in.send(AbortRequest(rid))
-            q.put_nowait(error)
+        for rid, req in list(self._open.items()):
+            if req.sent:
+                self._in.send(AbortRequest(rid))
+            req.queue.put_nowait(error)
 
     # -- requests -----------------------------------------------------------------------------------------
     @property
     def num_open(self) -> int:
-        """Requests sent to the ring and not yet finished."""
-        return len(self._queues)
+        """Requests admitted and not yet released: counted at the door, before any await."""
+        return len(self._open)
 
     def num_waiting(self) -> int:
         """Requests not yet admitted by stage 0: beyond its running limit for sure, or as it last reported."""
         over = max(self.num_open - self.cfg.max_running_requests, 0)
         return max(over, int(self.sched_stats.get("waiting", 0)))
 
-    async def generate(self, rid: str, token_ids: Sequence[int], params: SamplingParams) -> AsyncIterator[TokenOutput]:
+    def admit(self, rid: str, max_queued: int | None = None) -> None:
+        """Count `rid` as open, or refuse it (503 when unavailable or when `max_queued` requests would already
+        wait beyond `max_running_requests`). Synchronous, so a burst is counted exactly. Pair with `release`."""
+        if not self.healthy:
+            raise EngineError(f"the engine is not available: {self.failure}", 503, "engine_failed")
         if not self.accepting:
-            raise EngineError(self.failure or "the server is shutting down", 503)
-        if rid in self._queues:
+            raise EngineError("the server is shutting down", 503, "shutting_down")
+        if rid in self._open:
             raise EngineError(f"request id {rid!r} is already in use", 400)
-        q: asyncio.Queue[TokenOutput | EngineError] = asyncio.Queue()
-        self._queues[rid] = q
-        self._in.send(NewRequest(rid, list(token_ids), params.to_dict()))
-        self.counters.prompt_tokens += len(token_ids)
-        done = False
+        if max_queued is not None and self.num_open >= self.cfg.max_running_requests + max_queued:
+            waiting = self.num_open - self.cfg.max_running_requests
+            raise EngineError(
+                f"the server is busy: {waiting} requests are waiting (--max-queued-requests {max_queued}); retry "
+                "later", 503, "queue_full",
+            )  # fmt: skip
+        self._open[rid] = _Open(asyncio.Queue())
+
+    def release(self, rid: str) -> None:
+        """Forget `rid` (idempotent); if it reached the ring and did not finish there, abort it, which frees its KV
+        on every stage."""
+        req = self._open.pop(rid, None)
+        if req is not None and req.sent and not req.done:
+            self.abort(rid)
+
+    async def generate(self, rid: str, token_ids: Sequence[int], params: SamplingParams) -> AsyncIterator[TokenOutput]:
+        """The outputs of admitted request `rid` until one carries a finish reason; released however it ends."""
         try:
+            req = self._open.get(rid)
+            if req is None:
+                raise EngineError(f"request {rid!r} was not admitted (or was already released)", 500)
+            self._in.send(NewRequest(rid, list(token_ids), params.to_dict()))
+            req.sent = True
+            self.counters.prompt_tokens += len(token_ids)
             while True:
-                out = await q.get()
+                out = await req.queue.get()
                 if isinstance(out, EngineError):  # ended by the front end (shutdown, a dead stage): aborted there
-                    done = True
+                    req.done = True
                     raise out
                 self.counters.generation_tokens += len(out.token_ids)
-                if out.finish_reason == "error":  # stage 0 refused it: about the request, not the server
-                    done = True
-                    raise EngineError(out.error or "the request failed", 400)
-                if out.finish_reason == "abort":  # not ours (we drop our queue first): the ring is stopping
-                    done = True
-                    raise EngineError("the request was aborted: the server is shutting down", 503)
-                done = out.finish_reason is not None
+                if out.finish_reason == "error":  # stage 0 refused it, or it failed on a stage: this request only
+                    req.done = True
+                    status = 400 if out.error_code is None else 500  # a refusal has no code; a failure has one
+                    raise EngineError(out.error or "the request failed", status, out.error_code)
+                if out.finish_reason == "abort":  # not ours (we release first): the ring is stopping
+                    req.done = True
+                    raise _shutting_down()
+                req.done = out.finish_reason is not None
                 yield out
-                if done:
+                if req.done:
                     return
         finally:
-            del self._queues[rid]
-            if not done:  # the caller stopped early: free the request's KV on every stage
-                self.abort(rid)
+            self.release(rid)  # a caller that stopped early gets its request aborted on the ring
 
     def abort(self, rid: str) -> None:
         if not self._closed:
@@ -202,13 +243,13 @@ class EngineClient:
         """Stop accepting; wait up to `timeout` s for open requests; end the rest with an error."""
         self.accepting = False
         deadline = time.monotonic() + timeout
-        if self._queues:
-            logger.info("shutting down: waiting up to %.0fs for %d open request(s)", timeout, len(self._queues))
-        while self._queues and time.monotonic() < deadline and self.healthy:
+        if self._open:
+            logger.info("shutting down: waiting up to %.0fs for %d open request(s)", timeout, len(self._open))
+        while self._open and time.monotonic() < deadline and self.healthy:
             await asyncio.sleep(0.05)
-        if self._queues:
-            logger.warning("shutting down: aborting %d unfinished request(s)", len(self._queues))
-            self._end_all(EngineError("the request was aborted: the server is shutting down", 503))
+        if self._open:
+            logger.warning("shutting down: aborting %d unfinished request(s)", len(self._open))
+            self._end_all(_shutting_down())
 
     async def close(self) -> None:
         """Stop every stage process (blocking work, run off the loop) and close the sockets."""

@@ -10,13 +10,14 @@ length with OpenAI's message.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ringsched.sampling import SamplingParams
-from ringsched.tokenizer import Tokenizer
+from ringsched.tokenizer import ChatTemplateError, Tokenizer
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # Fields a client may send only with their default value: we do not implement them, and silently ignoring
@@ -120,14 +121,110 @@ class Limits:
 
 
 # -- parsing -------------------------------------------------------------------------------------------------
+MAX_JSON_DEPTH = 16  # the deepest body we accept (messages[i].content[j].text) is 4 levels down
+_MAX_INT_DIGITS = 40  # past int64 and uint64 by far; Python refuses to parse > 4300 digits at all
+_WS = re.compile(r"[ \t\n\r]*")
+
+
+class _Refused:
+    """A value the JSON parser met but we refuse (NaN, Infinity, a huge integer literal): refused with the name
+    of the field it is in, once parsing tells us which."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+
+def _int_literal(text: str) -> int | _Refused:
+    if len(text.lstrip("-")) > _MAX_INT_DIGITS:
+        return _Refused(f"an integer literal of {len(text.lstrip('-'))} digits")
+    return int(text)
+
+
+_DECODER = json.JSONDecoder(parse_int=_int_literal, parse_constant=lambda name: _Refused(f"the constant {name}"))
+
+
 def load_json(raw: bytes) -> dict:
+    """The body as a dict. Every problem inside a top-level field is refused with that field as `param`:
+    invalid JSON, nesting deeper than MAX_JSON_DEPTH, NaN/Infinity, huge integer literals, lone surrogates."""
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"We could not parse the JSON body of your request: {e}") from None
-    if not isinstance(body, dict):
-        raise APIError(400, f"The request body must be a JSON object, got {type(body).__name__}")
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"The request body is not valid UTF-8: {e}") from None
+    i = _WS.match(text).end()
+    if text[i : i + 1] != "{":
+        kind = "empty" if i == len(text) else "not a JSON object"
+        raise APIError(400, f"The request body must be a JSON object; it is {kind}")
+    body: dict = {}
+    i = _WS.match(text, i + 1).end()
+    if text[i : i + 1] == "}":
+        return _end_of_body(text, i + 1, body)
+    while True:
+        if text[i : i + 1] != '"':
+            raise _json_error("a field name in double quotes", text, i, None)
+        try:
+            key, i = json.decoder.scanstring(text, i + 1)
+        except json.JSONDecodeError as e:
+            raise APIError(400, f"We could not parse the JSON body of your request: {e}") from None
+        i = _WS.match(text, i).end()
+        if text[i : i + 1] != ":":
+            raise _json_error("':'", text, i, key)
+        i = _WS.match(text, i + 1).end()
+        try:
+            value, i = _DECODER.raw_decode(text, i)
+        except json.JSONDecodeError as e:
+            raise APIError(400, f"{key}: we could not parse its JSON value: {e}", param=key) from None
+        except RecursionError:
+            raise APIError(400, f"{key}: nested deeper than {MAX_JSON_DEPTH} levels", param=key) from None
+        _check_value(key, value)
+        body[key] = value
+        i = _WS.match(text, i).end()
+        if text[i : i + 1] == ",":
+            i = _WS.match(text, i + 1).end()
+            continue
+        if text[i : i + 1] == "}":
+            return _end_of_body(text, i + 1, body)
+        raise _json_error("',' or '}'", text, i, key)
+
+
+def _end_of_body(text: str, i: int, body: dict) -> dict:
+    if _WS.match(text, i).end() != len(text):
+        raise APIError(400, f"We could not parse the JSON body of your request: extra data at character {i}")
     return body
+
+
+def _json_error(expected: str, text: str, i: int, key: str | None) -> APIError:
+    where = f" after the field {key!r}" if key is not None else ""
+    got = repr(text[i : i + 10]) if i < len(text) else "the end of the body"
+    return APIError(400, f"We could not parse the JSON body of your request: expected {expected}{where} at "
+                    f"character {i}, got {got}", param=key)  # fmt: skip
+
+
+def _check_value(key: str, value: Any) -> None:
+    """Depth, refused literals and strings that are not Unicode text (lone surrogates), anywhere in `value`."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise APIError(400, f"{key}: nested deeper than {MAX_JSON_DEPTH} levels", param=key)
+        if isinstance(v, _Refused):
+            raise APIError(400, f"{key}: {v.what} is not accepted (numbers must be finite and fit in 64 bits)",
+                           param=key)  # fmt: skip
+        if isinstance(v, str):
+            _check_text(key, v)
+        elif isinstance(v, list):
+            stack.extend((x, depth + 1) for x in v)
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                _check_text(key, k)
+                stack.append((x, depth + 1))
+
+
+def _check_text(key: str, s: str) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"{key}: a string holds {e.reason} at index {e.start} (a lone UTF-16 surrogate is not "
+                       "text)", param=key) from None  # fmt: skip
 
 
 def _validate(model: type[BaseModel], body: dict) -> Any:
@@ -136,7 +233,9 @@ def _validate(model: type[BaseModel], body: dict) -> Any:
     except ValidationError as e:
         err = e.errors()[0]
         param = _param(err["loc"])
-        raise APIError(400, f"{param}: {err['msg']} (got {err.get('input')!r})", param=param) from None
+        got = repr(err.get("input"))
+        got = got if len(got) <= 200 else got[:200] + f"... ({len(got)} characters)"
+        raise APIError(400, f"{param}: {err['msg']} (got {got})", param=param) from None
 
 
 def _param(loc: tuple) -> str:
@@ -202,6 +301,26 @@ def check_context(prompt_len: int, max_tokens: int, limits: Limits, where: str) 
         )
 
 
+def _check_stop_ids(params: SamplingParams, limits: Limits) -> SamplingParams:
+    bad = [i for i in params.stop_token_ids if i >= limits.vocab_size]
+    if bad:
+        raise APIError(400, f"stop_token_ids has ids outside the vocabulary [0, {limits.vocab_size}): {bad[:5]}",
+                       param="stop_token_ids")  # fmt: skip
+    return params
+
+
+def _encode(tok: Tokenizer, text: str, limits: Limits, param: str) -> list[int]:
+    """Tokenize, refusing at once a text too long to fit the context whatever its tokens (no token covers more
+    than `tok.max_token_chars` characters), so that a huge prompt costs no tokenization."""
+    if len(text) > limits.max_len * tok.max_token_chars:
+        raise APIError(
+            400, f"This model's maximum context length is {limits.max_len} tokens. However, your {param} has "
+            f"{len(text)} characters, more than {limits.max_len} tokens can hold. Please reduce the length of the "
+            f"{param}.", param=param, code="context_length_exceeded",
+        )  # fmt: skip
+    return tok.encode(text)
+
+
 def _check_ids(ids: list[int], limits: Limits, param: str) -> list[int]:
     if not ids:
         raise APIError(400, f"{param} is empty; give at least one token", param=param)
@@ -224,9 +343,10 @@ def parse_completion(body: dict, tok: Tokenizer, limits: Limits) -> Prepared:
         if len(prompt) != 1:
             raise APIError(400, f"batched prompts are not supported: send {len(prompt)} requests", param="prompt")
         prompt = prompt[0]
-    ids = _check_ids(tok.encode(prompt) if isinstance(prompt, str) else list(prompt), limits, "prompt")
+    ids = _check_ids(_encode(tok, prompt, limits, "prompt") if isinstance(prompt, str) else list(prompt), limits,
+                     "prompt")  # fmt: skip
     max_tokens = req.max_tokens if req.max_tokens is not None else 16  # OpenAI's default for completions
-    params = _params(_sampling_fields(req, max_tokens))
+    params = _check_stop_ids(_params(_sampling_fields(req, max_tokens)), limits)
     check_context(len(ids), max_tokens, limits, "prompt")
     return Prepared(ids, params, req.stream, bool(req.stream_options and req.stream_options.include_usage))
 
@@ -243,9 +363,18 @@ def parse_chat(body: dict, tok: Tokenizer, limits: Limits) -> Prepared:
             )  # fmt: skip
         text = m.content if isinstance(m.content, str) or m.content is None else "".join(p.text for p in m.content)
         messages.append({"role": m.role, "content": text or ""})
+    chars = sum(len(m["content"]) for m in messages)
+    if chars > limits.max_len * tok.max_token_chars:  # no rendering or tokenizing of what cannot fit anyway
+        raise APIError(
+            400, f"This model's maximum context length is {limits.max_len} tokens. However, your messages have "
+            f"{chars} characters, more than {limits.max_len} tokens can hold. Please reduce the length of the "
+            "messages.", param="messages", code="context_length_exceeded",
+        )  # fmt: skip
     try:
         ids = tok.apply_chat_template(messages)
-    except Exception as e:  # the template's raise_exception, or a model without one
+    except ChatTemplateError as e:  # the model's template is at fault, not the request
+        raise APIError(500, str(e), "internal_server_error", code="chat_template_error") from None
+    except ValueError as e:  # the template refused these messages, or the model has none
         raise APIError(
             400, f"the messages could not be rendered with the chat template: {e}", param="messages"
         ) from None
@@ -253,7 +382,7 @@ def parse_chat(body: dict, tok: Tokenizer, limits: Limits) -> Prepared:
     given = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = given if given is not None else _default_max(len(ids), limits)
     name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    params = _params(_sampling_fields(req, max_tokens), {"max_tokens": name})
+    params = _check_stop_ids(_params(_sampling_fields(req, max_tokens), {"max_tokens": name}), limits)
     check_context(len(ids), max_tokens, limits, "messages")
     return Prepared(ids, params, req.stream, bool(req.stream_options and req.stream_options.include_usage))
 
@@ -273,9 +402,10 @@ def parse_generate(body: dict, tok: Tokenizer, limits: Limits) -> Prepared:
     if unknown:
         known = sorted(_GENERATE_KEYS)
         raise APIError(400, f"unknown sampling_params {unknown}; known: {known}", param="sampling_params")
-    ids = _check_ids(tok.encode(req.text) if req.text is not None else list(req.input_ids), limits, "input_ids")
+    text_ids = _encode(tok, req.text, limits, "text") if req.text is not None else None
+    ids = _check_ids(text_ids if text_ids is not None else list(req.input_ids), limits, "input_ids")
     fields = {_GENERATE_RENAME.get(k, k): v for k, v in req.sampling_params.items()}
     fields.setdefault("max_tokens", 128)  # SGLang's default max_new_tokens
-    params = _params(fields, {v: k for k, v in _GENERATE_RENAME.items()})
+    params = _check_stop_ids(_params(fields, {v: k for k, v in _GENERATE_RENAME.items()}), limits)
     check_context(len(ids), params.max_tokens, limits, "prompt")
     return Prepared(ids, params, req.stream)

@@ -28,7 +28,7 @@ from ringsched.server.app import create_app
 from ringsched.server.engine_client import EngineClient
 from ringsched.server.metrics import ServerMetrics, log_throughput
 from ringsched.server.protocol import Limits
-from ringsched.server.serving import ServerContext
+from ringsched.server.serving import DEFAULT_MAX_REQUEST_BYTES, ServerContext
 from ringsched.tokenizer import Tokenizer
 
 logger = logging.getLogger("ringsched.server")
@@ -57,12 +57,15 @@ def run_server(
     max_queued_requests: int | None = None,
     shutdown_timeout: float = 30.0,
     log_level: str = "info",
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> int:
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if max_queued_requests is not None and max_queued_requests < 0:
         raise ValueError(f"--max-queued-requests must be >= 0, got {max_queued_requests}")
     if shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {shutdown_timeout}")
+    if max_request_bytes < 1:
+        raise ValueError(f"--max-request-bytes must be >= 1, got {max_request_bytes}")
     model_dir = str(resolve_model(cfg.model, quiet=False))
     cfg = replace(cfg, log_level=log_level)  # the stages log at the server's level
     mcfg = ModelConfig.from_dir(model_dir)
@@ -82,7 +85,9 @@ def run_server(
         signal.signal(signal.SIGTERM, previous)
     try:
         limits = Limits(max_len, client.kv_capacity_tokens(), mcfg.vocab_size, name)
-        ctx = ServerContext(client, tokenizer, ServerMetrics(), limits, api_key, max_queued_requests)
+        ctx = ServerContext(
+            client, tokenizer, ServerMetrics(), limits, api_key, max_queued_requests, max_request_bytes
+        )
         return uvloop.run(_serve(ctx, host, port, shutdown_timeout, log_level))
     finally:
         client.close_sync()  # a no-op after a normal exit; stops the stages after an exception

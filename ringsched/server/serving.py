@@ -3,13 +3,16 @@
 Contract: `text_deltas(ctx, rid, prepared)` yields `Delta`s (text safe to show, and on the last one the finish
 reason and token counts) and records the request's metrics however it ends. A stop string ends the request
 early: the generator is closed, which aborts it on the ring. `sse(events)` turns dict events into server-sent
-events ending with `data: [DONE]`; an `EngineError` mid-stream becomes an error chunk, never a hang.
+events ending with `data: [DONE]`, with a keep-alive comment after every `SSE_KEEPALIVE_S` without an event;
+an error mid-stream becomes an error chunk, never a hang.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -19,6 +22,11 @@ from ringsched.server.engine_client import EngineClient, EngineError
 from ringsched.server.metrics import ServerMetrics
 from ringsched.server.protocol import Limits, Prepared
 from ringsched.tokenizer import Tokenizer
+
+logger = logging.getLogger("ringsched.server")
+
+SSE_KEEPALIVE_S = 5.0  # a stream that waits (queued, a long prefill, a hung stage) still hears from us
+DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
 
 
 @dataclass
@@ -31,6 +39,7 @@ class ServerContext:
     limits: Limits  # context length, KV tokens, vocabulary, served model name
     api_key: str | None = None
     max_queued_requests: int | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
     @property
     def model_name(self) -> str:
@@ -94,16 +103,43 @@ def usage(d: Delta) -> dict:
     }
 
 
-def error_event(e: EngineError) -> dict:
-    kind = "invalid_request_error" if e.status == 400 else "service_unavailable_error"
-    return {"error": {"message": str(e), "type": kind, "param": None, "code": e.status}}
+def error_event(e: Exception) -> dict:
+    if isinstance(e, EngineError):
+        return {"error": {"message": str(e), "type": e.type, "param": None, "code": e.code}}
+    message = f"internal server error: {type(e).__name__}: {e}"
+    return {"error": {"message": message, "type": "internal_server_error", "param": None, "code": "internal_error"}}
 
 
-async def sse(events: AsyncIterator[dict]) -> AsyncIterator[bytes]:
+def _data(ev: dict) -> bytes:
+    return b"data: " + json.dumps(ev, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def sse(events: AsyncIterator[dict], keepalive_s: float | None = None) -> AsyncIterator[bytes]:
+    """Server-sent events. Each next event is awaited in a task of its own so that a silent wait can be
+    broken by keep-alive comments (which clients ignore) without cancelling the events' generator."""
+    keepalive_s = SSE_KEEPALIVE_S if keepalive_s is None else keepalive_s
     async with contextlib.aclosing(events) as it:
+        pending: asyncio.Future | None = None
         try:
-            async for ev in it:
-                yield b"data: " + json.dumps(ev, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
-        except EngineError as e:
-            yield b"data: " + json.dumps(error_event(e), separators=(",", ":")).encode() + b"\n\n"
+            while True:
+                pending = pending or asyncio.ensure_future(anext(it))
+                done, _ = await asyncio.wait({pending}, timeout=keepalive_s)
+                if not done:
+                    yield b": keep-alive\n\n"
+                    continue
+                task, pending = pending, None
+                try:
+                    ev = task.result()
+                except StopAsyncIteration:
+                    break
+                yield _data(ev)
+        except Exception as e:  # EngineError, or a bug in this request's path: this stream ends, the server goes on
+            if not isinstance(e, EngineError):
+                logger.exception("a streamed request failed")
+            yield _data(error_event(e))
+        finally:
+            if pending is not None:  # we were cancelled (the client left) while an event was awaited
+                pending.cancel()
+                with contextlib.suppress(BaseException):
+                    await pending
     yield b"data: [DONE]\n\n"

@@ -20,6 +20,8 @@ from pathlib import Path
 import httpx
 import psutil
 
+from ringsched.scheduler.stage_worker import process_name
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -107,7 +109,7 @@ class ServerProcess:
         """The pid of stage `rank`: by process name when stages set one, else from the Supervisor's ready log."""
         for k in self.descendants():
             try:
-                if k.name() == f"ringsched-stage{rank}":
+                if k.name() == process_name(rank):
                     return k.pid
             except psutil.NoSuchProcess:
                 continue
