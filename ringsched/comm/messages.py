@@ -69,11 +69,11 @@ class TokenOutput:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     error: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
     # With finish_reason "error": None when stage 0 refused the request at admission (the client's to fix), else
     # what failed while it ran ("request_failed": its parameters made a stage fail; the engine runs on).
     error_code: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
 
 
 @dataclass

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -25,6 +26,7 @@ from ringsched.server.engine_client import EngineError
 from ringsched.server.protocol import APIError, Prepared, load_json, parse_chat, parse_completion, parse_generate
 from ringsched.server.serving import Delta, ServerContext, collect, sse, text_deltas, usage
 
+logger = logging.getLogger("ringsched.server")
 T = TypeVar("T")
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # A refused body is read on (and dropped) up to this many times the limit, so that a client still sending it
@@ -105,7 +107,19 @@ async def _serve(
     events: Callable[[str, AsyncIterator[Delta], Prepared], AsyncIterator[dict]],
     whole: Callable[[str, str, Delta], dict],
 ) -> Response:
-    """Prepare, admit, then stream `events(rid, deltas, req)` or answer `whole(rid, text, last_delta)`."""
+    """Prepare, admit, then stream `events(rid, deltas, req)` or answer `whole(rid, text, last_delta)`. A bug on
+    this path is this request's 500 (logged), not an unhandled error that would also drop the connection."""
+    try:
+        return await _serve_one(request, ctx, parse, prefix, events, whole)
+    except APIError:
+        raise
+    except Exception as e:
+        logger.exception("internal error in %s %s", request.method, request.url.path)
+        raise APIError(500, f"internal server error: {type(e).__name__}: {e}", "internal_server_error",
+                       code="internal_error") from None  # fmt: skip
+
+
+async def _serve_one(request, ctx, parse, prefix, events, whole) -> Response:
     req = await _prepare(request, ctx, parse)
     rid = f"{prefix}-{uuid.uuid4().hex}"
     admit(ctx, rid)

@@ -70,9 +70,10 @@ class RequestCounters:
 
 
 class EngineClient:
-    def __init__(self, cfg: EngineConfig, model_dir: str) -> None:
+    def __init__(self, cfg: EngineConfig, model_dir: str, supervisor: Supervisor | None = None) -> None:
+        """`supervisor`: one not yet started, to run the stages some other way (tests stand in a fake ring)."""
         self.cfg = cfg
-        self.supervisor = Supervisor(cfg, model_dir)
+        self.supervisor = supervisor or Supervisor(cfg, model_dir)
         # The output socket is bound (by a plain socket) before the stages start, so no early message is lost;
         # `run()` wraps it for asyncio on the server's loop.
         self._zctx = zmq.Context()

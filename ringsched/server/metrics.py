@@ -35,6 +35,10 @@ class ServerMetrics:
         )  # fmt: skip
         self.e2e = Histogram(f"{p}e2e_request_latency_seconds", "End-to-end latency.", buckets=_E2E, registry=r)
         self.running = Gauge(f"{p}num_requests_running", "Requests stage 0 is running.", registry=r)
+        self.open = Gauge(
+            f"{p}num_requests_open", "Requests the server accepted and has not yet ended (running or waiting).",
+            registry=r,
+        )  # fmt: skip
         self.waiting = Gauge(f"{p}num_requests_waiting", "Requests waiting for admission.", registry=r)
         self.kv_usage = Gauge(f"{p}kv_cache_usage_perc", "KV pool usage (0-1) per stage.", ["stage"], registry=r)
         self.busy = Gauge(
@@ -81,6 +85,7 @@ class ServerMetrics:
     def render(self, client: EngineClient) -> bytes:
         sched = client.sched_stats
         self.running.set(sched.get("running", 0))
+        self.open.set(client.num_open)
         self.waiting.set(client.num_waiting())
         for rank, s in client.stage_stats().items():
             self.kv_usage.labels(stage=str(rank)).set(s.get("kv_usage", 0.0))

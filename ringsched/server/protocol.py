@@ -403,9 +403,11 @@ def parse_generate(body: dict, tok: Tokenizer, limits: Limits) -> Prepared:
         known = sorted(_GENERATE_KEYS)
         raise APIError(400, f"unknown sampling_params {unknown}; known: {known}", param="sampling_params")
     text_ids = _encode(tok, req.text, limits, "text") if req.text is not None else None
-    ids = _check_ids(text_ids if text_ids is not None else list(req.input_ids), limits, "input_ids")
+    where = "text" if text_ids is not None else "input_ids"
+    ids = _check_ids(text_ids if text_ids is not None else list(req.input_ids), limits, where)
     fields = {_GENERATE_RENAME.get(k, k): v for k, v in req.sampling_params.items()}
     fields.setdefault("max_tokens", 128)  # SGLang's default max_new_tokens
-    params = _check_stop_ids(_params(fields, {v: k for k, v in _GENERATE_RENAME.items()}), limits)
+    shown = {_GENERATE_RENAME[k]: k for k in req.sampling_params if k in _GENERATE_RENAME}  # the name it came as
+    params = _check_stop_ids(_params(fields, shown), limits)
     check_context(len(ids), params.max_tokens, limits, "prompt")
     return Prepared(ids, params, req.stream)
