@@ -106,3 +106,30 @@ def test_unseeded_sampling_gets_a_seed_once():
     p.add(NewRequest("s", [5, 6], SamplingParams(temperature=0.7).to_dict()))
     plan = p.plan(0, 0)
     assert plan.announce[0].params["seed"] is not None
+
+
+def test_a_request_that_failed_sampling_ends_alone_and_is_freed():
+    p = planner()
+    p.add(req("bad", 5))
+    p.add(req("good", 5))
+    p.plan(0, 0)
+    outs = p.on_output(0, [-1, 42])  # sampler_state.FAILED for "bad"
+    assert [(o.rid, o.finish_reason, o.error_code) for o in outs] == [
+        ("bad", "error", "request_failed"),
+        ("good", None, None),
+    ]
+    plan = p.plan(1, 1)
+    assert plan.frees == ["bad"] and plan.drops == ["bad"]
+    assert [e.rid for e in plan.entries] == ["good"]
+
+
+def test_add_refuses_what_would_fail_on_a_stage():
+    p = Planner(BlockTable(64, 16), 4, 8, 64, eos_ids=(2,), max_len=4096, vocab_size=100)
+    out = p.add(NewRequest("a", [1, 100], SamplingParams(temperature=0).to_dict()))
+    assert out.finish_reason == "error" and "vocabulary" in out.error and out.error_code is None
+    out = p.add(req("b", 3, stop_token_ids=[5, 250]))
+    assert out.finish_reason == "error" and "stop_token_ids" in out.error
+    out = p.add(NewRequest("c", [1, 2], {"max_tokens": "lots"}))  # params no front end checked
+    assert out.finish_reason == "error" and "max_tokens" in out.error
+    assert p.add(req("d", 3, stop_token_ids=[99])) is None
+    assert list(p.requests) == ["d"]

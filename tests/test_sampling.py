@@ -214,3 +214,20 @@ def test_errors_for_missing_generator_and_length_mismatch():
         sample(logits, [SamplingParams(temperature=0), RANDOM], [[], []], [None, None])
     with pytest.raises(ValueError, match="one params/history/generator"):
         sample(logits, [RANDOM], [[]], [make_generator(0)])
+
+
+def test_a_row_whose_params_fail_gets_failed_and_the_others_their_tokens():
+    from ringsched.comm.messages import BatchPlan, NewRequest, PlanEntry
+    from ringsched.scheduler.sampler_state import FAILED, SamplerState
+
+    state = SamplerState(torch.device("cpu"), eos_ids=(2,))
+    good = SamplingParams(temperature=0, min_tokens=1)
+    # Out of the vocabulary: the planner refuses this; here it reaches the sampler, whose ban indexes the logits.
+    bad = SamplingParams(temperature=0, min_tokens=1, stop_token_ids=[500])
+    plan = BatchPlan(0, 0, entries=[PlanEntry("good", 0, [1, 2], True), PlanEntry("bad", 0, [3], True)],
+                     announce=[NewRequest("good", [], good.to_dict(), 2), NewRequest("bad", [], bad.to_dict(), 1)])
+    state.apply(plan)
+    logits = torch.randn(2, 100, generator=torch.Generator().manual_seed(0))
+    logits[:, 2] = -10.0  # eos, banned under min_tokens: keep it from being the argmax anyway
+    tokens = state.sample(plan, logits)
+    assert tokens.tolist() == [int(logits[0].argmax()), FAILED]
