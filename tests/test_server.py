@@ -13,6 +13,7 @@ import time
 import httpx
 import openai
 import pytest
+from fuzz_cases import CASES
 
 from ringsched.server.testing import ServerProcess
 
@@ -276,3 +277,27 @@ def test_api_key(server):
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200  # no key needed
     models = httpx.get(f"{server.url}/v1/models", headers=server.headers, timeout=10).json()
     assert [m["id"] for m in models["data"]] == [MODEL]
+
+
+def test_fuzz_table_against_the_real_server(server, reference, client):
+    """Every malformed request of the table gets its status, the OpenAI error shape and its `param`; then the
+    server is healthy, nothing is left open, and greedy output is what it was."""
+    limit = 8 * 2**20  # the server's default --max-request-bytes
+    headers = {**server.headers, "content-type": "application/json"}
+    with httpx.Client(base_url=server.url, headers=headers, timeout=60) as hc:
+        for case in CASES:
+            r = hc.post(case.path, content=case.payload(limit))
+            assert r.status_code == case.status, (str(case), r.text)
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"} and err["message"], (str(case), err)
+            assert err["param"] == case.param, (str(case), err)
+            assert err["code"] is None or isinstance(err["code"], str), (str(case), err)
+        assert hc.get("/health").status_code == 200
+    m = metrics(server)
+    assert m["ringsched:num_requests_open"] == 0
+    assert m.get('ringsched:request_success_total{finished_reason="error"}', 0) == 0  # none reached the ring
+    r = client.completions.create(model=MODEL, prompt=COMPLETION_PROMPT, **GREEDY)
+    assert r.choices[0].text == reference["completion"]
+    assert client.chat.completions.create(model=MODEL, messages=CHAT, **GREEDY).choices[0].message.content == (
+        reference["chat"]
+    )

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import time
 
 import httpx
@@ -144,3 +145,64 @@ def test_stage_death_ends_streams_with_an_error():
         assert_tree_gone(srv)
         log = srv.log()
         assert "the engine failed" in log and re.search(r"stage ?1", log), log[-3000:]
+
+
+def test_burst_beyond_running_plus_queued_gets_503_and_the_rest_completes():
+    args = [*BASE, "--max-running-requests", "16", "--max-queued-requests", "50"]
+    with ServerProcess(args) as srv:
+        url = f"{srv.url}/v1/completions"
+        body = {"max_tokens": 24, "ignore_eos": True, "temperature": 0}
+
+        async def one(hc: httpx.AsyncClient, i: int) -> tuple[httpx.Response, float]:
+            r = await hc.post(url, json={**body, "prompt": f"Request {i}:"})
+            return r, time.monotonic()
+
+        async def burst() -> list[tuple[httpx.Response, float]]:
+            async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=400)) as hc:
+                return await asyncio.gather(*(one(hc, i) for i in range(300)))
+
+        results = asyncio.run(burst())
+        refused = [(r, t) for r, t in results if r.status_code == 503]
+        accepted = [(r, t) for r, t in results if r.status_code != 503]
+        for r, _ in refused:
+            assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "queue_full", r.text
+        for r, _ in accepted:
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 24, r.text
+        # The first 16 + 50 are always taken; each one that finished before the last refusal freed one place.
+        last_refusal = max(t for _, t in refused)
+        early = sum(t < last_refusal for _, t in accepted)
+        assert 300 - 66 - early <= len(refused) <= 300 - 66
+        m = httpx.get(f"{srv.url}/metrics", timeout=10).text
+        assert re.search(r"^ringsched:num_requests_open 0\.0$", m, re.M), m
+
+
+@pytest.mark.parametrize("busy", [False, True], ids=["idle", "busy"])
+def test_a_stopped_stage_is_noticed_by_its_heartbeat(busy):
+    timeout = 3.0
+    with ServerProcess([*BASE, "--heartbeat-timeout", str(timeout)]) as srv:
+        pids = subprocess.run(["pgrep", "-x", "ringsched-pp1"], capture_output=True, text=True).stdout.split()
+        stage1 = srv.stage_pid(1)
+        assert str(stage1) in pids  # each rank is findable by name
+        url = f"{srv.url}/v1/completions"
+        body = {"prompt": "Once upon a time", "ignore_eos": True, "max_tokens": 900}
+
+        async def scenario() -> tuple[list[dict], float]:
+            async with httpx.AsyncClient(timeout=timeout + 10) as hc:
+                firsts = [asyncio.Event() for _ in range(3 if busy else 0)]
+                tasks = [asyncio.create_task(read_stream(hc, url, body, ev)) for ev in firsts]
+                await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in firsts)), 60)
+                srv.descendants()
+                os.kill(stage1, signal.SIGSTOP)
+                t0 = time.monotonic()
+                return await asyncio.wait_for(asyncio.gather(*tasks), timeout + 10), t0
+
+        results, t0 = asyncio.run(scenario())
+        for r in results:
+            assert r["done"] and r["error"] is not None, r
+            assert r["error"]["code"] == "engine_failed" and "stage 1" in r["error"]["message"], r
+            assert "hung" in r["error"]["message"]
+        code = wait_exit(srv, timeout + 5 - (time.monotonic() - t0))
+        assert code == 1, srv.log()[-3000:]
+        assert time.monotonic() - t0 < timeout + 5
+        assert_tree_gone(srv)
+        assert re.search(r"stage 1 \(pid \d+\) is hung: no heartbeat", srv.log()), srv.log()[-3000:]

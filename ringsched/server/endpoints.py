@@ -99,14 +99,12 @@ class _Stream(StreamingResponse):
             self._release()
 
 
-async def _serve(
-    request: Request,
-    ctx: ServerContext,
-    parse: Callable,
-    prefix: str,
-    events: Callable[[str, AsyncIterator[Delta], Prepared], AsyncIterator[dict]],
-    whole: Callable[[str, str, Delta], dict],
-) -> Response:
+Events = Callable[[str, AsyncIterator[Delta], Prepared], AsyncIterator[dict]]  # (rid, deltas, request) -> events
+Whole = Callable[[str, str, Delta], dict]  # (rid, text, last delta) -> the response body
+
+
+async def _serve(request: Request, ctx: ServerContext, parse: Callable, prefix: str, events: Events,
+                 whole: Whole) -> Response:  # fmt: skip
     """Prepare, admit, then stream `events(rid, deltas, req)` or answer `whole(rid, text, last_delta)`. A bug on
     this path is this request's 500 (logged), not an unhandled error that would also drop the connection."""
     try:
@@ -119,7 +117,8 @@ async def _serve(
                        code="internal_error") from None  # fmt: skip
 
 
-async def _serve_one(request, ctx, parse, prefix, events, whole) -> Response:
+async def _serve_one(request: Request, ctx: ServerContext, parse: Callable, prefix: str, events: Events,
+                     whole: Whole) -> Response:  # fmt: skip
     req = await _prepare(request, ctx, parse)
     rid = f"{prefix}-{uuid.uuid4().hex}"
     admit(ctx, rid)
