@@ -26,6 +26,7 @@ from ringsched.config import ConfigError, EngineConfig, parse_memory
         ({"nnodes": 2, "pp_size": 2, "node_rank": 2, "dist_init_addr": "h:1"}, "--node-rank 2"),
         ({"nnodes": 2, "pp_size": 2}, "--dist-init-addr HEAD:PORT"),
         ({"stage_timeout": 0}, "--stage-timeout"),
+        ({"heartbeat_timeout": 0.5}, "--heartbeat-timeout"),
     ],
 )
 def test_bad_flags_name_the_flag(kw, needle):
@@ -67,4 +68,13 @@ def test_cli_errors_exit_2_with_the_flag():
                          (["--pp-async-batch-depth", "-2"], "--pp-async-batch-depth")):
         p = subprocess.run([sys.executable, "-m", "ringsched.generate", "hi", "--pp-size", "2", *args],
                            capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2 and needle in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_server_flag_errors_exit_2_with_the_flag():
+    for args, needle in ((["--max-request-bytes", "10"], "--max-request-bytes"),
+                         (["--heartbeat-timeout", "0"], "--heartbeat-timeout"),
+                         (["--max-queued-requests", "-1"], "--max-queued-requests")):  # fmt: skip
+        p = subprocess.run([sys.executable, "-m", "ringsched.launch", *args],
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
         assert p.returncode == 2 and needle in p.stderr and "Traceback" not in p.stderr, p.stderr
