@@ -4,65 +4,43 @@ in the entry points). Each flag maps to one `EngineConfig` field."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from ringsched.config import ConfigError, EngineConfig
 from ringsched.models.config import ModelConfig, UnsupportedModelError
-from ringsched.models.fetch import DEFAULT_MODEL, FetchError, resolve_model
+from ringsched.models.fetch import FetchError, resolve_model
 
-ENGINE_FLAGS = (
-    "model", "pp_size", "pp_async_batch_depth", "max_running_requests", "pp_max_micro_batch_size",
-    "chunked_prefill_size", "kv_cache_memory", "max_model_len", "dtype", "device", "threads_per_stage",
-    "pp_layer_partition", "pp_flex_layers", "pp_flex_policy", "pp_auto_input_len", "pp_auto_output_len",
-    "dist_init_addr", "stage_timeout", "heartbeat_timeout", "seed",
-    "nnodes", "node_rank", "host_ip", "dist_timeout",
-)  # fmt: skip
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Every flag's help ends with its default (a derived default, None, is described in the help itself)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        d = action.default
+        shown = action.option_strings and not (d is None or d is False or d == argparse.SUPPRESS)
+        if shown and "%(default)" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+def _engine_fields() -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(EngineConfig) if "help" in f.metadata]
+
+
+ENGINE_FLAGS = tuple(f.name for f in _engine_fields())
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=DEFAULT_MODEL, help=f"model directory or known name (default {DEFAULT_MODEL})")
-    g.add_argument("--pp-size", type=int, default=1, help="pipeline stages (one process each)")
-    g.add_argument("--pp-async-batch-depth", type=int, default=0, help="micro-batches in flight beyond pp-size")
-    g.add_argument("--max-running-requests", type=int, default=128)
-    g.add_argument("--pp-max-micro-batch-size", type=int, default=None,
-                   help="requests per micro-batch (default max-running-requests // pp-size)")
-    g.add_argument("--chunked-prefill-size", type=int, default=512, help="prefill tokens per micro-batch")
-    g.add_argument("--kv-cache-memory", default="1G", help="KV pool per stage: bytes (2G, 512MiB) or fraction of free")
-    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    g.add_argument("--threads-per-stage", type=int, default=None, help="CPU threads per stage (default cores/pp)")
-    g.add_argument(
-        "--pp-layer-partition",
-        default=None,
-        help="layers per stage, e.g. 16,14, or `auto`: measure the cost of a layer, the embedding and the "
-        "lm_head here and pick the split whose slowest stage is fastest",
-    )
-    g.add_argument("--pp-flex-layers", type=int, default=0,
-                   help="PP=2: both stages hold this many layers on each side of the cut, and stage 0 moves the "
-                   "cut per micro-batch to balance prefill- and decode-heavy batches (default 0: a fixed cut)")
-    g.add_argument("--pp-flex-policy", default="balance", choices=["balance", "ready", "cycle"],
-                   help="how the flexible cut is chosen: balance (predicted from the measured stage times), ready "
-                   "(stage 0 runs shared layers until stage 1 is ready for the micro-batch; CPU stages), or "
-                   "cycle (tests)")
-    g.add_argument("--pp-auto-input-len", type=int, default=128,
-                   help="typical prompt tokens of the workload `auto` balances for (bench offline: its --input-len)")
-    g.add_argument("--pp-auto-output-len", type=int, default=128,
-                   help="typical output tokens of the workload `auto` balances for (bench offline: its --output-len)")
-    g.add_argument("--dist-init-addr", default=None, help="HOST:PORT for torch.distributed (default a free port)")
-    g.add_argument("--stage-timeout", type=float, default=60.0,
-                   help="seconds a stage may wait on a neighbour, a node may stay silent, or a stage's loop may make "
-                   "no progress while it has work, before the engine stops (default 60)")
-    g.add_argument("--heartbeat-timeout", type=float, default=10.0,
-                   help="seconds without a heartbeat (sent every 0.5 s) after which a stage counts as hung and the "
-                   "engine stops naming it, idle or busy (default 10)")
-    g.add_argument("--seed", type=int, default=0)
-    n = p.add_argument_group("nodes")
-    n.add_argument("--nnodes", type=int, default=1, help="nodes the stages span (the same command on each)")
-    n.add_argument("--node-rank", type=int, default=0, help="this node's index; node 0 runs stage 0 and the server")
-    n.add_argument("--host-ip", default=None, help="address other nodes reach this one at (default: route to head)")
-    n.add_argument("--dist-timeout", type=float, default=300.0, help="seconds to wait for every node to join")
+    """One flag per `EngineConfig` field made with `_flag`: name, default, type, choices and help all come from
+    the field."""
+    groups = {name: p.add_argument_group(name) for name in ("engine", "nodes")}
+    for f in _engine_fields():
+        meta = f.metadata
+        kind = meta["type"] or type(f.default)
+        groups[meta["group"]].add_argument(
+            "--" + f.name.replace("_", "-"), default=f.default, type=kind, choices=meta["choices"], help=meta["help"]
+        )
 
 
 def config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -44,38 +45,69 @@ def parse_memory(value: str | int | float) -> int | float:
     return int(num * _UNITS[unit])
 
 
+def _flag(default: Any, help: str, *, type: Callable | None = None, choices: Sequence[str] | None = None,
+          group: str = "engine") -> Any:  # fmt: skip
+    """A field that is also a command-line flag (`cli_args.add_engine_args` builds the parser from these):
+    its default, its help (what it does, when to change it) and its choices live here only."""
+    return field(default=default, metadata={"help": help, "type": type, "choices": choices, "group": group})
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str = "smollm2-135m-instruct"
-    pp_size: int = 1
-    pp_async_batch_depth: int = 0
-    max_running_requests: int = 128
-    pp_max_micro_batch_size: int | None = None
-    chunked_prefill_size: int = 512
-    kv_cache_memory: str | int | float = "1G"
-    max_model_len: int | None = None
-    dtype: str = "float32"
-    device: str = "auto"
-    threads_per_stage: int | None = None
-    pp_layer_partition: str | Sequence[int] | None = None  # "auto", "16,14", or [16, 14] from Python
+    model: str = _flag("smollm2-135m-instruct", "a model directory, or a known model name (fetched on first use)")
+    pp_size: int = _flag(1, "pipeline stages, one process each; more stages hold a bigger model and raise throughput, "
+                         "not single-request latency")  # fmt: skip
+    pp_async_batch_depth: int = _flag(0, "micro-batches in flight beyond --pp-size; 1 lets stage 0 plan one ahead, "
+                                      "which absorbs a slow micro-batch at some latency per token")  # fmt: skip
+    max_running_requests: int = _flag(128, "requests running at once (decoding or prefilling); more raises "
+                                      "throughput until the KV pool or compute runs out")  # fmt: skip
+    pp_max_micro_batch_size: int | None = _flag(None, "requests per micro-batch (default: max-running-requests // "
+                                                "pp-size, so every slot gets its share)", type=int)  # fmt: skip
+    chunked_prefill_size: int = _flag(512, "prefill tokens per micro-batch; smaller chunks keep decodes flowing "
+                                      "beside long prompts and shorten the ring's fill")  # fmt: skip
+    kv_cache_memory: str | int | float = _flag("1G", "KV pool per stage: bytes (2G, 512MiB) or a fraction of free "
+                                               "memory (0.3: of the GPU's, or on CPU of the node's shared by its "
+                                               "stages)")  # fmt: skip
+    max_model_len: int | None = _flag(None, "context length (default: the model's)", type=int)
+    dtype: str = _flag("float32", "weights and activations; bfloat16 halves memory (and on CPUs with AMX runs "
+                       "faster), float16 is for GPUs", choices=("float32", "bfloat16", "float16"))  # fmt: skip
+    device: str = _flag("auto", "cuda gives each stage one GPU (NCCL between them); auto picks cuda when present",
+                        choices=("auto", "cpu", "cuda"))  # fmt: skip
+    threads_per_stage: int | None = _flag(None, "CPU threads per stage (default: cores // stages on this node)",
+                                          type=int)  # fmt: skip
+    # "auto", "16,14", or [16, 14] from Python
+    pp_layer_partition: str | Sequence[int] | None = _flag(
+        None, "layers per stage, e.g. 16,14, or auto: measure a layer, the embedding and the lm_head here and pick "
+        "the split whose slowest stage is fastest (default: an even split; also RINGSCHED_PP_LAYER_PARTITION)",
+        type=str,
+    )  # fmt: skip
     # PP=2: layers on each side of the cut that both stages hold, so stage 0 can move the cut per micro-batch
     # (ringsched/flex.py). "balance" predicts each micro-batch's cut from the measured stage times; "ready" cuts
     # when stage 1 is ready for the micro-batch (CPU stages); "cycle" visits every cut in turn (tests).
-    pp_flex_layers: int = 0
-    pp_flex_policy: str = "balance"
+    pp_flex_layers: int = _flag(0, "PP=2: both stages hold this many layers on each side of the cut, and stage 0 "
+                                "moves the cut per micro-batch to balance prefill- and decode-heavy batches; costs "
+                                "2x this many layers of weights and KV")  # fmt: skip
+    pp_flex_policy: str = _flag("balance", "how a flexible cut is chosen: balance (predicted from measured stage "
+                                "times) or ready (stage 0 cuts when stage 1 is ready; CPU stages)",
+                                choices=FLEX_POLICIES)  # fmt: skip
     # The requests `auto` measures for: typical prompt and output lengths (they set the probe's decode context
     # and its share of prefill tokens, so the head's weight against a layer's).
-    pp_auto_input_len: int = 128
-    pp_auto_output_len: int = 128
-    dist_init_addr: str | None = None
-    stage_timeout: float = 60.0
-    heartbeat_timeout: float = 10.0  # a stage silent this long (stopped, hung) stops the engine
-    nnodes: int = 1
-    node_rank: int = 0
-    host_ip: str | None = None  # the address other nodes reach this one at (default: the route to the head)
-    dist_timeout: float = 300.0  # rendezvous deadline
+    pp_auto_input_len: int = _flag(128, "the typical prompt tokens --pp-layer-partition auto balances for")
+    pp_auto_output_len: int = _flag(128, "the typical output tokens --pp-layer-partition auto balances for")
+    dist_init_addr: str | None = _flag(None, "HOST:PORT of the rendezvous store node 0 hosts (default: a free local "
+                                       "port; give it with --nnodes > 1)", type=str)  # fmt: skip
+    stage_timeout: float = _flag(60.0, "seconds a stage may wait on a neighbour, a node may stay silent, or a "
+                                 "stage's loop may sit in one micro-batch, before the engine stops")  # fmt: skip
+    heartbeat_timeout: float = _flag(10.0, "seconds without a stage's heartbeat (sent every 0.5 s) before it counts "
+                                     "as hung and the engine stops naming it, idle or busy")  # fmt: skip
+    nnodes: int = _flag(1, "nodes the stages span (the same command on each)", group="nodes")
+    node_rank: int = _flag(0, "this node's index; node 0 runs stage 0 and the server", group="nodes")
+    host_ip: str | None = _flag(None, "the address other nodes reach this one at (default: the route to node 0)",
+                                type=str, group="nodes")  # fmt: skip
+    dist_timeout: float = _flag(300.0, "seconds to wait for every node to join", group="nodes")
     block_size: int = 16
-    seed: int = 0
+    seed: int = _flag(0, "seeds the requests that sample without a seed of their own (a run replays with the same "
+                      "seed and arrival order)")  # fmt: skip
     log_level: str = "info"
     # Filled in by the launcher, not by people:
     ipc_dir: str = field(default="", repr=False)

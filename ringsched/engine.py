@@ -21,6 +21,7 @@ from ringsched.config import EngineConfig
 from ringsched.models.config import ModelConfig
 from ringsched.models.fetch import resolve_model
 from ringsched.sampling import SamplingParams
+from ringsched.server.detokenizer import TextStream
 from ringsched.supervisor import Supervisor
 from ringsched.tokenizer import Tokenizer
 
@@ -128,24 +129,33 @@ class Engine:
                 f"got {len(plist)} SamplingParams for {len(prompts)} prompts; give one or one each"
             )
         index: dict[str, int] = {}
+        texts: dict[str, TextStream | None] = {}  # stop strings are matched on the text, as the server does
         for i, (p, sp) in enumerate(zip(prompts, plist, strict=True)):
             ids = self.tokenizer.encode(p) if isinstance(p, str) else [int(t) for t in p]
             results[i] = RequestOutput(prompt_token_ids=ids)
-            index[self.submit(ids, sp)] = i
+            rid = self.submit(ids, sp)
+            index[rid], texts[rid] = i, TextStream(self.tokenizer, ids, sp.stop) if sp.stop else None
         pending = set(index)
         try:
             while pending:
                 for o in self.poll(0.2):
                     i = index.get(o.rid)
-                    if i is None:
+                    if i is None or o.rid not in pending:
                         continue
-                    r = results[i]
+                    r, text = results[i], texts[o.rid]
                     r.token_ids += o.token_ids
-                    if o.finish_reason:
-                        r.finish_reason, r.error = o.finish_reason, o.error
-                        r.text = self.tokenizer.decode(r.token_ids)
+                    stopped = False
+                    if text is not None:
+                        text.add(o.token_ids)
+                        stopped = text.stopped
+                    finish = "stop" if stopped else o.finish_reason
+                    if finish:
+                        if stopped and not o.finish_reason:
+                            self.abort(o.rid)  # ended here, not on the ring: free its KV there
+                        r.finish_reason, r.error = finish, o.error
+                        r.text = text.text if stopped else self.tokenizer.decode(r.token_ids)
                         pending.discard(o.rid)
-                    yield StreamEvent(i, list(o.token_ids), o.finish_reason)
+                    yield StreamEvent(i, list(o.token_ids), finish)
         finally:
             for rid in pending:  # the caller stopped early: nothing stays running
                 self.abort(rid)

@@ -5,20 +5,21 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ringsched.cli_args import add_engine_args, config_from_args, engine_kwargs
+from ringsched.cli_args import HelpFormatter, add_engine_args, config_from_args, engine_kwargs
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ringsched.generate", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m ringsched.generate", description=__doc__.splitlines()[0],
+                                formatter_class=HelpFormatter)  # fmt: skip
     p.add_argument("prompts", nargs="+", help="prompt texts")
     add_engine_args(p)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
+    p.add_argument("--top-k", type=int, default=-1, help="sample among the k likeliest tokens (-1: all)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     p.add_argument("--stream", action="store_true", help="print tokens as they come (one prompt)")
-    p.add_argument("--log-level", default="warning")
+    p.add_argument("--log-level", default="warning", help="info shows each stage's layers and KV capacity")
     args = p.parse_args(argv)
     cfg = config_from_args(args, log_level=args.log_level)
     from ringsched.engine import Engine

@@ -10,27 +10,33 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ringsched.cli_args import add_engine_args, config_from_args
+from ringsched.cli_args import HelpFormatter, add_engine_args, config_from_args
 from ringsched.server.serving import DEFAULT_MAX_REQUEST_BYTES
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ringsched.launch", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m ringsched.launch", description=__doc__.splitlines()[0],
+                                formatter_class=HelpFormatter)  # fmt: skip
     add_engine_args(p)
     s = p.add_argument_group("server")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=None, help="HTTP port (default 30000; health port 30000+node-rank)")
-    s.add_argument("--api-key", default=None, help="when set, every endpoint but /health needs this bearer key")
-    s.add_argument("--served-model-name", default=None)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 serves other machines too")
+    s.add_argument("--port", type=int, default=None,
+                   help="HTTP port (default: 30000; a node other than 0 serves /health on 30000 + node rank)")
+    s.add_argument("--api-key", default=None,
+                   help="when set, every endpoint but /health needs this bearer key (default: none, no key)")
+    s.add_argument("--served-model-name", default=None,
+                   help="the model name requests must use (default: smollm2-135m-instruct for the default model, "
+                   "else the model directory's name)")
     s.add_argument("--max-queued-requests", type=int, default=None,
                    help="requests that may wait beyond --max-running-requests; more get 503 with Retry-After "
-                   "(default: no limit)")  # fmt: skip
+                   "(default: no limit)")
     s.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
-                   help=f"largest request body accepted; larger ones get 413 (default {DEFAULT_MAX_REQUEST_BYTES}, "
-                   "8 MiB)")  # fmt: skip
-    s.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds running requests get on SIGTERM")
-    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    return p
+                   help="largest request body accepted; larger ones get 413; raise it for very long prompts")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds running requests get to finish after SIGTERM or Ctrl-C")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="warning silences the startup and throughput lines; debug adds the access log")
+    return p  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

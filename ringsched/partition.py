@@ -99,17 +99,27 @@ def uneven_loss(counts: list[int]) -> float:
     return 1.0 - perfect / max(counts)
 
 
-def log_partition(counts: list[int], override: object | None) -> None:
-    """Log an uneven split with its cost, so a person sees what the rounding decision costs."""
+def log_partition(counts: list[int], source: str) -> None:
+    """Log the split: a warning with its cost when it is uneven (as vLLM warns), else one line at INFO when it
+    came from an override. `source` says where it came from: the flag's value, the environment, `auto` or the
+    default split."""
     loss = uneven_loss(counts)
-    if loss > 0 or override is not None:
-        logger.info(
-            "layer partition %s (override: %s); the slowest stage costs %.1f%% of throughput against a "
-            "perfect split",
-            counts,
-            override if override is not None else os.environ.get(ENV_OVERRIDE, "none"),
-            100 * loss,
-        )
+    if loss > 0:
+        logger.warning(
+            "uneven layer partition %s (%s): the slowest stage costs %.1f%% of throughput against a perfect split",
+            counts, source, 100 * loss,
+        )  # fmt: skip
+    elif source != "the default split":
+        logger.info("layer partition %s (%s)", counts, source)
+
+
+def partition_source(override: object | None) -> str:
+    """Where a partition comes from, as `log_partition` says it."""
+    if override is not None:
+        return f"--pp-layer-partition {override}"
+    if os.environ.get(ENV_OVERRIDE):
+        return f"{ENV_OVERRIDE}={os.environ[ENV_OVERRIDE]}"
+    return "the default split"
 
 
 def _check_sizes(num_layers: int, pp_size: int) -> None:

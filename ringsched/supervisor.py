@@ -31,6 +31,7 @@ from ringsched.comm.zmq_io import Puller, Pusher, ipc_addr, new_ipc_dir
 from ringsched.config import EngineConfig
 from ringsched.heap import stage_allocator_env
 from ringsched.models.config import ModelConfig
+from ringsched.partition import log_partition, partition_source
 from ringsched.partition_auto import BatchShape, choose_partition
 from ringsched.rendezvous import Rendezvous
 from ringsched.scheduler.stage_worker import StageAddrs, process_name, stage_main
@@ -67,6 +68,17 @@ def _without_main_module() -> Iterator[None]:
             del main.__spec__
 
 
+def _stop_resource_tracker() -> None:
+    """multiprocessing starts a resource tracker with the first spawned child; it would exit only after we do,
+    leaving a process of ours (and of our process group) behind for a moment. Stop it with the stages (it
+    restarts by itself if another engine spawns stages later)."""
+    from multiprocessing import resource_tracker
+
+    stop = getattr(resource_tracker._resource_tracker, "_stop", None)
+    if stop is not None:
+        stop()
+
+
 class Supervisor:
     def __init__(self, cfg: EngineConfig, model_dir: str) -> None:
         ipc_dir = cfg.ipc_dir or new_ipc_dir()
@@ -96,6 +108,7 @@ class Supervisor:
     def start(self, timeout: float = 600.0) -> None:
         """Meet the other nodes, spawn this node's stages, wait until each is ready."""
         partition = self._own_partition()
+        given = self.cfg.pp_layer_partition  # before the stages are told the decided split
         try:
             self.rendezvous = Rendezvous(self.cfg, self.cfg.model, self.model_dir, partition)
             self.rendezvous.join()
@@ -106,6 +119,8 @@ class Supervisor:
         except BaseException:
             self.stop()
             raise
+        if self.cfg.node_rank == 0:
+            log_partition(self.rendezvous.partition, partition_source(given))
         if self.cfg.nnodes > 1:
             logger.info(
                 "node %d of %d joined the rendezvous at %s as %s; stages %s run here",
@@ -282,6 +297,8 @@ class Supervisor:
         self.ctl.close()
         self.ctx.destroy(linger=0)
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
+        if self.procs:
+            _stop_resource_tracker()
 
     @property
     def pids(self) -> list[int]:

@@ -59,8 +59,10 @@ class Tokenizer:
 
     @cached_property
     def max_token_chars(self) -> int:
-        """No token stands for more characters than this (a vocabulary entry is at least as long as its text)."""
-        return max(len(t) for t in self._tok.get_vocab(with_added_tokens=True))
+        """No token stands for more characters of the input than this. A vocabulary entry is at least as long as
+        the text it covers; a normalizer may shrink the input first (Unicode composition), hence the slack then."""
+        longest = max(len(t) for t in self._tok.get_vocab(with_added_tokens=True))
+        return longest if self._tok.normalizer is None else 4 * longest
 
     @cached_property
     def _template(self) -> jinja2.Template:

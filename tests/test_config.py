@@ -78,3 +78,27 @@ def test_server_flag_errors_exit_2_with_the_flag():
         p = subprocess.run([sys.executable, "-m", "ringsched.launch", *args],
                            capture_output=True, text=True, timeout=120)  # fmt: skip
         assert p.returncode == 2 and needle in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_a_fractional_kv_budget_shares_the_node_among_its_own_stages():
+    import torch
+
+    from ringsched.scheduler.stage_worker import kv_budget_bytes
+
+    cpu = torch.device("cpu")
+    two_nodes = EngineConfig(pp_size=4, nnodes=2, dist_init_addr="h:1", kv_cache_memory="0.5")
+    assert kv_budget_bytes(two_nodes, cpu, free=8 * 2**30) == 2 * 2**30  # 2 stages here, not 4
+    assert kv_budget_bytes(EngineConfig(pp_size=2, kv_cache_memory="0.5"), cpu, free=8 * 2**30) == 2 * 2**30
+    assert kv_budget_bytes(EngineConfig(pp_size=2, kv_cache_memory="512M"), cpu, free=1) == 512 * 2**20
+
+
+def test_every_flag_has_help_and_shows_its_default():
+    from ringsched.launch import build_parser
+
+    parser = build_parser()
+    for action in parser._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        assert action.help, f"{action.option_strings[0]} has no help"
+        shown = parser._get_formatter()._get_help_string(action)
+        assert "default" in shown, f"{action.option_strings[0]}: its help says nothing of its default"

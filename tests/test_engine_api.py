@@ -42,6 +42,17 @@ def test_per_prompt_params_and_stop_token(llm):
         llm.generate([[1], [2]], [SamplingParams()])
 
 
+def test_stop_strings_end_the_request_and_cut_the_text(llm):
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    full = llm.generate([[9, 8, 7]], params)[0]
+    stop = full.text[len(full.text) // 2 :][:3]  # a piece from the middle of the text
+    assert stop and stop in full.text
+    out = llm.generate([[9, 8, 7]], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=[stop]))[0]
+    assert out.finish_reason == "stop" and out.text == full.text[: full.text.index(stop)]
+    assert len(out.token_ids) < len(full.token_ids) and full.token_ids[: len(out.token_ids)] == out.token_ids
+    assert llm.wait_idle()["kv_usage"] == 0  # aborted on the ring: its KV is freed
+
+
 def test_stream_yields_tokens_as_they_come(llm):
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     events = list(llm.stream([[3, 4], [5]], params))

@@ -69,3 +69,24 @@ def test_more_stages_than_layers_and_bad_size():
         resolve_partition(4, 0)
     with pytest.raises(PartitionError, match="outside"):
         get_pp_indices(10, 2, 2)
+
+
+def test_an_uneven_split_warns_and_an_even_default_says_nothing(caplog, monkeypatch):
+    import logging
+
+    from ringsched.partition import log_partition, partition_source
+
+    monkeypatch.delenv(ENV_OVERRIDE, raising=False)
+    with caplog.at_level(logging.INFO, logger="ringsched.partition"):
+        log_partition([15, 15], partition_source(None))
+        assert caplog.records == []
+        log_partition([15, 15], partition_source("15,15"))
+        assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+            ("INFO", "layer partition [15, 15] (--pp-layer-partition 15,15)")
+        ]
+        caplog.clear()
+        log_partition([16, 14], partition_source(None))
+        (record,) = caplog.records
+        assert record.levelname == "WARNING" and "uneven layer partition [16, 14] (the default split)" in record.message
+        monkeypatch.setenv(ENV_OVERRIDE, "17,13")
+        assert partition_source(None) == f"{ENV_OVERRIDE}=17,13"

@@ -133,3 +133,13 @@ def test_add_refuses_what_would_fail_on_a_stage():
     assert out.finish_reason == "error" and "max_tokens" in out.error
     assert p.add(req("d", 3, stop_token_ids=[99])) is None
     assert list(p.requests) == ["d"]
+
+
+def test_prefill_tokens_count_as_they_are_planned():
+    p = planner(budget=10)
+    p.add(req("long", 30))
+    p.plan(0, 0)
+    assert p.stats()["prefill_tokens"] == 10  # one chunk so far, not the whole prompt
+    p.on_output(0, [])
+    p.plan(1, 1)
+    assert p.stats()["prefill_tokens"] == 20

@@ -109,6 +109,9 @@ def test_queue_full_then_sigterm_drains_and_exits():
         assert errors and all("shutting down" in e["message"] for e in errors)
         code = wait_exit(srv, 3 + 15)
         assert code == 0, srv.log()[-3000:]
+        # Nothing of the server's process group outlives it, not even for a moment (multiprocessing's tracker).
+        group = subprocess.run(["pgrep", "-a", "-g", str(srv.proc.pid)], capture_output=True, text=True).stdout
+        assert group == "", group
         assert time.monotonic() - t0 < 3 + 15
         assert_tree_gone(srv)
         assert "every stage process has exited" in srv.log()

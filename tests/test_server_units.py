@@ -112,3 +112,28 @@ def test_parse_generate(tok):
     r = parse_generate({"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 5, "top_k": 1}}, tok, LIMITS)
     assert (r.prompt_ids, r.params.max_tokens, r.params.greedy) == ([3, 4], 5, True)
     assert _err(parse_generate, {"sampling_params": {}}, tok, LIMITS).param == "text"
+
+
+def test_throughput_line_counts_prompt_tokens_as_they_are_prefilled(caplog):
+    """A long prompt prefilling over several periods shows as prompt tokens/s in each, not 0."""
+    import asyncio
+    import logging
+    from types import SimpleNamespace
+
+    from ringsched.server.metrics import log_throughput
+
+    client = SimpleNamespace(sched_stats={"running": 1, "prefill_tokens": 0}, counters=SimpleNamespace(
+        generation_tokens=0), num_waiting=lambda: 0, stage_stats=lambda: {})  # fmt: skip
+
+    async def main() -> None:
+        task = asyncio.create_task(log_throughput(client, period=0.1))
+        for _ in range(3):
+            await asyncio.sleep(0.1)
+            client.sched_stats = {"running": 1, "prefill_tokens": client.sched_stats["prefill_tokens"] + 512}
+        await asyncio.sleep(0.05)
+        task.cancel()
+
+    with caplog.at_level(logging.INFO, logger="ringsched.server"):
+        asyncio.run(main())
+    rates = [float(r.getMessage().split("prompt ")[1].split(" tok/s")[0]) for r in caplog.records]
+    assert len(rates) >= 2 and all(rate > 1000 for rate in rates[1:]), rates

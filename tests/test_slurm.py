@@ -170,7 +170,7 @@ class SlurmCluster:
 @pytest.fixture
 def cluster(tmp_path) -> SlurmCluster:
     for tool in ("slurmctld", "slurmd", "sbatch", "curl"):
-        assert shutil.which(tool), f"{tool} is missing: apt-get install -y slurm-wlm curl (as .ci/run does)"
+        assert shutil.which(tool), f"{tool} is missing: apt-get install -y slurm-wlm curl (scripts/test.sh does)"
     with SlurmCluster(tmp_path) as c:
         yield c
 

@@ -7,6 +7,8 @@ import argparse
 import importlib
 import sys
 
+from ringsched.cli_args import HelpFormatter
+
 # command -> (module, help); each module has add_<command>_args(parser) and run_<command>(args).
 COMMANDS = {
     "offline": ("ringsched.bench.offline", "saturate the offline engine (no HTTP)"),
@@ -22,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="command", required=True)
     modules = {}
     for name, (module, help_text) in COMMANDS.items():
-        sp = sub.add_parser(name, help=help_text)
+        sp = sub.add_parser(name, help=help_text, formatter_class=HelpFormatter)
         try:
             modules[name] = importlib.import_module(module)
         except ImportError as e:  # aiohttp, tqdm, matplotlib come with the `bench` and `dev` extras

@@ -51,6 +51,7 @@ class Planner:
         self._arrivals = 0
         self._rng = rng or random.Random(0)
         self.num_preemptions = 0
+        self.prefill_tokens = 0  # prompt tokens planned for computation so far (recomputation included)
 
     # -- intake ----------------------------------------------------------------------------------------
     def add(self, new: NewRequest) -> TokenOutput | None:
@@ -150,6 +151,7 @@ class Planner:
         if not r.announced:
             plan.announce.append(NewRequest(r.rid, [], r.params.to_dict(), len(r.prompt_ids)))
             r.announced = True
+        self.prefill_tokens += max(min(start + n, len(r.prompt_ids)) - start, 0)
         samples = start + n == r.num_tokens
         plan.entries.append(PlanEntry(r.rid, start, r.all_ids[start : start + n], samples, list(new_blocks)))
         r.num_computed = start + n
@@ -232,4 +234,5 @@ class Planner:
             "waiting": len(self.waiting),
             "kv_usage": self.blocks.usage,
             "preemptions": self.num_preemptions,
+            "prefill_tokens": self.prefill_tokens,
         }

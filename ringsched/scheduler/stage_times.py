@@ -6,7 +6,10 @@ from __future__ import annotations
 import resource
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
+
+WINDOW_S = 5.0  # busy_fraction and bubble_fraction cover about this many seconds before each snapshot
 
 
 @dataclass
@@ -25,12 +28,24 @@ class StageTimes:
     tokens: int = 0
     layer_tokens: int = 0  # tokens times the layers they ran through here (a flexible cut varies the layers)
     sample_rows: int = 0  # last stage: rows through the final norm, lm_head and sampling
+    # (time, compute, wait, idle) at recent snapshots: the window the fractions are measured over.
+    _marks: deque = field(default_factory=deque, repr=False)
 
     def snapshot(self) -> dict:
-        wall = max(time.perf_counter() - self.start - self.idle, 1e-9)
+        """Totals since the first micro-batch, and `busy_fraction`/`bubble_fraction`: the shares of the last
+        `WINDOW_S` seconds (leaving out idle time) spent computing and waiting on a neighbour."""
+        now = time.perf_counter()
+        wall = max(now - self.start - self.idle, 1e-9)
+        wait = self.wait_prev + self.wait_output
+        self._marks.append((now, self.compute, wait, self.idle))
+        while len(self._marks) > 2 and now - self._marks[1][0] >= WINDOW_S:
+            self._marks.popleft()  # the second-oldest mark still spans the window
+        t0, compute0, wait0, idle0 = self._marks[0] if len(self._marks) > 1 else (self.start, 0.0, 0.0, 0.0)
+        span = now - t0 - (self.idle - idle0)
+        busy, bubble = ((self.compute - compute0) / span, (wait - wait0) / span) if span > 1e-6 else (0.0, 0.0)
         return {
-            "busy_fraction": self.compute / wall,
-            "bubble_fraction": (self.wait_prev + self.wait_output) / wall,
+            "busy_fraction": busy,
+            "bubble_fraction": bubble,
             "compute_s": self.compute,
             "head_s": self.head,
             "wait_s": self.wait_prev + self.wait_output,

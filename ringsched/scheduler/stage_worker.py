@@ -29,7 +29,7 @@ from ringsched.heap import keep_heap
 from ringsched.kv_cache import BlockTable, KVPool, blocks_for_memory
 from ringsched.models.config import ModelConfig
 from ringsched.models.loader import load_stage_model, weights_bytes
-from ringsched.partition import log_partition, stage_ranges
+from ringsched.partition import stage_ranges
 from ringsched.rendezvous import connect_store, interface_of
 from ringsched.scheduler.planner import Planner
 from ringsched.scheduler.stage_loop import StageIO, StageLoop
@@ -120,10 +120,8 @@ def _setup(cfg, rank, model_dir, addrs, ctx, ctl, local_rank) -> tuple[StageLoop
     flex = cfg.flex_boundary(mcfg.num_layers, counts)
     start, end = flex.held(rank) if flex else stage_ranges(counts)[rank]
     stage = StageInfo(rank, cfg.pp_size, start, end)
-    if rank == 0:
-        log_partition(counts, cfg.pp_layer_partition)
-        if flex:
-            logger.info("flexible cut: stage 0 runs the first %d to %d layers of each micro-batch", flex.lo, flex.hi)
+    if rank == 0 and flex:
+        logger.info("flexible cut: stage 0 runs the first %d to %d layers of each micro-batch", flex.lo, flex.hi)
     model = load_stage_model(model_dir, stage, cfg.torch_dtype, device)
     num_blocks = _kv_blocks(cfg, mcfg, stage, device)
     pool = KVPool(mcfg, stage.num_layers, num_blocks, cfg.block_size, cfg.torch_dtype, device)
@@ -235,16 +233,26 @@ def _sender(ctx, zstore, ipc: str, key: str) -> Pusher:
     return Pusher(ctx, ipc if zstore is None else zstore.get(key).decode())
 
 
-def _kv_blocks(cfg: EngineConfig, mcfg: ModelConfig, stage: StageInfo, device: torch.device) -> int:
+def kv_budget_bytes(cfg: EngineConfig, device: torch.device, free: int | None = None) -> int:
+    """`--kv-cache-memory` in bytes for one stage: as given, or its fraction of the free memory this stage may
+    use (its GPU's; on CPU the node's available memory shared by the stages on this node). `free` overrides the
+    measured free memory (tests)."""
     budget = parse_memory(cfg.kv_cache_memory)
-    if isinstance(budget, float):
-        if device.type == "cuda":
-            free = torch.cuda.mem_get_info(device)[0]
-        else:
-            import psutil
+    if isinstance(budget, int):
+        return budget
+    if free is None and device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    elif free is None:
+        import psutil
 
-            free = psutil.virtual_memory().available // cfg.pp_size  # the stages on a node share its memory
-        budget = int(free * budget)
+        free = psutil.virtual_memory().available
+    if device.type != "cuda":
+        free //= cfg.stages_per_node
+    return int(free * budget)
+
+
+def _kv_blocks(cfg: EngineConfig, mcfg: ModelConfig, stage: StageInfo, device: torch.device) -> int:
+    budget = kv_budget_bytes(cfg, device)
     blocks = blocks_for_memory(mcfg, stage.num_layers, cfg.torch_dtype, budget, cfg.block_size)
     if cfg.pp_size > 1:
         # Stage 0 admits against the smallest pool; every stage allocates just that much.

@@ -99,18 +99,21 @@ class ServerMetrics:
 
 
 async def log_throughput(client: EngineClient, period: float = 5.0) -> None:
-    """Every `period` seconds while busy: running, waiting, prompt and generation tokens/s, KV usage."""
+    """Every `period` seconds while busy: running, waiting, prompt and generation tokens/s, KV usage. Prompt
+    tokens/s is what stage 0 planned for prefill in the period (a long prompt counts as it is computed, chunk by
+    chunk); generation tokens/s what reached the front end."""
     last = time.monotonic()
-    prompt, gen = client.counters.prompt_tokens, client.counters.generation_tokens
+    prefill, gen = client.sched_stats.get("prefill_tokens", 0), client.counters.generation_tokens
     while True:
         await asyncio.sleep(period)
         now = time.monotonic()
-        c, dt = client.counters, now - last
+        dt = now - last
+        prefill_now, gen_now = client.sched_stats.get("prefill_tokens", 0), client.counters.generation_tokens
         running, waiting = client.sched_stats.get("running", 0), client.num_waiting()
-        if c.generation_tokens > gen or c.prompt_tokens > prompt or running or waiting:
+        if gen_now > gen or prefill_now > prefill or running or waiting:
             kv = ", ".join(f"{s.get('kv_usage', 0.0):.1%}" for _, s in sorted(client.stage_stats().items()))
             logger.info(
                 "running %d, waiting %d, prompt %.1f tok/s, generation %.1f tok/s, KV usage per stage %s",
-                running, waiting, (c.prompt_tokens - prompt) / dt, (c.generation_tokens - gen) / dt, kv or "-",
+                running, waiting, (prefill_now - prefill) / dt, (gen_now - gen) / dt, kv or "-",
             )  # fmt: skip
-        last, prompt, gen = now, c.prompt_tokens, c.generation_tokens
+        last, prefill, gen = now, prefill_now, gen_now

@@ -140,6 +140,5 @@ async def sse(events: AsyncIterator[dict], keepalive_s: float | None = None) -> 
         finally:
             if pending is not None:  # we were cancelled (the client left) while an event was awaited
                 pending.cancel()
-                with contextlib.suppress(BaseException):
-                    await pending
+                await asyncio.wait({pending})  # let the generator run its cleanup (release, abort) first
     yield b"data: [DONE]\n\n"
