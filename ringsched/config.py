@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from ringsched.flex import FLEX_POLICIES, FlexBoundary
-from ringsched.partition import ENV_OVERRIDE, PartitionError, resolve_partition
+from ringsched.parallel.flex import FLEX_POLICIES, FlexBoundary
+from ringsched.parallel.partition import ENV_OVERRIDE, PartitionError, resolve_partition
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -82,7 +82,7 @@ class EngineConfig:
         type=str,
     )  # fmt: skip
     # PP=2: layers on each side of the cut that both stages hold, so stage 0 can move the cut per micro-batch
-    # (ringsched/flex.py). "balance" predicts each micro-batch's cut from the measured stage times; "ready" cuts
+    # (parallel/flex.py). "balance" predicts each micro-batch's cut from the measured stage times; "ready" cuts
     # when stage 1 is ready for the micro-batch (CPU stages); "cycle" visits every cut in turn (tests).
     pp_flex_layers: int = _flag(0, "PP=2: both stages hold this many layers on each side of the cut, and stage 0 "
                                 "moves the cut per micro-batch to balance prefill- and decode-heavy batches; costs "

@@ -20,9 +20,9 @@ from ringsched.comm.zmq_io import Puller, Pusher
 from ringsched.config import EngineConfig
 from ringsched.models.config import ModelConfig
 from ringsched.models.fetch import resolve_model
+from ringsched.process.supervisor import Supervisor
 from ringsched.sampling import SamplingParams
 from ringsched.server.detokenizer import TextStream
-from ringsched.supervisor import Supervisor
 from ringsched.tokenizer import Tokenizer
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ringsched.cli_args import HelpFormatter, add_engine_args, config_from_args, engine_kwargs
+from ringsched.process.cli_args import HelpFormatter, add_engine_args, config_from_args, engine_kwargs
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ringsched.cli_args import HelpFormatter, add_engine_args, config_from_args
+from ringsched.process.cli_args import HelpFormatter, add_engine_args, config_from_args
 from ringsched.server.serving import DEFAULT_MAX_REQUEST_BYTES
 
 
@@ -49,10 +49,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cfg = config_from_args(args, log_level=args.log_level)
     if cfg.node_rank > 0:
-        from ringsched.headless import run_headless
+        from ringsched.process.headless import run_headless
 
         return run_headless(cfg, args.host, args.port, args.log_level)
-    from ringsched.rendezvous import RendezvousError
+    from ringsched.process.rendezvous import RendezvousError
     from ringsched.server.serve import run_server  # the HTTP stack only when serving
 
     try:

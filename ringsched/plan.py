@@ -5,7 +5,7 @@
 prints, for every TP x PP = --gpus that fits, the weights, KV capacity, traffic, latency, partition and
 bubble of that layout, then a one-line recommendation; `--json` prints the rows as a list of objects instead.
 MODEL is a preset or a model directory with a HF config.json; every preset figure can be overridden by a flag.
-The arithmetic lives in `ringsched.planning`; this module only parses arguments.
+The arithmetic lives in `ringsched.capacity`; this module only parses arguments.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import dataclasses
 import json
 import sys
 
-from ringsched.planning import GPU_PRESETS, MODEL_PRESETS, ClusterSpec, PlanError, load_gpu, load_model
-from ringsched.planning.report import json_rows, text_report
-from ringsched.planning.sweep import make_plan
+from ringsched.capacity import GPU_PRESETS, MODEL_PRESETS, CapacityError, ClusterSpec, load_gpu, load_model
+from ringsched.capacity.report import json_rows, text_report
+from ringsched.capacity.sweep import make_layouts
 
 # flag dest -> ModelSpec / GpuSpec field it overrides
 _MODEL_FLAGS = {
@@ -109,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
             batch_tokens=args.batch_tokens,
             in_flight=args.in_flight,
         )
-        plan = make_plan(model, cluster, args.tp, args.pp, args.pp_layer_partition)
-    except PlanError as err:
+        plan = make_layouts(model, cluster, args.tp, args.pp, args.pp_layer_partition)
+    except CapacityError as err:
         print(f"ringsched.plan: error: {err}", file=sys.stderr)
         return 2
     if args.json:

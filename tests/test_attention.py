@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from ringsched.comm.messages import BatchPlan, PlanEntry
 from ringsched.kv_cache import BlockTable
 from ringsched.models.attention import paged_attention
-from ringsched.scheduler.batch_builder import build_forward_batch
+from ringsched.models.batch import build_forward_batch
 
 
 def test_paged_decode_matches_contiguous_attention():
@@ -35,7 +35,7 @@ def test_paged_decode_matches_contiguous_attention():
 
 
 def test_cpu_decode_groups_are_capped_and_cover_every_row():
-    from ringsched.scheduler.batch_builder import CPU_GROUP_ROWS
+    from ringsched.models.batch import CPU_GROUP_ROWS
 
     blocks = BlockTable(256, 4)
     n = CPU_GROUP_ROWS + 8
@@ -74,7 +74,7 @@ def test_prefill_attention_does_not_materialise_the_scores():
 def test_one_rotary_table_per_stage():
     from ringsched.models.config import ModelConfig
     from ringsched.models.llama import StageModel
-    from ringsched.stage import StageInfo
+    from ringsched.parallel.rank import StageInfo
 
     cfg = ModelConfig.from_dict({
         "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 3, "hidden_size": 16, "intermediate_size": 32,

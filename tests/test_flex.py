@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ringsched.config import ConfigError, EngineConfig
-from ringsched.flex import WARMUP_OBSERVATIONS, CutChooser, FlexBoundary, gather_kv, scatter_kv
+from ringsched.parallel.flex import WARMUP_OBSERVATIONS, CutChooser, FlexBoundary, gather_kv, scatter_kv
 
 
 def test_ranges():
@@ -104,8 +104,8 @@ def test_time_outside_the_model_counts_in_the_balance():
     """The ring's pace is each stage's whole time per micro-batch: a stage 0 that also spends time planning and
     delivering outputs gets fewer layers than compute alone would give it, and stage 1 reports its own."""
     from ringsched.comm.messages import BatchPlan, PlanEntry
-    from ringsched.scheduler.flex_ring import FlexRing
-    from ringsched.stage import StageInfo
+    from ringsched.parallel.flex_ring import FlexRing
+    from ringsched.parallel.rank import StageInfo
 
     b, cpu = FlexBoundary(30, 15, 3), torch.device("cpu")
 
@@ -145,8 +145,8 @@ class FakeProgressIn:
 
 
 def ready_rings(b: FlexBoundary):
-    from ringsched.scheduler.flex_ring import FlexRing
-    from ringsched.stage import StageInfo
+    from ringsched.parallel.flex_ring import FlexRing
+    from ringsched.parallel.rank import StageInfo
 
     cpu = torch.device("cpu")
     caches0 = [(torch.arange(8.0).view(8, 1, 1).repeat(1, 1, 2) + i, torch.zeros(8, 1, 2)) for i in range(b.hi)]

@@ -6,7 +6,7 @@ import torch
 
 from ringsched.models.config import ModelConfig
 from ringsched.models.llama import HEAD_VOCAB_CHUNK, StageModel
-from ringsched.stage import StageInfo
+from ringsched.parallel.rank import StageInfo
 
 
 def _head_model(vocab: int) -> StageModel:
@@ -48,7 +48,7 @@ def test_ties_go_to_the_first_index_across_chunks():
 def test_only_plain_greedy_batches_take_the_chunked_head():
     from ringsched.comm.messages import BatchPlan, NewRequest, PlanEntry
     from ringsched.sampling import SamplingParams
-    from ringsched.scheduler.sampler_state import SamplerState
+    from ringsched.stage.sampler_state import SamplerState
 
     kinds = {
         "greedy": SamplingParams(temperature=0.0),

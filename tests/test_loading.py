@@ -28,8 +28,8 @@ from ringsched.models.config import ModelConfig
 from ringsched.models.llama import StageModel
 from ringsched.models.loader import LoadStats, load_stage_model, weights_bytes
 from ringsched.models.random_model import random_config, write_random_model
-from ringsched.partition import get_pp_indices
-from ringsched.stage import StageInfo
+from ringsched.parallel.partition import get_pp_indices
+from ringsched.parallel.rank import StageInfo
 
 EMBED = "model.embed_tokens.weight"
 LAYER = re.compile(r"model\.layers\.(\d+)\.")
@@ -136,10 +136,10 @@ import json, sys
 import psutil
 import torch
 import ringsched.models.loader as loader
-from ringsched.scheduler.stage_times import peak_rss_bytes
+from ringsched.stage.times import peak_rss_bytes
 from ringsched.models.config import ModelConfig
-from ringsched.partition import get_pp_indices
-from ringsched.stage import StageInfo
+from ringsched.parallel.partition import get_pp_indices
+from ringsched.parallel.rank import StageInfo
 
 model_dir, rank, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 cfg = ModelConfig.from_dir(model_dir)

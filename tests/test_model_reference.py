@@ -6,10 +6,10 @@ import torch
 from ringsched.comm.messages import BatchPlan, PlanEntry
 from ringsched.kv_cache import BlockTable, KVPool
 from ringsched.models.attention import ForwardBatch
+from ringsched.models.batch import build_forward_batch
 from ringsched.models.config import ModelConfig
 from ringsched.models.loader import load_stage_model
-from ringsched.scheduler.batch_builder import build_forward_batch
-from ringsched.stage import StageInfo
+from ringsched.parallel.rank import StageInfo
 
 transformers = pytest.importorskip("transformers")
 

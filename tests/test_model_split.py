@@ -6,8 +6,8 @@ import torch
 from ringsched.models.attention import ForwardBatch
 from ringsched.models.llama import MissingLayer
 from ringsched.models.loader import load_stage_model
-from ringsched.partition import resolve_partition, stage_ranges
-from ringsched.stage import StageInfo
+from ringsched.parallel.partition import resolve_partition, stage_ranges
+from ringsched.parallel.rank import StageInfo
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407]
 
@@ -75,7 +75,8 @@ def test_loading_stage_0_keeps_the_torch_compiler_out(tiny_llama_dir):
     import sys
 
     code = (
-        "import sys; from ringsched.models.loader import load_stage_model; from ringsched.stage import StageInfo;"
+        "import sys; from ringsched.models.loader import load_stage_model;"
+        "from ringsched.parallel.rank import StageInfo;"
         f"m = load_stage_model({str(tiny_llama_dir)!r}, StageInfo(0, 2, 0, 3));"
         "assert m.model.embed_tokens.weight.abs().sum() > 0;"
         "print('dynamo' if 'torch._dynamo' in sys.modules else 'clean')"

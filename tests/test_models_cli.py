@@ -15,7 +15,7 @@ from ringsched.models.attention import ForwardBatch
 from ringsched.models.config import ModelConfig
 from ringsched.models.fetch import KNOWN_MODELS, FetchError, resolve_model
 from ringsched.models.loader import load_stage_model
-from ringsched.stage import StageInfo
+from ringsched.parallel.rank import StageInfo
 from ringsched.tokenizer import Tokenizer
 
 FILES = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"}

@@ -14,10 +14,10 @@ from ringsched.comm.messages import BatchPlan, PlanEntry
 from ringsched.kv_cache import BlockTable, KVPool
 from ringsched.models import native
 from ringsched.models.attention import paged_attention
+from ringsched.models.batch import build_forward_batch
 from ringsched.models.config import ModelConfig
 from ringsched.models.loader import load_stage_model
-from ringsched.scheduler.batch_builder import build_forward_batch
-from ringsched.stage import StageInfo
+from ringsched.parallel.rank import StageInfo
 from ringsched.tokenizer import Tokenizer
 
 HAS_CC = bool(shutil.which("cc") or shutil.which("gcc"))

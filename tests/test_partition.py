@@ -1,6 +1,6 @@
 import pytest
 
-from ringsched.partition import (
+from ringsched.parallel.partition import (
     ENV_OVERRIDE,
     PartitionError,
     default_partition,
@@ -74,10 +74,10 @@ def test_more_stages_than_layers_and_bad_size():
 def test_an_uneven_split_warns_and_an_even_default_says_nothing(caplog, monkeypatch):
     import logging
 
-    from ringsched.partition import log_partition, partition_source
+    from ringsched.parallel.partition import log_partition, partition_source
 
     monkeypatch.delenv(ENV_OVERRIDE, raising=False)
-    with caplog.at_level(logging.INFO, logger="ringsched.partition"):
+    with caplog.at_level(logging.INFO, logger="ringsched.parallel.partition"):
         log_partition([15, 15], partition_source(None))
         assert caplog.records == []
         log_partition([15, 15], partition_source("15,15"))

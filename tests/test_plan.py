@@ -16,19 +16,19 @@ from pathlib import Path
 
 import pytest
 
-from ringsched.plan import main
-from ringsched.planning import (
+from ringsched.capacity import (
     GPU_PRESETS,
     MODEL_PRESETS,
+    CapacityError,
     ClusterSpec,
-    PlanError,
     bubble_fraction,
+    layout_row,
     load_gpu,
     load_model,
-    plan_row,
 )
-from ringsched.planning.report import json_rows
-from ringsched.planning.sweep import make_plan
+from ringsched.capacity.report import json_rows
+from ringsched.capacity.sweep import make_layouts
+from ringsched.plan import main
 
 REPO = Path(__file__).resolve().parents[1]
 KIB, MIB = 2**10, 2**20
@@ -75,7 +75,7 @@ def cluster() -> ClusterSpec:
 
 @pytest.fixture
 def plan(cluster):
-    return make_plan(load_model("llama-3-70b"), cluster)
+    return make_layouts(load_model("llama-3-70b"), cluster)
 
 
 def row(plan, tp: int, pp: int):
@@ -142,7 +142,7 @@ def test_concurrency_against_tp8_alone(plan):
 @pytest.mark.parametrize("m, expected", [(1, 0.75), (4, 0.429), (16, 0.158), (64, 0.045)])
 def test_bubble_at_four_stages(cluster, m, expected):
     assert bubble_fraction(4, m) == approx(expected)
-    r = plan_row(load_model("llama-3-70b"), dataclasses.replace(cluster, in_flight=m), 4, 4)
+    r = layout_row(load_model("llama-3-70b"), dataclasses.replace(cluster, in_flight=m), 4, 4)
     assert r.bubble == approx(expected)
 
 
@@ -152,7 +152,7 @@ def test_bubble_defaults_to_pp_batches_in_flight(plan):
 
 
 def test_uneven_partition_at_pp6(cluster):
-    r = plan_row(load_model("llama-3-70b"), dataclasses.replace(cluster, gpus=48), 8, 6)
+    r = layout_row(load_model("llama-3-70b"), dataclasses.replace(cluster, gpus=48), 8, 6)
     assert r.partition == [13, 13, 13, 14, 14, 13]
     assert r.uneven_loss == approx(0.048)
     # A 14-layer stage holds the most KV per token, so it binds capacity.
@@ -183,7 +183,7 @@ def test_recommends_tp_inside_node_pp_across(plan):
 )
 def test_every_model_preset_plans(model, gpu, gpus):
     cluster = ClusterSpec(gpu=load_gpu(gpu), gpus=gpus, gpus_per_node=8)
-    p = make_plan(load_model(model), cluster)
+    p = make_layouts(load_model(model), cluster)
     assert p.rows and all(r.fits for r in p.rows)
     assert p.recommendation.row is not None
 
@@ -198,7 +198,7 @@ def test_every_preset_loads():
         assert load_gpu(name).memory_gib > 0
     assert load_gpu("h100-sxm-80gb").memory_gib == 79.65
     # Published sizes, as a check on the shapes: 8.0B, 70.6B, 405.9B, 32.8B, 134.5M parameters.
-    from ringsched.planning.memory import total_weight_bytes
+    from ringsched.capacity.memory import total_weight_bytes
 
     params = {name: total_weight_bytes(m) / m.dtype_bytes for name, m in MODEL_PRESETS.items()}
     assert params["llama-3-8b"] == approx(8.03e9)
@@ -213,7 +213,7 @@ def test_model_directory_matches_preset(tmp_path, cluster):
     from_dir = load_model(str(tmp_path))
     preset = load_model("llama-3-70b")
     assert dataclasses.replace(from_dir, name=preset.name) == preset
-    assert json_rows(make_plan(from_dir, cluster).rows) == json_rows(make_plan(preset, cluster).rows)
+    assert json_rows(make_layouts(from_dir, cluster).rows) == json_rows(make_layouts(preset, cluster).rows)
 
 
 def test_config_dtype_and_family_fields(tmp_path):
@@ -229,30 +229,30 @@ def test_config_dtype_and_family_fields(tmp_path):
 
 
 def test_error_tp_times_pp_not_gpus(cluster):
-    with pytest.raises(PlanError, match=r"--tp 8 x --pp 4 = 32 GPUs but --gpus is 16"):
-        plan_row(load_model("llama-3-70b"), cluster, 8, 4)
+    with pytest.raises(CapacityError, match=r"--tp 8 x --pp 4 = 32 GPUs but --gpus is 16"):
+        layout_row(load_model("llama-3-70b"), cluster, 8, 4)
 
 
 def test_error_tp_not_dividing_heads(cluster):
-    with pytest.raises(PlanError, match=r"--tp 3 does not divide llama-3-70b's 64 attention heads"):
-        plan_row(load_model("llama-3-70b"), dataclasses.replace(cluster, gpus=3), 3, 1)
+    with pytest.raises(CapacityError, match=r"--tp 3 does not divide llama-3-70b's 64 attention heads"):
+        layout_row(load_model("llama-3-70b"), dataclasses.replace(cluster, gpus=3), 3, 1)
 
 
 def test_error_unknown_presets_and_architecture(tmp_path):
-    with pytest.raises(PlanError, match=r"unknown --model 'llama-4'.*llama-3-70b"):
+    with pytest.raises(CapacityError, match=r"unknown --model 'llama-4'.*llama-3-70b"):
         load_model("llama-4")
-    with pytest.raises(PlanError, match=r"unknown --gpu 'h100'.*h100-sxm-80gb"):
+    with pytest.raises(CapacityError, match=r"unknown --gpu 'h100'.*h100-sxm-80gb"):
         load_gpu("h100")
     moe = {**LLAMA_70B_CONFIG, "architectures": ["MixtralForCausalLM"]}
     (tmp_path / "config.json").write_text(json.dumps(moe))
-    with pytest.raises(PlanError, match="MixtralForCausalLM"):
+    with pytest.raises(CapacityError, match="MixtralForCausalLM"):
         load_model(str(tmp_path))
 
 
 def test_error_invalid_specs(cluster):
-    with pytest.raises(PlanError, match="--mem-fraction"):
+    with pytest.raises(CapacityError, match="--mem-fraction"):
         dataclasses.replace(cluster, mem_fraction=1.5)
-    with pytest.raises(PlanError, match="--num-kv-heads 5 does not divide --num-heads 64"):
+    with pytest.raises(CapacityError, match="--num-kv-heads 5 does not divide --num-heads 64"):
         dataclasses.replace(load_model("llama-3-70b"), num_kv_heads=5)
     with pytest.raises(dataclasses.FrozenInstanceError):
         cluster.gpus = 8  # type: ignore[misc]

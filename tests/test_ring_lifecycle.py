@@ -8,8 +8,8 @@ import pytest
 from ring_utils import children_of, run_staggered, stage_kv_usage
 
 from ringsched.engine import Engine
+from ringsched.process.supervisor import StageFailure
 from ringsched.sampling import SamplingParams
-from ringsched.supervisor import StageFailure
 
 KW = dict(threads_per_stage=1, log_level="warning")
 

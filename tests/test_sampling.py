@@ -218,7 +218,7 @@ def test_errors_for_missing_generator_and_length_mismatch():
 
 def test_a_row_whose_params_fail_gets_failed_and_the_others_their_tokens():
     from ringsched.comm.messages import BatchPlan, NewRequest, PlanEntry
-    from ringsched.scheduler.sampler_state import FAILED, SamplerState
+    from ringsched.stage.sampler_state import FAILED, SamplerState
 
     state = SamplerState(torch.device("cpu"), eos_ids=(2,))
     good = SamplingParams(temperature=0, min_tokens=1)

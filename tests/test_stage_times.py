@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ringsched.scheduler import stage_times
-from ringsched.scheduler.stage_times import WINDOW_S, StageTimes
+from ringsched.stage import times as stage_times
+from ringsched.stage.times import WINDOW_S, StageTimes
 
 
 def test_fractions_cover_the_last_window_not_the_whole_run(monkeypatch):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ringsched.scheduler.stage_times import StageTimes
-from ringsched.scheduler.step_profiler import ENV_DIR, ENV_MIN_TOKENS, ENV_STEPS, ProfileWindow, StepProfiler
+from ringsched.stage.profiler import ENV_DIR, ENV_MIN_TOKENS, ENV_STEPS, ProfileWindow, StepProfiler
+from ringsched.stage.times import StageTimes
 
 
 def test_window_from_env(tmp_path):

@@ -10,7 +10,7 @@ import pytest
 from ringsched.comm.messages import StageStatus
 from ringsched.comm.tensor_channel import without_source_paths
 from ringsched.config import EngineConfig
-from ringsched.supervisor import StageFailure, Supervisor
+from ringsched.process.supervisor import StageFailure, Supervisor
 
 GLOO = "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:5000"
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ringsched.comm.tensor_channel import HEADER_LEN, SequenceMismatch, TensorChannel, pack_header, unpack_header
-from ringsched.supervisor import free_port
+from ringsched.process.supervisor import free_port
 
 
 def test_header_round_trip():

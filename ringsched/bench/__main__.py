@@ -7,7 +7,7 @@ import argparse
 import importlib
 import sys
 
-from ringsched.cli_args import HelpFormatter
+from ringsched.process.cli_args import HelpFormatter
 
 # command -> (module, help); each module has add_<command>_args(parser) and run_<command>(args).
 COMMANDS = {

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ringsched.affinity import restored_threads_and_cpus
 from ringsched.models.config import ModelConfig, layer_matmul_params
+from ringsched.process.affinity import restored_threads_and_cpus
 
 
 @dataclass(frozen=True)

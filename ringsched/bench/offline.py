@@ -14,8 +14,8 @@ import time
 from ringsched.bench.efficiency import FlopModel, efficiency, matmul_gflops, mean_context, stage_flops
 from ringsched.bench.memory import format_memory, stage_memory
 from ringsched.bench.stage_metrics import settled
-from ringsched.cli_args import add_engine_args, config_from_args, engine_kwargs
 from ringsched.config import EngineConfig
+from ringsched.process.cli_args import add_engine_args, config_from_args, engine_kwargs
 
 TIME_KEYS = ("compute_s", "wait_s", "sched_s", "comm_s")
 COUNT_KEYS = ("batches", "tokens", "layer_tokens", "sample_rows", "head_s")  # head_s: part of compute_s

@@ -16,7 +16,7 @@ from torch import nn
 
 from ringsched.models.attention import ForwardBatch, paged_attention
 from ringsched.models.config import ModelConfig
-from ringsched.stage import StageInfo
+from ringsched.parallel.rank import StageInfo
 
 # Vocabulary rows of the lm_head per step of `compute_logits` / `greedy_tokens` on CPU. Measured (one thread, a
 # process per setting, AMD EPYC Zen 4): 1024 words against 8192 took SmolLM2's greedy head from 81 to 65 ms at

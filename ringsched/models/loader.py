@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 from ringsched.models.config import ModelConfig
 from ringsched.models.llama import StageModel, cpu_layout
-from ringsched.stage import StageInfo
+from ringsched.parallel.rank import StageInfo
 
 logger = logging.getLogger(__name__)
 

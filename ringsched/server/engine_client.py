@@ -26,8 +26,8 @@ import zmq.asyncio
 from ringsched.comm.messages import AbortRequest, NewRequest, OutputBatch, TokenOutput, decode
 from ringsched.comm.zmq_io import Pusher
 from ringsched.config import EngineConfig
+from ringsched.process.supervisor import StageFailure, Supervisor
 from ringsched.sampling import SamplingParams
-from ringsched.supervisor import StageFailure, Supervisor
 
 logger = logging.getLogger("ringsched.server")
 

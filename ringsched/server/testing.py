@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from ringsched.scheduler.stage_worker import process_name
+from ringsched.stage.worker import process_name
 
 
 def free_port() -> int:

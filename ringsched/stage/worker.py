@@ -20,22 +20,22 @@ import torch
 import zmq
 from torch.distributed import PrefixStore
 
-from ringsched.affinity import stage_cpus
 from ringsched.comm.messages import StageStatus
 from ringsched.comm.tensor_channel import TensorChannel
 from ringsched.comm.zmq_io import Puller, Pusher
 from ringsched.config import EngineConfig, parse_memory
-from ringsched.heap import keep_heap
 from ringsched.kv_cache import BlockTable, KVPool, blocks_for_memory
 from ringsched.models.config import ModelConfig
 from ringsched.models.loader import load_stage_model, weights_bytes
-from ringsched.partition import stage_ranges
-from ringsched.rendezvous import connect_store, interface_of
+from ringsched.parallel.partition import stage_ranges
+from ringsched.parallel.rank import StageInfo
+from ringsched.process.affinity import stage_cpus
+from ringsched.process.heap import keep_heap
+from ringsched.process.rendezvous import connect_store, interface_of
 from ringsched.scheduler.planner import Planner
-from ringsched.scheduler.stage_loop import StageIO, StageLoop
-from ringsched.stage import StageInfo
+from ringsched.stage.loop import StageIO, StageLoop
 
-logger = logging.getLogger("ringsched.stage")
+logger = logging.getLogger("ringsched.parallel.rank")
 
 
 @dataclass(frozen=True)

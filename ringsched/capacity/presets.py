@@ -1,7 +1,7 @@
 """What the planner knows about models and GPUs.
 
 Contract: `load_model(name_or_dir)` returns a `ModelSpec` from a built-in preset or from a model
-directory's HF `config.json`; `load_gpu(name)` returns a `GpuSpec` preset. Both raise `PlanError` with a
+directory's HF `config.json`; `load_gpu(name)` returns a `GpuSpec` preset. Both raise `CapacityError` with a
 message that names the flag and the fix. Every field can be overridden afterwards with `dataclasses.replace`,
 which re-validates.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 GIB = 2**30
 
 
-class PlanError(ValueError):
+class CapacityError(ValueError):
     """Input the planner cannot use; the message names the flag and what to do."""
 
 
@@ -47,14 +47,14 @@ class ModelSpec:
             ("--vocab-size", self.vocab_size),
         ):
             if not isinstance(value, int) or value < 1:
-                raise PlanError(f"{flag} must be a positive integer, got {value!r} (model {self.name})")
+                raise CapacityError(f"{flag} must be a positive integer, got {value!r} (model {self.name})")
         if self.num_heads % self.num_kv_heads:
-            raise PlanError(
+            raise CapacityError(
                 f"--num-kv-heads {self.num_kv_heads} does not divide --num-heads {self.num_heads} (model "
                 f"{self.name}); grouped-query attention needs the head count to be a multiple of the KV heads"
             )
         if self.dtype_bytes not in (1, 2, 4):
-            raise PlanError(f"--dtype-bytes must be 1 (fp8),2 (bf16) or 4 (fp32), not {self.dtype_bytes}")
+            raise CapacityError(f"--dtype-bytes must be 1 (fp8),2 (bf16) or 4 (fp32), not {self.dtype_bytes}")
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ class GpuSpec:
             ("--intra-node-gb-per-s", self.intra_node_gb_per_s),
         ):
             if not value > 0:
-                raise PlanError(f"{flag} must be positive, got {value!r} (GPU {self.name})")
+                raise CapacityError(f"{flag} must be positive, got {value!r} (GPU {self.name})")
 
 
 # Shapes from each model's published HF config.json.
@@ -118,7 +118,7 @@ def load_gpu(name: str) -> GpuSpec:
     try:
         return GPU_PRESETS[name]
     except KeyError:
-        raise PlanError(
+        raise CapacityError(
             f"unknown --gpu {name!r}; use one of {', '.join(GPU_PRESETS)}, or the closest one with "
             "--gpu-memory-gib, --hbm-tb-per-s and --intra-node-gb-per-s to override its figures"
         ) from None
@@ -132,7 +132,7 @@ def load_model(name_or_dir: str) -> ModelSpec:
     config = path / "config.json" if path.is_dir() else path
     if path.exists() and config.is_file():
         return model_from_config(json.loads(config.read_text()), name=path.name)
-    raise PlanError(
+    raise CapacityError(
         f"unknown --model {name_or_dir!r}: not a preset ({', '.join(MODEL_PRESETS)}) and not a directory "
         "holding a config.json; give a preset name or a model directory"
     )
@@ -144,14 +144,14 @@ def model_from_config(cfg: dict, name: str = "config.json") -> ModelSpec:
     arch = archs[0]
     if arch not in _ARCHITECTURES:
         # MoE and hybrid models need other arithmetic; better no answer than a wrong one.
-        raise PlanError(
+        raise CapacityError(
             f"--model {name}: architecture {arch} is not one the planner can count "
             f"({', '.join(_ARCHITECTURES)}); "
             "use the closest preset and override its shape with --num-layers, --hidden-size, ..."
         )
     dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
     if dtype not in _DTYPE_BYTES:
-        raise PlanError(f"--model {name}: torch_dtype {dtype!r} is not known; pass --dtype-bytes")
+        raise CapacityError(f"--model {name}: torch_dtype {dtype!r} is not known; pass --dtype-bytes")
     try:
         heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
@@ -171,6 +171,6 @@ def model_from_config(cfg: dict, name: str = "config.json") -> ModelSpec:
             qk_norm=arch == "Qwen3ForCausalLM",
         )
     except KeyError as missing:
-        raise PlanError(
+        raise CapacityError(
             f"--model {name}: config.json has no {missing}, which sizing the model needs"
         ) from None

@@ -9,16 +9,16 @@ from __future__ import annotations
 import dataclasses
 from itertools import groupby
 
-from ringsched.planning.capacity import ClusterSpec, PlanRow, bubble_fraction
-from ringsched.planning.derivation import Derivation
-from ringsched.planning.presets import ModelSpec
-from ringsched.planning.recommend import Recommendation
+from ringsched.capacity.derivation import Derivation
+from ringsched.capacity.estimate import ClusterSpec, LayoutRow, bubble_fraction
+from ringsched.capacity.presets import ModelSpec
+from ringsched.capacity.recommend import Recommendation
 
 KIB, MIB = 2**10, 2**20
 BUBBLE_M = (1, 4, 16, 64)
 
 
-def json_rows(rows: list[PlanRow]) -> list[dict]:
+def json_rows(rows: list[LayoutRow]) -> list[dict]:
     """One dict per row; floats rounded so the output diffs cleanly."""
     return [_rounded(dataclasses.asdict(row)) for row in rows]
 
@@ -37,9 +37,9 @@ def text_report(
     model: ModelSpec,
     cluster: ClusterSpec,
     deriv: Derivation,
-    rows: list[PlanRow],
+    rows: list[LayoutRow],
     skipped: list[tuple[int, int, str]],
-    baseline: PlanRow | None,
+    baseline: LayoutRow | None,
     rec: Recommendation,
 ) -> str:
     lines = _header(model, cluster, deriv)
@@ -103,7 +103,7 @@ _COLUMNS = (
 )
 
 
-def _table(rows: list[PlanRow], baseline: PlanRow | None, cluster: ClusterSpec) -> list[str]:
+def _table(rows: list[LayoutRow], baseline: LayoutRow | None, cluster: ClusterSpec) -> list[str]:
     head = "  ".join(f"{name:>{width}}" if width else name for name, width in _COLUMNS)
     lines = [
         f"per GPU of the binding stage; comm = bytes the busiest rank sends; bubble at M = --in-flight "
@@ -117,7 +117,7 @@ def _table(rows: list[PlanRow], baseline: PlanRow | None, cluster: ClusterSpec) 
     return lines
 
 
-def _line(r: PlanRow) -> str:
+def _line(r: LayoutRow) -> str:
     vs = f"{r.concurrency_vs_one_node:+.0%}" if r.concurrency_vs_one_node is not None else "-"
     cells = (
         r.tp,

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ringsched.planning import memory, traffic
-from ringsched.planning.capacity import ClusterSpec
-from ringsched.planning.presets import GIB, ModelSpec
+from ringsched.capacity import memory, traffic
+from ringsched.capacity.estimate import ClusterSpec
+from ringsched.capacity.presets import GIB, ModelSpec
 
 
 @dataclass(frozen=True)

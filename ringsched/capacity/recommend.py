@@ -12,19 +12,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ringsched.planning import traffic
-from ringsched.planning.capacity import ClusterSpec, PlanRow
+from ringsched.capacity import traffic
+from ringsched.capacity.estimate import ClusterSpec, LayoutRow
 
 NEAR_BEST = 0.95  # layouts with at least this share of the best concurrency count as equal on capacity
 
 
 @dataclass(frozen=True)
 class Recommendation:
-    row: PlanRow | None
+    row: LayoutRow | None
     reason: str
 
 
-def recommend(rows: list[PlanRow], cluster: ClusterSpec, baseline: PlanRow | None = None) -> Recommendation:
+def recommend(rows: list[LayoutRow], cluster: ClusterSpec, baseline: LayoutRow | None = None) -> Recommendation:
     fitting = [r for r in rows if r.fits]
     if not fitting:
         return Recommendation(
@@ -40,7 +40,7 @@ def recommend(rows: list[PlanRow], cluster: ClusterSpec, baseline: PlanRow | Non
     return Recommendation(pick, _reason(pick, cluster, baseline, bool(local)))
 
 
-def _reason(row: PlanRow, cluster: ClusterSpec, baseline: PlanRow | None, local: bool) -> str:
+def _reason(row: LayoutRow, cluster: ClusterSpec, baseline: LayoutRow | None, local: bool) -> str:
     parts = [f"{row.concurrent_sequences} sequences of {cluster.max_model_len} tokens"]
     if row.concurrency_vs_one_node is not None and baseline is not None:
         parts[0] += f" ({row.concurrency_vs_one_node:+.0%} over TP={baseline.tp} on one node)"

@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ringsched.scheduler.stage_times import StageTimes
+from ringsched.stage.times import StageTimes
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from ringsched.config import EngineConfig
-from ringsched.supervisor import StageFailure, Supervisor
+from ringsched.process.supervisor import StageFailure, Supervisor
 
 logger = logging.getLogger("ringsched.launch")
 

@@ -31,20 +31,20 @@ from ringsched.comm.messages import BatchPlan, OutputBatch
 from ringsched.comm.tensor_channel import SequenceMismatch, TensorChannel, without_source_paths
 from ringsched.comm.zmq_io import Puller, Pusher
 from ringsched.config import EngineConfig
-from ringsched.flex import FlexBoundary
 from ringsched.kv_cache import BlockTable, KVPool
 from ringsched.models import native
+from ringsched.models.batch import build_forward_batch
 from ringsched.models.llama import StageModel
-from ringsched.scheduler.batch_builder import build_forward_batch
-from ringsched.scheduler.flex_ring import FlexRing
-from ringsched.scheduler.gc_policy import GcPolicy
-from ringsched.scheduler.output_exchange import OutputExchange
-from ringsched.scheduler.plan_flow import PlanFlow
+from ringsched.parallel.flex import FlexBoundary
+from ringsched.parallel.flex_ring import FlexRing
+from ringsched.parallel.rank import StageInfo
 from ringsched.scheduler.planner import Planner
-from ringsched.scheduler.sampler_state import SamplerState
-from ringsched.scheduler.stage_times import StageTimes, peak_rss_bytes
-from ringsched.scheduler.step_profiler import ProfileWindow, StepProfiler
-from ringsched.stage import StageInfo
+from ringsched.stage.gc_policy import GcPolicy
+from ringsched.stage.outputs import OutputExchange
+from ringsched.stage.plans import PlanFlow
+from ringsched.stage.profiler import ProfileWindow, StepProfiler
+from ringsched.stage.sampler_state import SamplerState
+from ringsched.stage.times import StageTimes, peak_rss_bytes
 
 logger = logging.getLogger(__name__)
 

@@ -27,14 +27,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ringsched.affinity import restored_threads_and_cpus
 from ringsched.comm.messages import BatchPlan, PlanEntry
 from ringsched.kv_cache import BlockTable, KVPool, kv_bytes_per_token
 from ringsched.models import native
+from ringsched.models.batch import build_forward_batch
 from ringsched.models.config import ModelConfig, layer_matmul_params
 from ringsched.models.llama import StageModel
-from ringsched.scheduler.batch_builder import build_forward_batch
-from ringsched.stage import StageInfo
+from ringsched.parallel.rank import StageInfo
+from ringsched.process.affinity import restored_threads_and_cpus
 
 logger = logging.getLogger(__name__)
 

@@ -2,30 +2,30 @@
 
 `python -m ringsched.plan` is the command line; this package is the arithmetic, as pure functions over frozen
 dataclasses: `presets` (models and GPUs), `memory` (weights and KV per GPU), `traffic` (bytes per step and the
-link they cross), `capacity` (one row per layout), `derivation` (the design document's per-token figures),
+link they cross), `estimate` (one row per layout), `derivation` (the design document's per-token figures),
 `recommend` and `report`.
 """
 
-from ringsched.planning.capacity import (
+from ringsched.capacity.derivation import Derivation, derive
+from ringsched.capacity.estimate import (
     ClusterSpec,
-    PlanRow,
+    LayoutRow,
     bubble_fraction,
     candidate_layouts,
+    layout_row,
     one_node_baseline,
-    plan_row,
     with_baseline,
 )
-from ringsched.planning.derivation import Derivation, derive
-from ringsched.planning.presets import (
+from ringsched.capacity.presets import (
     GPU_PRESETS,
     MODEL_PRESETS,
+    CapacityError,
     GpuSpec,
     ModelSpec,
-    PlanError,
     load_gpu,
     load_model,
 )
-from ringsched.planning.recommend import Recommendation, recommend
+from ringsched.capacity.recommend import Recommendation, recommend
 
 __all__ = [
     "GPU_PRESETS",
@@ -34,8 +34,8 @@ __all__ = [
     "Derivation",
     "GpuSpec",
     "ModelSpec",
-    "PlanError",
-    "PlanRow",
+    "CapacityError",
+    "LayoutRow",
     "Recommendation",
     "bubble_fraction",
     "candidate_layouts",
@@ -43,7 +43,7 @@ __all__ = [
     "load_gpu",
     "load_model",
     "one_node_baseline",
-    "plan_row",
+    "layout_row",
     "recommend",
     "with_baseline",
 ]

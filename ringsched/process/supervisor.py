@@ -24,17 +24,17 @@ from dataclasses import replace
 import torch
 import zmq
 
-from ringsched.affinity import stage_cpus
 from ringsched.comm.messages import Shutdown, StageStatus
 from ringsched.comm.tensor_channel import without_source_paths
 from ringsched.comm.zmq_io import Puller, Pusher, ipc_addr, new_ipc_dir
 from ringsched.config import EngineConfig
-from ringsched.heap import stage_allocator_env
 from ringsched.models.config import ModelConfig
-from ringsched.partition import log_partition, partition_source
-from ringsched.partition_auto import BatchShape, choose_partition
-from ringsched.rendezvous import Rendezvous
-from ringsched.scheduler.stage_worker import StageAddrs, process_name, stage_main
+from ringsched.parallel.partition import log_partition, partition_source
+from ringsched.parallel.partition_auto import BatchShape, choose_partition
+from ringsched.process.affinity import stage_cpus
+from ringsched.process.heap import stage_allocator_env
+from ringsched.process.rendezvous import Rendezvous
+from ringsched.stage.worker import StageAddrs, process_name, stage_main
 
 logger = logging.getLogger("ringsched.launch")
 
@@ -70,12 +70,13 @@ def _without_main_module() -> Iterator[None]:
 
 def _stop_resource_tracker() -> None:
     """multiprocessing starts a resource tracker with the first spawned child; it would exit only after we do,
-    leaving a process of ours (and of our process group) behind for a moment. Stop it with the stages (it
-    restarts by itself if another engine spawns stages later)."""
+    leaving a process of ours (and of our process group) behind for a moment. Stop it with the last stages (it
+    restarts by itself if stages are spawned again). It exits once every holder of its pipe has closed it, and
+    every spawned child holds it: with other engines' stages still alive here, stopping it would wait for them."""
     from multiprocessing import resource_tracker
 
     stop = getattr(resource_tracker._resource_tracker, "_stop", None)
-    if stop is not None:
+    if stop is not None and not mp.active_children():
         stop()
 
 

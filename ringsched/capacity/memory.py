@@ -7,7 +7,7 @@ while TP <= KV heads and replicated, one head per rank, once TP exceeds them.
 
 from __future__ import annotations
 
-from ringsched.planning.presets import ModelSpec
+from ringsched.capacity.presets import ModelSpec
 
 
 def kv_heads_per_rank(model: ModelSpec, tp: int) -> int:

@@ -1,4 +1,4 @@
-"""A stage's side of the flexible cut (`--pp-flex-layers`, `ringsched/flex.py`): which layers a micro-batch runs
+"""A stage's side of the flexible cut (`--pp-flex-layers`, `parallel/flex.py`): which layers a micro-batch runs
 here, the K/V rows mirrored to and from the other stage, and (stage 0) the cut of each new micro-batch.
 
 Wire format, PP=2 only: the proxy of micro-batch `t` is `[hidden_states, residual, kv?]`, `kv` being the K/V
@@ -17,9 +17,9 @@ import torch
 
 from ringsched.comm.messages import BatchPlan
 from ringsched.comm.zmq_io import Puller, Pusher
-from ringsched.flex import CutChooser, FlexBoundary, gather_kv, scatter_kv
-from ringsched.scheduler.flex_ready import ProgressReporter, ReadyCut
-from ringsched.stage import StageInfo
+from ringsched.parallel.flex import CutChooser, FlexBoundary, gather_kv, scatter_kv
+from ringsched.parallel.flex_ready import ProgressReporter, ReadyCut
+from ringsched.parallel.rank import StageInfo
 
 # Memory of the per-micro-batch overhead's average (about 20 micro-batches).
 OVERHEAD_DECAY = 0.95

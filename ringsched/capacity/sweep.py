@@ -1,25 +1,25 @@
 """One planning run: the layouts asked for (or all of them), the baseline, the derivation, the pick.
 
-Contract: `make_plan(model, cluster, tp, pp, partition)` returns a `Plan`. With neither `tp` nor `pp` it
+Contract: `make_layouts(model, cluster, tp, pp, partition)` returns a `Plan`. With neither `tp` nor `pp` it
 sweeps every TP x PP = --gpus and keeps those that fit; with either or both it plans exactly those layouts (a
-layout that does not fit is kept, with `fits` false) and raises `PlanError` on one that cannot exist.
+layout that does not fit is kept, with `fits` false) and raises `CapacityError` on one that cannot exist.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ringsched.planning.capacity import (
+from ringsched.capacity.derivation import Derivation, derive
+from ringsched.capacity.estimate import (
     ClusterSpec,
-    PlanRow,
+    LayoutRow,
     candidate_layouts,
+    layout_row,
     one_node_baseline,
-    plan_row,
     with_baseline,
 )
-from ringsched.planning.derivation import Derivation, derive
-from ringsched.planning.presets import ModelSpec, PlanError
-from ringsched.planning.recommend import Recommendation, recommend
+from ringsched.capacity.presets import CapacityError, ModelSpec
+from ringsched.capacity.recommend import Recommendation, recommend
 
 
 @dataclass(frozen=True)
@@ -27,13 +27,13 @@ class Plan:
     model: ModelSpec
     cluster: ClusterSpec
     derivation: Derivation
-    rows: list[PlanRow]
+    rows: list[LayoutRow]
     skipped: list[tuple[int, int, str]]  # (tp, pp, why) of swept layouts left out
-    baseline: PlanRow | None  # TP = gpus-per-node alone on one node
+    baseline: LayoutRow | None  # TP = gpus-per-node alone on one node
     recommendation: Recommendation
 
 
-def make_plan(
+def make_layouts(
     model: ModelSpec,
     cluster: ClusterSpec,
     tp: list[int] | None = None,
@@ -44,7 +44,7 @@ def make_plan(
     if tp is None and pp is None:
         rows, skipped = candidate_layouts(model, cluster, partition)
     else:
-        rows = [plan_row(model, cluster, t, p, partition) for t, p in explicit_layouts(cluster.gpus, tp, pp)]
+        rows = [layout_row(model, cluster, t, p, partition) for t, p in explicit_layouts(cluster.gpus, tp, pp)]
         skipped = []
     rows = with_baseline(rows, baseline)
     rec = recommend(rows, cluster, baseline)
@@ -55,7 +55,7 @@ def explicit_layouts(gpus: int, tp: list[int] | None, pp: list[int] | None) -> l
     """Pair --tp and --pp values; a missing side is --gpus divided by the other."""
     if tp is not None and pp is not None:
         if len(tp) != len(pp):
-            raise PlanError(
+            raise CapacityError(
                 f"--tp has {len(tp)} values but --pp has {len(pp)}; give one PP per TP or only one flag"
             )
         return list(zip(tp, pp, strict=True))
@@ -63,6 +63,6 @@ def explicit_layouts(gpus: int, tp: list[int] | None, pp: list[int] | None) -> l
     assert given is not None
     for v in given:
         if v < 1 or gpus % v:
-            raise PlanError(f"{flag} {v} does not divide --gpus {gpus}; TP x PP must equal --gpus")
+            raise CapacityError(f"{flag} {v} does not divide --gpus {gpus}; TP x PP must equal --gpus")
     pairs = [(v, gpus // v) for v in given]
     return pairs if flag == "--tp" else [(p, t) for t, p in pairs]

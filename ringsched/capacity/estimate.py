@@ -1,7 +1,7 @@
 """The figures of one (TP, PP) layout on one cluster: memory, KV capacity, traffic, latency, bubble.
 
-Contract: `plan_row(model, cluster, tp, pp)` validates the layout (raising `PlanError`) and returns a
-`PlanRow`; `candidate_layouts` lists every TP x PP = N the model allows, with the reason for each one it
+Contract: `layout_row(model, cluster, tp, pp)` validates the layout (raising `CapacityError`) and returns a
+`LayoutRow`; `candidate_layouts` lists every TP x PP = N the model allows, with the reason for each one it
 rejects; `one_node_baseline` is TP = gpus-per-node, PP = 1 on one node, the configuration the design document
 starts from and against which `concurrency_vs_one_node` is measured.
 
@@ -18,9 +18,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from ringsched.partition import PartitionError, resolve_partition, uneven_loss
-from ringsched.planning import memory, traffic
-from ringsched.planning.presets import GIB, GpuSpec, ModelSpec, PlanError
+from ringsched.capacity import memory, traffic
+from ringsched.capacity.presets import GIB, CapacityError, GpuSpec, ModelSpec
+from ringsched.parallel.partition import PartitionError, resolve_partition, uneven_loss
 
 
 @dataclass(frozen=True)
@@ -45,17 +45,17 @@ class ClusterSpec:
             ("--batch-tokens", self.batch_tokens),
         ):
             if not isinstance(value, int) or value < 1:
-                raise PlanError(f"{flag} must be a positive integer, got {value!r}")
+                raise CapacityError(f"{flag} must be a positive integer, got {value!r}")
         if self.in_flight is not None and self.in_flight < 1:
-            raise PlanError(f"--in-flight must be at least 1 micro-batch, got {self.in_flight}")
+            raise CapacityError(f"--in-flight must be at least 1 micro-batch, got {self.in_flight}")
         if not 0 < self.mem_fraction <= 1:
-            raise PlanError(
+            raise CapacityError(
                 f"--mem-fraction must be in (0, 1], got {self.mem_fraction}; vLLM's default is 0.9"
             )
         if self.reserve_gib < 0:
-            raise PlanError(f"--reserve-gib must be >= 0, got {self.reserve_gib}")
+            raise CapacityError(f"--reserve-gib must be >= 0, got {self.reserve_gib}")
         if not self.inter_node_gbps > 0:
-            raise PlanError(f"--inter-node-gbps must be positive, got {self.inter_node_gbps}")
+            raise CapacityError(f"--inter-node-gbps must be positive, got {self.inter_node_gbps}")
 
     @property
     def usable_gib(self) -> float:
@@ -80,7 +80,7 @@ class StageFigures:
 
 
 @dataclass(frozen=True)
-class PlanRow:
+class LayoutRow:
     """What the planner says of one (TP, PP) layout; per-GPU memory figures are the binding stage's."""
 
     tp: int
@@ -115,42 +115,42 @@ def bubble_fraction(stages: int, in_flight: int) -> float:
 
 
 def check_layout(model: ModelSpec, cluster: ClusterSpec, tp: int, pp: int) -> None:
-    """Raise `PlanError` unless TP x PP = --gpus and the model can be cut that way."""
+    """Raise `CapacityError` unless TP x PP = --gpus and the model can be cut that way."""
     if tp < 1 or pp < 1:
-        raise PlanError(f"--tp and --pp must be >= 1, got --tp {tp} --pp {pp}")
+        raise CapacityError(f"--tp and --pp must be >= 1, got --tp {tp} --pp {pp}")
     if tp * pp != cluster.gpus:
         shapes = ", ".join(
             f"{t}x{cluster.gpus // t}" for t in range(1, cluster.gpus + 1) if cluster.gpus % t == 0
         )
-        raise PlanError(
+        raise CapacityError(
             f"--tp {tp} x --pp {pp} = {tp * pp} GPUs but --gpus is {cluster.gpus}; make TP x PP equal --gpus "
             f"(TPxPP for {cluster.gpus}: {shapes})"
         )
     if model.num_heads % tp:
         divisors = ", ".join(str(t) for t in range(1, model.num_heads + 1) if model.num_heads % t == 0)
-        raise PlanError(
+        raise CapacityError(
             f"--tp {tp} does not divide {model.name}'s {model.num_heads} attention heads; choose a TP from "
             f"{divisors}"
         )
     kv = model.num_kv_heads
     if kv % tp and tp % kv:
-        raise PlanError(
+        raise CapacityError(
             f"--tp {tp} neither divides nor is a multiple of {model.name}'s {kv} KV heads, so they can be "
             f"neither split nor replicated evenly; choose a TP that divides {kv} or is a multiple of it"
         )
     if pp > model.num_layers:
-        raise PlanError(f"--pp {pp} is more stages than {model.name}'s {model.num_layers} layers")
+        raise CapacityError(f"--pp {pp} is more stages than {model.name}'s {model.num_layers} layers")
 
 
-def plan_row(
+def layout_row(
     model: ModelSpec, cluster: ClusterSpec, tp: int, pp: int, partition: str | list[int] | None = None
-) -> PlanRow:
+) -> LayoutRow:
     """All figures of TP x PP; `partition` overrides the layer split as --pp-layer-partition does."""
     check_layout(model, cluster, tp, pp)
     try:
         counts = resolve_partition(model.num_layers, pp, partition)
     except PartitionError as err:
-        raise PlanError(str(err)) from None
+        raise CapacityError(str(err)) from None
     stages = [_stage(model, cluster, tp, layers, s == 0, s == pp - 1) for s, layers in enumerate(counts)]
     binding = min(range(pp), key=lambda s: stages[s].token_capacity)
     capacity = stages[binding].token_capacity
@@ -164,7 +164,7 @@ def plan_row(
         for s, layers in enumerate(counts)
     )
     in_flight = cluster.in_flight if cluster.in_flight is not None else pp
-    return PlanRow(
+    return LayoutRow(
         tp=tp,
         pp=pp,
         fits=capacity >= cluster.max_model_len,
@@ -245,7 +245,7 @@ def _stage(
 
 def candidate_layouts(
     model: ModelSpec, cluster: ClusterSpec, partition: str | list[int] | None = None
-) -> tuple[list[PlanRow], list[tuple[int, int, str]]]:
+) -> tuple[list[LayoutRow], list[tuple[int, int, str]]]:
     """Every TP x PP = --gpus that the model allows and that fits, and (tp, pp, why) for the rest."""
     rows, skipped = [], []
     for tp in range(1, cluster.gpus + 1):
@@ -253,8 +253,8 @@ def candidate_layouts(
             continue
         pp = cluster.gpus // tp
         try:
-            row = plan_row(model, cluster, tp, pp, partition)
-        except PlanError as err:
+            row = layout_row(model, cluster, tp, pp, partition)
+        except CapacityError as err:
             skipped.append((tp, pp, str(err)))
             continue
         if row.fits:
@@ -264,7 +264,7 @@ def candidate_layouts(
     return rows, skipped
 
 
-def _why_not(row: PlanRow, cluster: ClusterSpec) -> str:
+def _why_not(row: LayoutRow, cluster: ClusterSpec) -> str:
     room = cluster.usable_gib - cluster.reserve_gib
     if row.kv_space_per_gpu_gib <= 0:
         return f"{row.weights_per_gpu_gib:.2f} GiB of weights per GPU, more than the {room:.2f} GiB available"
@@ -274,19 +274,19 @@ def _why_not(row: PlanRow, cluster: ClusterSpec) -> str:
     )
 
 
-def one_node_baseline(model: ModelSpec, cluster: ClusterSpec) -> PlanRow | None:
+def one_node_baseline(model: ModelSpec, cluster: ClusterSpec) -> LayoutRow | None:
     """TP = --gpus-per-node on one node, when the cluster is bigger than a node and that layout fits."""
     if cluster.gpus <= cluster.gpus_per_node:
         return None
     node = dataclasses.replace(cluster, gpus=cluster.gpus_per_node)
     try:
-        row = plan_row(model, node, cluster.gpus_per_node, 1)
-    except PlanError:
+        row = layout_row(model, node, cluster.gpus_per_node, 1)
+    except CapacityError:
         return None
     return row if row.fits else None
 
 
-def with_baseline(rows: list[PlanRow], baseline: PlanRow | None) -> list[PlanRow]:
+def with_baseline(rows: list[LayoutRow], baseline: LayoutRow | None) -> list[LayoutRow]:
     """Fill in `concurrency_vs_one_node`: the gain in whole sequences over the one-node baseline."""
     if baseline is None or baseline.concurrent_sequences == 0:
         return rows

@@ -14,7 +14,7 @@ import torch
 from ringsched.comm.messages import BatchPlan
 from ringsched.sampling import SamplingParams, make_generator, sample
 
-logger = logging.getLogger("ringsched.stage")
+logger = logging.getLogger("ringsched.parallel.rank")
 
 FAILED = -1  # the token of a row whose request could not be sampled: stage 0 ends that request with an error
 
