@@ -32,7 +32,7 @@ for i in range(1, reps + 1):
     ratios.append(r)
     busy = ", ".join(f"{b:.0%}" for b in p2["stage_busy_fraction"])
     # The stages' compute seconds against PP=1's on the same requests: where the host, not the ring, moved the
-    # ratio (docs/performance.md, session 19: 0.96x to 1.22x on the same code).
+    # ratio (docs/performance.md, "Where the time goes": 0.96x to 1.22x on the same code).
     compute = lambda p: sum(s["compute_s"] for s in p["runs"][0]["stage_deltas"])
     print(f"pair {i}: cores {c['scaling']:.2f}x | PP=1 {p1['output_tokens_per_s']:.1f} tok/s | "
           f"PP=2 {p2['partition']} {p2['output_tokens_per_s']:.1f} tok/s = {r:.2f}x, busy {busy}, "

@@ -12,7 +12,7 @@ step() { echo "== $(date +%T) $*" >&2; }
 # 1. Adding a stage, each stage with the same resources (one core, 2G of KV): PP=2 holds twice the requests.
 step "pairs"
 # The flexible cut at the default depth 0 (two micro-batches of 128 rows), decided while each micro-batch runs
-# (`--pp-flex-policy ready`): the better median in sets L and M of docs/performance.md.
+# (`--pp-flex-policy ready`): the fastest configuration in docs/performance.md.
 KV=2G PP1_ARGS="--max-running-requests 128" "$here/bench_pairs.sh" "$out/pairs" 3 256 \
     --max-running-requests 256 --pp-layer-partition auto --pp-flex-layers 2 --pp-flex-policy ready > "$out/pairs.txt"
 

@@ -1,6 +1,6 @@
 """Model FLOPs a stage did, and how they compare with a plain matmul of the same shapes on this machine.
 
-The issue's yardstick: at saturation, each stage's model FLOPs per second should reach at least half of what
+The yardstick: at saturation, each stage's model FLOPs per second should reach at least half of what
 `torch.nn.functional.linear` reaches with the model's MLP shape, the run's tokens per micro-batch, the same
 dtype and the same threads, measured beside the run. Model FLOPs count the useful work only (2 per
 multiply-add of a weight, plus attention's score and value products); norms, rotary, sampling and any padding
