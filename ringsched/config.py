@@ -17,6 +17,7 @@ import torch
 
 from ringsched.parallel.flex import FLEX_POLICIES, FlexBoundary
 from ringsched.parallel.partition import ENV_OVERRIDE, PartitionError, resolve_partition
+from ringsched.parallel.rank import Layout
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -207,6 +208,10 @@ class EngineConfig:
     @property
     def stages_per_node(self) -> int:
         return self.pp_size // self.nnodes
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(pp_size=self.pp_size, nnodes=self.nnodes)
 
     @property
     def local_ranks(self) -> range:

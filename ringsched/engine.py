@@ -7,22 +7,19 @@ streams back. Keyword arguments mirror the launcher's flags. Leaving the `with` 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-import zmq
-
 from ringsched.comm.messages import AbortRequest, NewRequest, OutputBatch, TokenOutput
-from ringsched.comm.zmq_io import Puller, Pusher
 from ringsched.config import EngineConfig
-from ringsched.models.config import ModelConfig
-from ringsched.models.fetch import resolve_model
-from ringsched.process.supervisor import Supervisor
+from ringsched.link import RingLink
 from ringsched.sampling import SamplingParams
 from ringsched.server.detokenizer import TextStream
+from ringsched.spec import ModelSpec
 from ringsched.tokenizer import Tokenizer
 
 
@@ -48,24 +45,15 @@ class StreamEvent:
 
 class Engine:
     def __init__(self, model: str = "smollm2-135m-instruct", **kwargs) -> None:
-        self.model_dir = str(resolve_model(model, quiet=False))
-        self.cfg = EngineConfig(model=self.model_dir, **kwargs)
-        self.model_config = ModelConfig.from_dir(self.model_dir)
-        self.cfg.check_partition(self.model_config.num_layers)  # fail here, not in a child, on a bad partition
-        self.max_len = self.cfg.context_len(self.model_config.max_position_embeddings)
+        self.cfg = EngineConfig(model=model, **kwargs)
+        self.spec = ModelSpec.resolve(self.cfg, quiet=False)  # fails here, not in a child, on a bad flag
+        self.cfg = dataclasses.replace(self.cfg, model=self.spec.model_dir)
+        self.model_dir, self.model_config, self.max_len = self.spec.model_dir, self.spec.config, self.spec.context_len
         self.tokenizer = Tokenizer(self.model_dir)
-        self.supervisor = Supervisor(self.cfg, self.model_dir)
-        self._ctx = zmq.Context()
-        self._out = Puller(self._ctx, self.supervisor.addrs.front_out)
-        self._in = Pusher(self._ctx, self.supervisor.addrs.front_in)
         self._ids = itertools.count()
         self.last_stats: dict = {}
-        self._closed = False
-        try:
-            self.supervisor.start()
-        except BaseException:
-            self._close_sockets()
-            raise
+        self.link = RingLink(self.cfg, self.spec)  # starts the stages
+        self.supervisor = self.link.supervisor
 
     def __enter__(self) -> Engine:
         return self
@@ -80,17 +68,17 @@ class Engine:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         params = params or SamplingParams()
         rid = rid or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        self._in.send(NewRequest(rid, ids, params.to_dict()))
+        self.link.send(NewRequest(rid, ids, params.to_dict()))
         return rid
 
     def abort(self, rid: str) -> None:
-        self._in.send(AbortRequest(rid))
+        self.link.send(AbortRequest(rid))
 
     def poll(self, timeout: float = 0.1) -> list[TokenOutput]:
         """Outputs that arrived within `timeout`; raises `StageFailure` if a stage died."""
         self.supervisor.check()
-        msg = self._out.recv(timeout_ms=int(timeout * 1000))
-        msgs = [msg] + self._out.drain() if msg is not None else []
+        msg = self.link.recv(timeout_ms=int(timeout * 1000))
+        msgs = [msg] + self.link.drain() if msg is not None else []
         outs: list[TokenOutput] = []
         for m in msgs:
             assert isinstance(m, OutputBatch)
@@ -176,16 +164,9 @@ class Engine:
 
     # -- lifecycle -----------------------------------------------------------------------------------------
     def shutdown(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self.supervisor.stop()
-        self._close_sockets()
-
-    def _close_sockets(self) -> None:
-        self._out.close()
-        self._in.close()
-        self._ctx.destroy(linger=0)
+        """Stop every stage process (idempotent)."""
+        if hasattr(self, "link"):
+            self.link.close()
 
     def __del__(self) -> None:
         try:

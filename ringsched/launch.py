@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ringsched.process.cli_args import HelpFormatter, add_engine_args, config_from_args
+from ringsched.process.cli_args import HelpFormatter, add_engine_args, resolve_args
 from ringsched.server.serving import DEFAULT_MAX_REQUEST_BYTES
 
 
@@ -47,17 +47,18 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    cfg = config_from_args(args, log_level=args.log_level)
+    cfg, spec = resolve_args(args, log_level=args.log_level)
     if cfg.node_rank > 0:
         from ringsched.process.headless import run_headless
 
-        return run_headless(cfg, args.host, args.port, args.log_level)
+        return run_headless(cfg, spec, args.host, args.port, args.log_level)
     from ringsched.process.rendezvous import RendezvousError
     from ringsched.server.serve import run_server  # the HTTP stack only when serving
 
     try:
         return run_server(
             cfg,
+            spec,
             host=args.host,
             port=args.port,
             api_key=args.api_key,

@@ -145,7 +145,7 @@ class FrontEnd:
         self.supervisor = FakeSupervisor()
         self.ring = FakeRing(self.supervisor.addrs)
         cfg = EngineConfig(max_running_requests=max_running)
-        client = EngineClient(cfg, model_dir, supervisor=self.supervisor)
+        client = EngineClient(cfg, None, supervisor=self.supervisor)
         tok = Tokenizer(model_dir)
         limits = Limits(max_len, 1 << 20, tok.vocab_size, "m")
         self.ctx = ServerContext(client, tok, ServerMetrics(), limits, None, max_queued, max_request_bytes)

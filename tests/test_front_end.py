@@ -97,7 +97,7 @@ def _inject(front: FrontEnd, monkeypatch, step: str) -> None:
     if step == "tokenize":
         monkeypatch.setattr(ctx.tokenizer, "encode", boom)
     elif step == "send":
-        monkeypatch.setattr(ctx.client._in, "send", boom)
+        monkeypatch.setattr(ctx.client.link.inp, "send", boom)
     elif step == "ring":
         front.ring.mode = "fail"
     elif step == "detokenize":

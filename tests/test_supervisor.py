@@ -11,7 +11,9 @@ from ringsched.comm.messages import StageStatus
 from ringsched.comm.tensor_channel import without_source_paths
 from ringsched.config import EngineConfig
 from ringsched.process.supervisor import StageFailure, Supervisor
+from ringsched.spec import ModelSpec
 
+SPEC = ModelSpec("unused", None, 2048, (), (15, 15))  # the supervisor only keeps it here
 GLOO = "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:5000"
 
 
@@ -29,7 +31,7 @@ class _Proc:
 
 @pytest.fixture
 def sup():
-    s = Supervisor(EngineConfig(pp_size=2, heartbeat_timeout=10.0, stage_timeout=5.0), "unused")
+    s = Supervisor(EngineConfig(pp_size=2, heartbeat_timeout=10.0, stage_timeout=5.0), SPEC)
     s.ranks, s.procs = [0, 1], [_Proc(100), _Proc(101)]
     s._take_status([StageStatus(r, "ready", {"kv_tokens": 16}) for r in (0, 1)])
     yield s
@@ -79,7 +81,7 @@ def test_progress_or_idleness_is_not_stuck(sup):
 
 
 def test_the_cause_is_named_not_the_neighbour_that_lost_it():
-    s = Supervisor(EngineConfig(pp_size=2), "unused")
+    s = Supervisor(EngineConfig(pp_size=2), SPEC)
     errors = {
         0: f"PeerLost: stage 0 lost stage 1: {GLOO}\nTraceback ...",
         1: "IndexError: index 50000 is out of bounds for dimension 1 with size 49152\nTraceback ...",

@@ -37,6 +37,54 @@ class _Sent:
     slots: torch.Tensor
 
 
+class FixedCut:
+    """The cut strategy without `--pp-flex-layers`: the partition's layers, nothing mirrored, the sampled tokens
+    alone on the way back. `FlexRing` has the same methods; the stage loop calls them without asking which."""
+
+    def __init__(self, stage: StageInfo, device: torch.device) -> None:
+        self.stage, self.device = stage, device
+
+    def choose(self, plan: BatchPlan) -> None:
+        pass
+
+    def before_layers(self, plan: BatchPlan, proxy: dict | None, slots: torch.Tensor) -> None:
+        pass
+
+    def layers(self, plan: BatchPlan) -> Iterator[int] | None:
+        return None  # all of this stage's layers
+
+    def after_layers(self, plan: BatchPlan, slots: torch.Tensor) -> list[torch.Tensor]:
+        return []
+
+    def head_took(self, rows: int, seconds: float) -> None:
+        pass
+
+    def computed(self, plan: BatchPlan, seconds: float, slots: torch.Tensor, rows: list[torch.Tensor]) -> None:
+        pass
+
+    def done(self, plan: BatchPlan) -> None:
+        pass
+
+    def payload(self, plan: BatchPlan, tokens: torch.Tensor) -> list[torch.Tensor]:
+        """Last stage: the output message of `plan` (NCCL sends device tensors only)."""
+        if not tokens.numel():
+            return []
+        return [tokens if self.stage.is_first else tokens.to(self.device)]
+
+    def tokens_of(self, seq: int, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """Stage 0: the sampled tokens in an output message."""
+        return tensors[0].cpu() if tensors else torch.empty(0, dtype=torch.long)
+
+    def layers_run(self, plan: BatchPlan) -> int:
+        return self.stage.num_layers
+
+    def note_overhead(self, seconds: float) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {}
+
+
 class FlexRing:
     def __init__(
         self,
@@ -56,6 +104,7 @@ class FlexRing:
         self.ready_cut = ReadyCut(boundary, progress_in) if ready and stage.is_first else None
         self.reporter = ProgressReporter(progress_out) if ready and not stage.is_first else None
         self._sent: dict[int, _Sent] = {}
+        self._out: dict[int, tuple[float, list[torch.Tensor]]] = {}  # stage 1: (seconds, K/V rows) per micro-batch
         self.cuts: dict[int, int] = {}  # how often each cut was used (stats, tests)
         self._overhead = 0.0  # this stage's mean time per micro-batch outside the model
         self._noted = False
@@ -65,9 +114,8 @@ class FlexRing:
 
         Why the chooser counts it: the ring's pace is each stage's whole time per micro-batch, not its model
         compute, and stage 0 also plans, relays and hands every sampled token to the front end. In the offline
-        benchmark that is ~4 ms of a ~350 ms SmolLM2 step and counting it measured neutral (docs/performance.md,
-        session 13); it weighs more where that share is larger, as with a smaller model beside the same per-request
-        work."""
+        benchmark that is ~4 ms of a ~350 ms SmolLM2 step and counting it measured neutral; it weighs more where
+        that share is larger, as with a smaller model beside the same per-request work."""
         if self._noted:
             self._overhead = OVERHEAD_DECAY * self._overhead + (1 - OVERHEAD_DECAY) * seconds
         else:  # the first step sets it: an average started from 0 would under-count the first ~20
@@ -143,3 +191,34 @@ class FlexRing:
         spent_us = int((compute_s + self._overhead) * 1e6)
         meta = torch.tensor([tokens.numel(), spent_us], dtype=torch.long, device=self.device)
         return [meta] + ([tokens.to(self.device)] if tokens.numel() else []) + rows
+
+    # -- the cut strategy, as the stage loop calls it (see FixedCut) ----------------------------------------
+    def before_layers(self, plan: BatchPlan, proxy: dict | None, slots: torch.Tensor) -> None:
+        """Stage 1: learn the cut from the K/V rows stage 0 sent, and write them into this stage's cache."""
+        if proxy is not None:
+            self.take_cut(plan, proxy["kv"])
+            self.mirror_in(plan, proxy["kv"], slots)
+
+    def after_layers(self, plan: BatchPlan, slots: torch.Tensor) -> list[torch.Tensor]:
+        return self.mirror_out(plan, slots)
+
+    def computed(self, plan: BatchPlan, seconds: float, slots: torch.Tensor, rows: list[torch.Tensor]) -> None:
+        """Stage 0: remember the micro-batch for when its outputs return; stage 1: its time and K/V rows go
+        back with its tokens."""
+        if self.stage.is_first:
+            self.sent(plan, seconds, slots)
+        else:
+            self._out[plan.seq] = (seconds, rows)
+
+    def payload(self, plan: BatchPlan, tokens: torch.Tensor) -> list[torch.Tensor]:
+        return self.output_payload(tokens, *self._out.pop(plan.seq, (0.0, [])))
+
+    def tokens_of(self, seq: int, tensors: list[torch.Tensor]) -> torch.Tensor:
+        return self.on_output(seq, tensors)
+
+    def layers_run(self, plan: BatchPlan) -> int:
+        return len(self.b.run_range(self.stage.rank, plan.cut))
+
+    def stats(self) -> dict:
+        """Stage 0: how many micro-batches were cut where (msgpack keys are strings)."""
+        return {"flex_cuts": {str(c): n for c, n in sorted(self.cuts.items())}} if self.stage.is_first else {}

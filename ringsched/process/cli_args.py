@@ -8,8 +8,9 @@ import dataclasses
 import sys
 
 from ringsched.config import ConfigError, EngineConfig
-from ringsched.models.config import ModelConfig, UnsupportedModelError
-from ringsched.models.fetch import FetchError, resolve_model
+from ringsched.models.config import UnsupportedModelError
+from ringsched.models.fetch import FetchError
+from ringsched.spec import ModelSpec
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -43,18 +44,21 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         )
 
 
-def config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
-    """Build and fully validate the config (model included); on a bad flag print the error and exit 2."""
+def resolve_args(args: argparse.Namespace, **extra) -> tuple[EngineConfig, ModelSpec]:
+    """Build and fully validate the config, and resolve the model once (fetching it if needed); on a bad flag
+    print the error and exit 2."""
     try:
-        model_dir = str(resolve_model(args.model, quiet=False))
-        cfg = EngineConfig(**{k: getattr(args, k) for k in ENGINE_FLAGS if k != "model"}, model=model_dir, **extra)
-        mcfg = ModelConfig.from_dir(model_dir)
-        cfg.check_partition(mcfg.num_layers)
-        cfg.context_len(mcfg.max_position_embeddings)
-        return cfg
+        cfg = EngineConfig(**{k: getattr(args, k) for k in ENGINE_FLAGS}, **extra)
+        spec = ModelSpec.resolve(cfg, quiet=False)
+        return dataclasses.replace(cfg, model=spec.model_dir), spec
     except (ConfigError, FetchError, UnsupportedModelError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
+    """`resolve_args`' config, for the commands that hand it to an `Engine` (which resolves its model itself)."""
+    return resolve_args(args, **extra)[0]
 
 
 def engine_kwargs(cfg: EngineConfig) -> dict:

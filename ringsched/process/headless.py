@@ -15,6 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from ringsched.config import EngineConfig
 from ringsched.process.supervisor import StageFailure, Supervisor
+from ringsched.spec import ModelSpec
 
 logger = logging.getLogger("ringsched.launch")
 
@@ -39,11 +40,11 @@ def _health_server(sup: Supervisor, host: str, port: int) -> ThreadingHTTPServer
     return server
 
 
-def run_headless(cfg: EngineConfig, host: str, port: int, log_level: str = "info") -> int:
+def run_headless(cfg: EngineConfig, spec: ModelSpec, host: str, port: int, log_level: str = "info") -> int:
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    sup = Supervisor(cfg, cfg.model)
+    sup = Supervisor(cfg, spec)
     try:
         sup.start()
     except KeyboardInterrupt:

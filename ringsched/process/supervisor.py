@@ -15,10 +15,7 @@ import multiprocessing as mp
 import os
 import shutil
 import socket
-import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
@@ -28,12 +25,14 @@ from ringsched.comm.messages import Shutdown, StageStatus
 from ringsched.comm.tensor_channel import without_source_paths
 from ringsched.comm.zmq_io import Puller, Pusher, ipc_addr, new_ipc_dir
 from ringsched.config import EngineConfig
-from ringsched.models.config import ModelConfig
 from ringsched.parallel.partition import log_partition, partition_source
 from ringsched.parallel.partition_auto import BatchShape, choose_partition
+from ringsched.parallel.rank import node_rank_infos
 from ringsched.process.affinity import stage_cpus
 from ringsched.process.heap import stage_allocator_env
 from ringsched.process.rendezvous import Rendezvous
+from ringsched.process.spawn import stop_resource_tracker, without_main_module
+from ringsched.spec import ModelSpec
 from ringsched.stage.worker import StageAddrs, process_name, stage_main
 
 logger = logging.getLogger("ringsched.launch")
@@ -49,43 +48,12 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-@contextmanager
-def _without_main_module() -> Iterator[None]:
-    """Spawn a stage without re-importing the parent's `__main__` in it.
-
-    A spawned child imports the parent's main module (`ringsched.launch` pulls in the HTTP server, `bench`
-    every benchmark) unless that module has neither a spec nor a file. A stage needs none of it, only
-    `stage_main`, which it imports by name; skipping it keeps tens of MB out of every stage's memory."""
-    main = sys.modules["__main__"]
-    saved = {k: main.__dict__[k] for k in ("__spec__", "__file__") if k in main.__dict__}
-    main.__dict__.pop("__file__", None)
-    main.__spec__ = None
-    try:
-        yield
-    finally:
-        main.__dict__.update(saved)
-        if "__spec__" not in saved:
-            del main.__spec__
-
-
-def _stop_resource_tracker() -> None:
-    """multiprocessing starts a resource tracker with the first spawned child; it would exit only after we do,
-    leaving a process of ours (and of our process group) behind for a moment. Stop it with the last stages (it
-    restarts by itself if stages are spawned again). It exits once every holder of its pipe has closed it, and
-    every spawned child holds it: with other engines' stages still alive here, stopping it would wait for them."""
-    from multiprocessing import resource_tracker
-
-    stop = getattr(resource_tracker._resource_tracker, "_stop", None)
-    if stop is not None and not mp.active_children():
-        stop()
-
-
 class Supervisor:
-    def __init__(self, cfg: EngineConfig, model_dir: str) -> None:
+    def __init__(self, cfg: EngineConfig, spec: ModelSpec) -> None:
         ipc_dir = cfg.ipc_dir or new_ipc_dir()
         if cfg.dist_init_addr is None:
             cfg = replace(cfg, dist_init_addr=f"127.0.0.1:{free_port()}")
-        self.cfg, self.model_dir, self.ipc_dir = replace(cfg, ipc_dir=ipc_dir), model_dir, ipc_dir
+        self.cfg, self.spec, self.ipc_dir = replace(cfg, ipc_dir=ipc_dir), spec, ipc_dir
         self.addrs = StageAddrs(
             ctl=ipc_addr(ipc_dir, "ctl"),
             front_in=ipc_addr(ipc_dir, "front-in"),
@@ -111,12 +79,13 @@ class Supervisor:
         partition = self._own_partition()
         given = self.cfg.pp_layer_partition  # before the stages are told the decided split
         try:
-            self.rendezvous = Rendezvous(self.cfg, self.cfg.model, self.model_dir, partition)
+            self.rendezvous = Rendezvous(self.cfg, self.cfg.model, self.spec.model_dir, partition)
             self.rendezvous.join()
             # The stages (and this node, when it left `auto` to node 0) take the partition node 0 runs.
             decided = ",".join(map(str, self.rendezvous.partition))
             self.cfg = replace(self.cfg, host_ip=self.rendezvous.host_ip, pp_layer_partition=decided)
             self.cfg.check_partition(sum(self.rendezvous.partition))  # `auto` may leave no room for the flex
+            self.spec = self.spec.with_partition(self.rendezvous.partition)
         except BaseException:
             self.stop()
             raise
@@ -128,16 +97,30 @@ class Supervisor:
                 self.cfg.node_rank, self.cfg.nnodes, self.cfg.dist_init_addr, self.cfg.host_ip,
                 list(self.cfg.local_ranks),
             )  # fmt: skip
-        spawn = mp.get_context("spawn")
-        for local, rank in enumerate(self.cfg.local_ranks):
-            p = spawn.Process(
-                target=stage_main, args=(self.cfg, rank, self.model_dir, self.addrs, local),
-                name=process_name(rank), daemon=True,
+        self._spawn()
+        self._wait_ready(timeout)
+        self.rendezvous.start_heartbeat()
+        for rank in sorted(self.info):
+            i = self.info[rank]
+            logger.info(
+                "stage %d ready: layers %d-%d, weights %.1f MiB, KV %d tokens (pid %d)", rank, i["layers"][0],
+                i["layers"][1] - 1, i["weights_bytes"] / 2**20, i["kv_tokens"], i["pid"],
             )  # fmt: skip
-            with _without_main_module(), stage_allocator_env():
+
+    def _spawn(self) -> None:
+        """One process per rank of this node (spawned, not forked)."""
+        spawn = mp.get_context("spawn")
+        for info in node_rank_infos(self.cfg.layout, self.rendezvous.partition, self.cfg.node_rank):
+            p = spawn.Process(
+                target=stage_main, args=(self.cfg, self.spec, info, self.addrs), name=process_name(info.rank),
+                daemon=True,
+            )  # fmt: skip
+            with without_main_module(), stage_allocator_env():
                 p.start()
             self.procs.append(p)
-            self.ranks.append(rank)
+            self.ranks.append(info.rank)
+
+    def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while len(self.info) < len(self.ranks):
             if time.monotonic() > deadline:
@@ -149,23 +132,11 @@ class Supervisor:
             except StageFailure:
                 self.stop()
                 raise
-        self.rendezvous.start_heartbeat()
-        for rank in sorted(self.info):
-            i = self.info[rank]
-            logger.info(
-                "stage %d ready: layers %d-%d, weights %.1f MiB, KV %d tokens (pid %d)",
-                rank,
-                i["layers"][0],
-                i["layers"][1] - 1,
-                i["weights_bytes"] / 2**20,
-                i["kv_tokens"],
-                i["pid"],
-            )
 
     def _own_partition(self) -> list[int] | None:
         """This node's partition: the override or default, or for `auto` node 0's measured choice (other nodes
         return None and take node 0's from the rendezvous)."""
-        mcfg = ModelConfig.from_dir(self.model_dir)
+        mcfg = self.spec.config
         if not self.cfg.auto_partition:
             return self.cfg.partition(mcfg.num_layers)
         if self.cfg.node_rank != 0:
@@ -299,7 +270,7 @@ class Supervisor:
         self.ctx.destroy(linger=0)
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
         if self.procs:
-            _stop_resource_tracker()
+            stop_resource_tracker()
 
     @property
     def pids(self) -> list[int]:

@@ -23,7 +23,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from ringsched.server.engine_client import EngineError
-from ringsched.server.protocol import APIError, Prepared, load_json, parse_chat, parse_completion, parse_generate
+from ringsched.server.json_body import load_json
+from ringsched.server.protocol import APIError, Prepared, parse_chat, parse_completion, parse_generate
 from ringsched.server.serving import Delta, ServerContext, collect, sse, text_deltas, usage
 
 logger = logging.getLogger("ringsched.server")

@@ -1,6 +1,6 @@
 """The front end's link to the ring: starts the stages, sends requests and aborts, routes their tokens.
 
-Contract: `EngineClient(cfg, model_dir)` starts every stage (blocking, as the offline `Engine` does) and binds
+Contract: `EngineClient(cfg, spec)` starts every stage (blocking, as the offline `Engine` does) and binds
 the output socket; `client.start_routing()`, called on the server's event loop, starts the task that routes each
 `TokenOutput` to the queue of its request and watches the stages. `generate(rid, ids, params)` yields a
 request's `TokenOutput`s until one carries a `finish_reason`; it raises `EngineError` when the request ends in
@@ -24,10 +24,11 @@ import zmq
 import zmq.asyncio
 
 from ringsched.comm.messages import AbortRequest, NewRequest, OutputBatch, TokenOutput, decode
-from ringsched.comm.zmq_io import Pusher
 from ringsched.config import EngineConfig
+from ringsched.link import RingLink
 from ringsched.process.supervisor import StageFailure, Supervisor
 from ringsched.sampling import SamplingParams
+from ringsched.spec import ModelSpec
 
 logger = logging.getLogger("ringsched.server")
 
@@ -70,18 +71,9 @@ class RequestCounters:
 
 
 class EngineClient:
-    def __init__(self, cfg: EngineConfig, model_dir: str, supervisor: Supervisor | None = None) -> None:
+    def __init__(self, cfg: EngineConfig, spec: ModelSpec, supervisor: Supervisor | None = None) -> None:
         """`supervisor`: one not yet started, to run the stages some other way (tests stand in a fake ring)."""
         self.cfg = cfg
-        self.supervisor = supervisor or Supervisor(cfg, model_dir)
-        # The output socket is bound (by a plain socket) before the stages start, so no early message is lost;
-        # `run()` wraps it for asyncio on the server's loop.
-        self._zctx = zmq.Context()
-        self._out_sync = self._zctx.socket(zmq.PULL)
-        self._out_sync.setsockopt(zmq.RCVHWM, 0)
-        self._out_sync.bind(self.supervisor.addrs.front_out)
-        # PUSH with no high-water mark never blocks, so sends (aborts included) are plain calls, safe in finally.
-        self._in = Pusher(self._zctx, self.supervisor.addrs.front_in)
         self._open: dict[str, _Open] = {}  # admitted and not yet released: the one count of open requests
         self._task: asyncio.Task | None = None
         self.sched_stats: dict = {}  # stage 0's latest scheduler gauges
@@ -91,12 +83,9 @@ class EngineClient:
         self.failure: str | None = None
         self.on_failure: Callable[[str], None] | None = None
         self._closed = False
-        try:
-            self.supervisor.start()
-        except BaseException:  # Ctrl-C or SIGTERM while loading included: no stage may outlive us
-            self.supervisor.stop()
-            self._close_sockets()
-            raise
+        # Starts the stages (blocking); `start_routing()` wraps its output socket for asyncio on the server's loop.
+        self.link = RingLink(cfg, spec, supervisor)
+        self.supervisor = self.link.supervisor
         self.healthy = self.accepting = True
 
     # -- the background task ------------------------------------------------------------------------------
@@ -110,7 +99,7 @@ class EngineClient:
 
     async def _route(self) -> None:
         """Route outputs to their requests' queues, and watch the stages, until cancelled by `close()`."""
-        sock = zmq.asyncio.Socket.from_socket(self._out_sync)
+        sock = zmq.asyncio.Socket.from_socket(self.link.out)
         watch = asyncio.create_task(self._watch())
         try:
             while not self._closed:
@@ -159,7 +148,7 @@ class EngineClient:
         """End every open request with `error`; aborting each frees its KV on the ring if the ring still runs."""
         for rid, req in list(self._open.items()):
             if req.sent:
-                self._in.send(AbortRequest(rid))
+                self.link.send(AbortRequest(rid))
             req.queue.put_nowait(error)
 
     # -- requests -----------------------------------------------------------------------------------------
@@ -203,7 +192,7 @@ class EngineClient:
             req = self._open.get(rid)
             if req is None:
                 raise EngineError(f"request {rid!r} was not admitted (or was already released)", 500)
-            self._in.send(NewRequest(rid, list(token_ids), params.to_dict()))
+            self.link.send(NewRequest(rid, list(token_ids), params.to_dict()))
             req.sent = True
             self.counters.prompt_tokens += len(token_ids)
             while True:
@@ -228,7 +217,7 @@ class EngineClient:
 
     def abort(self, rid: str) -> None:
         if not self._closed:
-            self._in.send(AbortRequest(rid))
+            self.link.send(AbortRequest(rid))
 
     # -- stats --------------------------------------------------------------------------------------------
     def stage_stats(self) -> dict[int, dict]:
@@ -262,18 +251,9 @@ class EngineClient:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        await asyncio.to_thread(self.supervisor.stop)
-        self._close_sockets()
+        await asyncio.to_thread(self.link.close)
 
     def close_sync(self) -> None:
         """For exits that never reached the event loop (or left it by an exception)."""
-        if self._closed:
-            return
         self._closed = True
-        self.supervisor.stop()
-        self._close_sockets()
-
-    def _close_sockets(self) -> None:
-        self._in.close(linger_ms=0)
-        self._out_sync.close(linger=0)
-        self._zctx.destroy(linger=0)
+        self.link.close()

@@ -22,13 +22,13 @@ import uvicorn
 import uvloop
 
 from ringsched.config import EngineConfig
-from ringsched.models.config import ModelConfig
-from ringsched.models.fetch import DEFAULT_MODEL, resolve_model
+from ringsched.models.fetch import DEFAULT_MODEL
 from ringsched.server.app import create_app
 from ringsched.server.engine_client import EngineClient
 from ringsched.server.metrics import ServerMetrics, log_throughput
 from ringsched.server.protocol import Limits
 from ringsched.server.serving import DEFAULT_MAX_REQUEST_BYTES, ServerContext
+from ringsched.spec import ModelSpec
 from ringsched.tokenizer import Tokenizer
 
 logger = logging.getLogger("ringsched.server")
@@ -50,6 +50,7 @@ def default_model_name(model: str, model_dir: str) -> str:
 
 def run_server(
     cfg: EngineConfig,
+    spec: ModelSpec | None = None,
     host: str = "127.0.0.1",
     port: int = 30000,
     api_key: str | None = None,
@@ -66,25 +67,23 @@ def run_server(
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {shutdown_timeout}")
     if max_request_bytes < 1:
         raise ValueError(f"--max-request-bytes must be >= 1, got {max_request_bytes}")
-    model_dir = str(resolve_model(cfg.model, quiet=False))
+    spec = spec or ModelSpec.resolve(cfg, quiet=False)  # the launcher resolved it already
+    model_dir = spec.model_dir
     cfg = replace(cfg, log_level=log_level)  # the stages log at the server's level
-    mcfg = ModelConfig.from_dir(model_dir)
-    cfg.check_partition(mcfg.num_layers)  # a bad --pp-layer-partition fails here, not in a child
-    max_len = cfg.context_len(mcfg.max_position_embeddings)
     tokenizer = Tokenizer(model_dir)
     name = served_model_name or default_model_name(cfg.model, model_dir)
 
     # Until the event loop owns the signals, SIGTERM interrupts loading like Ctrl-C: the stages are stopped.
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        client = EngineClient(cfg, model_dir)
+        client = EngineClient(cfg, spec)
     except KeyboardInterrupt:
         logger.warning("interrupted while the stages were loading; every stage is stopped")
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)
     try:
-        limits = Limits(max_len, client.kv_capacity_tokens(), mcfg.vocab_size, name)
+        limits = Limits(spec.context_len, client.kv_capacity_tokens(), spec.config.vocab_size, name)
         ctx = ServerContext(
             client, tokenizer, ServerMetrics(), limits, api_key, max_queued_requests, max_request_bytes
         )

@@ -1,7 +1,7 @@
 """The ring loop every stage runs, one micro-batch slot after another.
 
-For micro-batch `t` in slot `t % pp_loop_size`, every stage runs the same steps (design brief, "The stage
-loop"):
+For micro-batch `t` in slot `t % pp_loop_size`, every stage runs the same steps (after SGLang's
+`event_loop_pp`):
 
 1. take in new requests and aborts (stage 0, from the front end);
 2. stage 0 plans micro-batch `t` and sends the plan on; the others receive it, check its sequence number and
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,14 +35,15 @@ from ringsched.models import native
 from ringsched.models.batch import build_forward_batch
 from ringsched.models.llama import StageModel
 from ringsched.parallel.flex import FlexBoundary
-from ringsched.parallel.flex_ring import FlexRing
+from ringsched.parallel.flex_ring import FixedCut, FlexRing
 from ringsched.parallel.rank import StageInfo
 from ringsched.scheduler.planner import Planner
 from ringsched.stage.gc_policy import GcPolicy
-from ringsched.stage.outputs import OutputExchange
-from ringsched.stage.plans import PlanFlow
+from ringsched.stage.outputs import outputs_for
+from ringsched.stage.plans import FollowPlans, LeadPlans
 from ringsched.stage.profiler import ProfileWindow, StepProfiler
 from ringsched.stage.sampler_state import SamplerState
+from ringsched.stage.seams import Embed, HoldTokens, PassOn, ReceiveProxy, SamplingHead, SendProxy
 from ringsched.stage.times import StageTimes, peak_rss_bytes
 
 logger = logging.getLogger(__name__)
@@ -66,7 +66,12 @@ class StageIO:
     progress_out: Pusher | None = None  # stage 1, likewise
 
 
-class StageLoop(PlanFlow, OutputExchange):
+class StageLoop:
+    """One stage's loop. Its parts are chosen once, from its place in the ring: where plans come from (`plans`),
+    what comes in at its first seam (`inbound`), what its layers' output becomes (`head`) and where it goes
+    (`outbound`), the tokens' way back (`outputs`), and the cut between two stages (`cut`: fixed, or
+    `--pp-flex-layers`)."""
+
     def __init__(
         self,
         cfg: EngineConfig,
@@ -85,23 +90,34 @@ class StageLoop(PlanFlow, OutputExchange):
         # Decode attention through the CPU kernel where it applies (float32 or bfloat16 KV on CPU, a C compiler
         # at hand).
         self.use_native_decode = bool(pool.caches) and native.usable_for(pool.caches[0][0].dtype, device)
-        self.sampler = SamplerState(device, eos_ids) if stage.is_last else None
-        # --pp-flex-layers: the cut moves per micro-batch and the shared layers' K/V are mirrored.
-        self.flex = None
-        if flex:
-            self.flex = FlexRing(flex, stage, pool.caches, device, cfg.pp_flex_policy, io.progress_in, io.progress_out)
-        # Last stage: sampled, not yet sent (seq, the message's tensors).
-        self.pending_outputs: deque[tuple[int, list[torch.Tensor]]] = deque()
-        self.next_output = 0  # stage 0: the micro-batch whose outputs come back next
         self.times = StageTimes()
         self.gc = GcPolicy()
         window = ProfileWindow.from_env()  # RINGSCHED_TORCH_PROFILER_DIR: a debugging aid, off by default
         self.profiler = StepProfiler(window, stage.rank, stage.size) if window else None
-        self.stopping = False
         self._last_stats = 0.0
-        # Read by the heartbeat thread (stage_worker): micro-batches done, and whether one is under way now.
+        # Read by the heartbeat thread (stage/worker.py): micro-batches done, and whether one is under way now.
         self.steps = 0
         self.in_step = False
+        self._compose(flex, eos_ids)
+
+    def _compose(self, flex: FlexBoundary | None, eos_ids: tuple[int, ...]) -> None:
+        cfg, stage, io, times = self.cfg, self.stage, self.io, self.times
+        self.cut = (
+            FlexRing(flex, stage, self.pool.caches, self.device, cfg.pp_flex_policy, io.progress_in, io.progress_out)
+            if flex else FixedCut(stage, self.device)
+        )  # fmt: skip
+        self.outputs = outputs_for(cfg, stage, io.chan, times, self.peer, self.planner, io.front_out, self.cut)
+        if stage.is_first:
+            self.plans = LeadPlans(cfg, io, self.planner, times, self.gc, self.cut, self.outputs)
+            self.inbound = Embed()
+        else:
+            self.plans = FollowPlans(stage, io, self.blocks, times, self.gc, self.outputs, self.maybe_report)
+            self.inbound = ReceiveProxy(stage, io.chan, times, self.peer)
+        if stage.is_last:
+            self.head = SamplingHead(self.model, SamplerState(self.device, eos_ids), times, self.cut)
+            self.outbound = HoldTokens(self.cut, self.outputs, times)
+        else:
+            self.head, self.outbound = PassOn(), SendProxy(stage, io.chan, times, self.peer)
 
     def run(self) -> None:
         self.gc.start()
@@ -112,16 +128,14 @@ class StageLoop(PlanFlow, OutputExchange):
 
     def _run(self) -> None:
         t = 0
-        spent_before = 0.0  # sched + comm seconds at the end of the previous step (--pp-flex-layers)
+        spent_before = 0.0  # sched + comm seconds at the end of the previous step (a flexible cut learns them)
         while True:
             self.maybe_report()
             self.io.alive()  # a busy stage must notice an orphaned ring too (one getppid() per micro-batch)
-            plan = self.next_plan(t)
+            plan = self.plans.next(t)
             if plan is None:
                 continue
             if plan.shutdown:
-                if self.io.plan_out:
-                    self.io.plan_out.send(plan)
                 return
             self.in_step = True
             self.step(plan)
@@ -129,37 +143,27 @@ class StageLoop(PlanFlow, OutputExchange):
             self.steps += 1
             if self.profiler:
                 self.profiler.after_step(plan.num_tokens, self.times)
-            start = time.perf_counter()
-            self.gc.after_step()
-            self.times.sched += time.perf_counter() - start
-            if self.flex:
-                spent = self.times.sched + self.times.comm
-                self.flex.note_overhead(spent - spent_before)
-                spent_before = spent
+            with self.times.measure("sched"):
+                self.gc.after_step()
+            spent = self.times.sched + self.times.comm
+            self.cut.note_overhead(spent - spent_before)
+            spent_before = spent
             t += 1
 
     def step(self, plan: BatchPlan) -> None:
-        t, last = plan.seq, self.stage.is_last
-        start = time.perf_counter()
+        """One micro-batch, the plan already taken in (steps 1-2): apply it, then steps 3 to 6."""
         self.apply(plan)
-        self.times.sched += time.perf_counter() - start
-        proxy = self.recv_proxy(plan) if not self.stage.is_first and plan.entries else None
-        out = self.forward(plan, proxy)
-        start = time.perf_counter()
-        if self.flex and last:
-            self.flex.done(plan)
-        if not last and plan.entries:
-            tensors = [out["hidden_states"], out["residual"], *out.get("kv", [])]
-            self._with_peer(self.stage.next, self.io.chan.send, self.stage.next, "proxy", plan.slot, t, tensors)
-        if last:
-            self.pending_outputs.append((t, self._output_payload(out)))
-        peer = 0 if last else self.stage.prev
-        waited = self.times.wait_output
-        self._with_peer(peer, self.exchange_outputs, t)
-        # Time blocked on the returning outputs is a wait, already counted; the rest is communication.
-        self.times.comm += time.perf_counter() - start - (self.times.wait_output - waited)
+        inputs = self.inbound.receive(plan)  # 3. the previous stage's proxy (none on the first stage)
+        out = self.compute(plan, inputs)  # 4. this stage's layers, and on the last stage the head
+        self.outbound.send(plan, out)  # 5. the proxy to the next stage, or the tokens held to go back
+        self.outputs.exchange(plan.seq)  # 6. the tokens' way back to stage 0
 
-    def _with_peer(self, peer: int, fn, *args):
+    def apply(self, plan: BatchPlan) -> None:
+        with self.times.measure("sched"):
+            self.plans.apply(plan)
+            self.head.apply(plan)
+
+    def peer(self, peer: int, fn, *args):
         """Run a tensor-channel call; a dead or unreachable neighbour becomes an error that names it."""
         try:
             return fn(*args)
@@ -171,52 +175,23 @@ class StageLoop(PlanFlow, OutputExchange):
                 here, there = f"{here} (node {self.cfg.node_of(here)})", f"{there} (node {self.cfg.node_of(there)})"
             raise PeerLost(f"stage {here} lost stage {there}: {without_source_paths(str(e).splitlines()[0])}") from e
 
-    # -- 3, 4: compute ------------------------------------------------------------------------------------
-    def recv_proxy(self, plan: BatchPlan) -> dict[str, torch.Tensor]:
-        start = time.perf_counter()
-        msg = self._with_peer(self.stage.prev, self.io.chan.recv, self.stage.prev, "proxy", plan.seq)
-        self.times.wait_prev += time.perf_counter() - start
-        return {"hidden_states": msg.tensors[0], "residual": msg.tensors[1], "kv": msg.tensors[2:]}
-
     @torch.inference_mode()
-    def forward(self, plan: BatchPlan, proxy):
-        self._flex_out: tuple[float, list[torch.Tensor]] = (0.0, [])  # last stage: (compute s, K/V rows) for stage 0
+    def compute(self, plan: BatchPlan, proxy: dict | None):
+        """The layers this stage runs for `plan` (the cut may choose them), then its head; the output for the
+        next stage (a dict of tensors) or, on the last stage, the sampled tokens."""
         if not plan.entries:
-            return torch.empty(0, dtype=torch.long) if self.stage.is_last else None
-        start = time.perf_counter()
-        batch, ids = build_forward_batch(plan, self.blocks, self.device, self.use_native_decode)
-        if self.flex and not self.stage.is_first:
-            self.flex.take_cut(plan, proxy["kv"])
-            self.flex.mirror_in(plan, proxy["kv"], batch.slot_mapping)
-        layers = self.flex.layers(plan) if self.flex else None  # policy ready: sets plan.cut as it runs
-        out = self.model(
-            batch, input_ids=ids if self.stage.is_first else None, proxy=proxy, kv_caches=self.pool.caches,
-            layers=layers,
-        )
-        mirrored = self.flex.mirror_out(plan, batch.slot_mapping) if self.flex else []
-        if not self.stage.is_last:
-            out["kv"] = mirrored
-        if self.stage.is_last:
-            head_start = time.perf_counter()
-            if self.sampler.greedy_only(plan):
-                out = self.model.greedy_tokens(out).cpu()
-            else:
-                out = self.sampler.sample(plan, self.model.compute_logits(out)).cpu()
-            head_s = time.perf_counter() - head_start
-            self.times.head += head_s
-            if self.flex:
-                self.flex.head_took(plan.num_samples, head_s)
-            self.times.sample_rows += out.numel()
-        elapsed = time.perf_counter() - start
-        self.times.compute += elapsed
-        if self.flex and self.stage.is_first:
-            self.flex.sent(plan, elapsed, batch.slot_mapping)
-        elif self.flex:
-            self._flex_out = (elapsed, mirrored)
-        self.times.batches += 1
-        self.times.tokens += plan.num_tokens
-        ran = len(self.flex.b.run_range(self.stage.rank, plan.cut)) if self.flex else self.stage.num_layers
-        self.times.layer_tokens += plan.num_tokens * ran
+            return self.head.empty()
+        with self.times.measure("compute") as took:
+            batch, ids = build_forward_batch(plan, self.blocks, self.device, self.use_native_decode)
+            self.cut.before_layers(plan, proxy, batch.slot_mapping)
+            out = self.model(
+                batch, input_ids=ids if proxy is None else None, proxy=proxy, kv_caches=self.pool.caches,
+                layers=self.cut.layers(plan),  # policy ready: sets plan.cut as it runs
+            )  # fmt: skip
+            rows = self.cut.after_layers(plan, batch.slot_mapping)
+            out = self.head(plan, out, rows)
+        self.cut.computed(plan, took.seconds, batch.slot_mapping, rows)
+        self.times.count(plan.num_tokens, self.cut.layers_run(plan))
         return out
 
     def stage_stats(self) -> dict:
@@ -228,14 +203,8 @@ class StageLoop(PlanFlow, OutputExchange):
             "peak_rss_bytes": peak_rss_bytes(),
             "peak_device_bytes": torch.cuda.max_memory_allocated(self.device) if on_gpu else 0,
             **self.times.snapshot(),
-            **self._flex_stats(),
+            **self.cut.stats(),
         }
-
-    def _flex_stats(self) -> dict:
-        """Stage 0 with a flexible cut: how many micro-batches were cut where (msgpack keys are strings)."""
-        if not (self.flex and self.stage.is_first):
-            return {}
-        return {"flex_cuts": {str(c): n for c, n in sorted(self.flex.cuts.items())}}
 
     def maybe_report(self, period: float = 0.5) -> None:
         """Now and then: this stage's stats to the launcher; stage 0 adds the scheduler's to the front end."""

@@ -1,69 +1,187 @@
-"""Step 6 of the ring loop: the sampled tokens' way back from the last stage to stage 0.
+"""Step 6 of the ring loop: the sampled tokens' way back from the last stage to stage 0, one part per role.
 
-A mixin of `StageLoop` (its attributes: `cfg`, `stage`, `io`, `planner`, `flex`, `times`, `pending_outputs`,
-`next_output`, `_flex_out`), kept apart because the timing argument below is a subject of its own.
+`SendBack` (the last stage) holds what it sampled and sends it to stage 0; `TakeBack` (stage 0) receives the
+tokens of each micro-batch it planned and hands them to the planner; `Local` is both in one process (a single
+stage); `NoOutputs` is a middle stage's. Each has `hold`, `exchange`, `drain`, `pending` and `behind`.
+
+Why the last stage holds `depth - 1` outputs and not `depth`: holding the newest `depth` tied stage 0 to the last
+stage exactly as at depth 0. Planning `t + 1` needs the outputs of `t + 1 - loop`; held `depth` micro-batches,
+they left the last stage only once it had computed `t - 1`, so stage 0 computed `t + 1` beside the last stage's
+`t` and the extra slot gave it no slack. Held `depth - 1`, they leave after `t - 2`: stage 0 can run a
+micro-batch further ahead and the ring absorbs a slow micro-batch on either stage. The send at the end of `t`
+waits for stage 0 to take the outputs of `t - depth`, which it does once it has posted the proxy of `t + 1`:
+the same moment this stage needs that proxy, so it costs no wait.
 """
 
 from __future__ import annotations
 
-import time
+import contextlib
+from collections import deque
+from collections.abc import Callable
 
 import torch
 
 from ringsched.comm.messages import OutputBatch
+from ringsched.config import EngineConfig
+from ringsched.parallel.flex_ring import FixedCut, FlexRing
+from ringsched.parallel.rank import StageInfo
+from ringsched.scheduler.planner import Planner
+from ringsched.stage.times import StageTimes
+
+PeerCall = Callable[..., object]
 
 
-class OutputExchange:
-    def exchange_outputs(self, t: int, flush: bool = False) -> None:
-        """The last stage sends what it holds beyond `depth - 1` (everything when `flush`); stage 0 takes in the
-        outputs up to micro-batch `t - pp_loop_size + 1` (up to `t - 1`, all it planned, when `flush`).
+class _Holder:
+    """The last stage's side: sampled, not yet sent (seq, the message's tensors)."""
 
-        Why `depth - 1` and not `depth`: holding the newest `depth` outputs tied stage 0 to the last stage
-        exactly as at depth 0. Planning `t + 1` needs the outputs of `t + 1 - loop`; held `depth` micro-batches,
-        they left the last stage only once it had computed `t - 1`, so stage 0 computed `t + 1` beside the last
-        stage's `t` and the extra slot gave it no slack. Held `depth - 1`, they leave after `t - 2`: stage 0
-        can run a micro-batch further ahead and the ring absorbs a slow micro-batch on either stage. The send
-        at the end of `t` waits for stage 0 to take the outputs of `t - depth`, which it does once it has
-        posted the proxy of `t + 1`: the same moment this stage needs that proxy, so it costs no wait."""
-        depth, loop = self.cfg.pp_async_batch_depth, self.cfg.pp_loop_size
-        hold = max(depth - 1, 0)
-        if self.stage.is_last:
-            while self.pending_outputs and (flush or len(self.pending_outputs) > hold):
-                seq, payload = self.pending_outputs.popleft()
-                if self.stage.is_first:  # one stage: the outputs never leave the process
-                    self._deliver(seq, payload[0] if payload else torch.empty(0, dtype=torch.long))
-                    self.next_output = seq + 1
-                else:
-                    self.io.chan.send(0, "output", seq % loop, seq, payload)
-        if not self.stage.is_first or self.stage.is_last:
-            return
-        upto = t - 1 if flush else t - loop + 1
-        while self.next_output <= upto:
-            start = time.perf_counter()
-            msg = self.io.chan.recv(self.stage.prev, "output", self.next_output)
-            self.times.wait_output += time.perf_counter() - start
-            if self.flex:
-                tokens = self.flex.on_output(msg.seq, msg.tensors)
-            else:
-                tokens = msg.tensors[0].cpu() if msg.tensors else torch.empty(0, dtype=torch.long)
-            self._deliver(msg.seq, tokens)
-            self.next_output += 1
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.held: deque[tuple[int, list[torch.Tensor]]] = deque()
+        self.keep = max(cfg.pp_async_batch_depth - 1, 0)
 
-    def _output_payload(self, tokens: torch.Tensor) -> list[torch.Tensor]:
-        """Last stage: the output message of one micro-batch (NCCL sends device tensors only)."""
-        if self.flex:
-            return self.flex.output_payload(tokens, *self._flex_out)
-        if not tokens.numel():
-            return []
-        return [tokens if self.stage.is_first else tokens.to(self.device)]
+    def hold(self, seq: int, payload: list[torch.Tensor]) -> None:
+        self.held.append((seq, payload))
 
-    def _deliver(self, seq: int, tokens: torch.Tensor) -> None:
+    def due(self, flush: bool) -> list[tuple[int, list[torch.Tensor]]]:
+        out = []
+        while self.held and (flush or len(self.held) > self.keep):
+            out.append(self.held.popleft())
+        return out
+
+    @property
+    def pending(self) -> bool:
+        return bool(self.held)
+
+
+class _Taker:
+    """Stage 0's side: which micro-batch's outputs come back next, and where they go."""
+
+    def __init__(self, planner: Planner, front_out, times: StageTimes) -> None:
+        self.planner, self.front_out, self.times = planner, front_out, times
+        self.next_output = 0
+
+    def deliver(self, seq: int, tokens: torch.Tensor) -> None:
         outs = self.planner.on_output(seq, tokens.tolist())
         if outs:
-            self.io.front_out.send(OutputBatch(outs))
+            self.front_out.send(OutputBatch(outs))
+        self.next_output = seq + 1
+
+    def behind(self, t: int) -> bool:
+        """Outputs of micro-batches before `t` are still on their way."""
+        return self.next_output < t
+
+
+class SendBack:
+    def __init__(self, cfg: EngineConfig, chan, times: StageTimes, peer: PeerCall) -> None:
+        self.cfg, self.chan, self.times, self.peer = cfg, chan, times, peer
+        self.holder = _Holder(cfg)
+
+    def hold(self, seq: int, payload: list[torch.Tensor]) -> None:
+        self.holder.hold(seq, payload)
+
+    def exchange(self, t: int) -> None:
+        with self.times.measure("comm"):
+            self._send(flush=False)
 
     def drain(self, t: int) -> None:
-        """Idle: settle every output still on its way, so no stage is left holding a send (a gloo send of an
-        output completes only when stage 0 receives it) and every finished request gets freed."""
-        peer = 0 if self.stage.is_last else self.stage.prev
-        self._with_peer(peer, self.exchange_outputs, t, True)
+        """Idle: send everything held, so no stage sits on an unfinished send (a gloo send of an output
+        completes only when stage 0 receives it) and every finished request gets freed. (Its time is the idle
+        wait's it happens in.)"""
+        self._send(flush=True)
+
+    def _send(self, flush: bool) -> None:
+        for seq, payload in self.holder.due(flush):
+            self.peer(0, self.chan.send, 0, "output", seq % self.cfg.pp_loop_size, seq, payload)
+
+    @property
+    def pending(self) -> bool:
+        return self.holder.pending
+
+    def behind(self, t: int) -> bool:
+        return False
+
+
+class TakeBack:
+    def __init__(self, cfg: EngineConfig, stage: StageInfo, chan, times: StageTimes, peer: PeerCall,
+                 taker: _Taker, cut: FixedCut | FlexRing) -> None:  # fmt: skip
+        self.cfg, self.stage, self.chan, self.times, self.peer = cfg, stage, chan, times, peer
+        self.taker, self.cut = taker, cut
+
+    def hold(self, seq: int, payload: list[torch.Tensor]) -> None:
+        raise AssertionError("stage 0 samples nothing when there are several stages")
+
+    def exchange(self, t: int) -> None:
+        """Take in the outputs up to micro-batch `t - pp_loop_size + 1`: the previous micro-batch of the slot
+        planned next, so its requests are free again just in time."""
+        self._take(t - self.cfg.pp_loop_size + 1, counted=True)
+
+    def drain(self, t: int) -> None:
+        """Idle: take in the outputs of every micro-batch planned (up to `t - 1`)."""
+        self._take(t - 1, counted=False)
+
+    def _take(self, upto: int, counted: bool) -> None:
+        """Receive (the wait counts as waiting for outputs) and deliver (as communication when `counted`)."""
+        while self.taker.next_output <= upto:
+            with self.times.measure("wait_output"):
+                msg = self.peer(self.stage.prev, self.chan.recv, self.stage.prev, "output", self.taker.next_output)
+            with self.times.measure("comm") if counted else contextlib.nullcontext():
+                self.taker.deliver(msg.seq, self.cut.tokens_of(msg.seq, msg.tensors))
+
+    pending = False
+
+    def behind(self, t: int) -> bool:
+        return self.taker.behind(t)
+
+
+class Local:
+    """One stage: the outputs never leave the process (held as the last stage would, then delivered)."""
+
+    def __init__(self, cfg: EngineConfig, times: StageTimes, taker: _Taker) -> None:
+        self.times, self.taker, self.holder = times, taker, _Holder(cfg)
+
+    def hold(self, seq: int, payload: list[torch.Tensor]) -> None:
+        self.holder.hold(seq, payload)
+
+    def exchange(self, t: int) -> None:
+        with self.times.measure("comm"):
+            self._deliver(flush=False)
+
+    def drain(self, t: int) -> None:
+        self._deliver(flush=True)
+
+    def _deliver(self, flush: bool) -> None:
+        for seq, payload in self.holder.due(flush):
+            self.taker.deliver(seq, payload[0] if payload else torch.empty(0, dtype=torch.long))
+
+    @property
+    def pending(self) -> bool:
+        return self.holder.pending
+
+    def behind(self, t: int) -> bool:
+        return self.taker.behind(t)
+
+
+class NoOutputs:
+    """A middle stage: tokens do not pass through it."""
+
+    pending = False
+
+    def hold(self, seq: int, payload: list[torch.Tensor]) -> None:
+        raise AssertionError("a middle stage samples nothing")
+
+    def exchange(self, t: int) -> None:
+        pass
+
+    def drain(self, t: int) -> None:
+        pass
+
+    def behind(self, t: int) -> bool:
+        return False
+
+
+def outputs_for(cfg: EngineConfig, stage: StageInfo, chan, times: StageTimes, peer: PeerCall,
+                planner: Planner | None, front_out, cut: FixedCut | FlexRing):  # fmt: skip
+    """The part for this stage's place in the ring."""
+    if stage.is_first:
+        taker = _Taker(planner, front_out, times)
+        return Local(cfg, times, taker) if stage.is_last else TakeBack(cfg, stage, chan, times, peer, taker, cut)
+    return SendBack(cfg, chan, times, peer) if stage.is_last else NoOutputs()

@@ -1,71 +1,53 @@
 """Steps 1 and 2 of the ring loop: requests and aborts in, and the batch plan every stage applies.
 
-A mixin of `StageLoop` (its attributes: `cfg`, `stage`, `io`, `planner`, `blocks`, `sampler`, `flex`, `gc`,
-`times`, `stopping`, `pending_outputs`, `next_output`; its methods `drain` and `maybe_report`), kept apart so
-that the loop's file holds the step and the compute. Stage 0 decides every plan; the others receive it, check
-its sequence number before anything else and forward it, so all stages apply the same plans in the same order.
+Stage 0 decides every plan (`LeadPlans`: it takes in the front end's requests and aborts, plans with the
+`Planner`, and sends the plan on before computing it); the other stages receive it, check its sequence number
+before anything else, forward it and apply its frees and block numbers (`FollowPlans`), so all stages apply the
+same plans in the same order. `next(t)` returns micro-batch `t`'s plan, or None when there is nothing to do.
 """
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
 
 from ringsched.comm.messages import AbortRequest, BatchPlan, NewRequest, OutputBatch, Shutdown
 from ringsched.comm.tensor_channel import SequenceMismatch
+from ringsched.config import EngineConfig
+from ringsched.kv_cache import BlockTable
+from ringsched.parallel.flex_ring import FixedCut, FlexRing
+from ringsched.parallel.rank import StageInfo
+from ringsched.scheduler.planner import Planner
+from ringsched.stage.gc_policy import GcPolicy
+from ringsched.stage.times import StageTimes
 
 
-class PlanFlow:
-    def next_plan(self, t: int) -> BatchPlan | None:
-        if self.stage.is_first:
-            return self.make_plan(t)
-        start = time.perf_counter()
-        while True:
-            plan = self.io.plan_in.recv(timeout_ms=200)
-            if plan is not None:
-                break
-            if self.stage.is_last and self.pending_outputs:
-                self.drain(t)  # the ring went quiet: stage 0 is waiting for these
-            self.gc.idle()
-            self.io.alive()
-            self.maybe_report()
-        waited = time.perf_counter() - start
-        # A long wait with an empty pipeline is idleness, not a bubble.
-        if waited > 0.1:
-            self.times.idle += waited
-        else:
-            self.times.wait_prev += waited
-        if not plan.shutdown and plan.seq != t:
-            raise SequenceMismatch(f"stage {self.stage.rank} expected plan {t}, got {plan.seq}")
-        if self.io.plan_out:
-            start = time.perf_counter()
-            self.io.plan_out.send(plan)
-            self.times.comm += time.perf_counter() - start
-        return plan
+class LeadPlans:
+    def __init__(self, cfg: EngineConfig, io, planner: Planner, times: StageTimes, gc: GcPolicy,
+                 cut: FixedCut | FlexRing, outputs) -> None:  # fmt: skip
+        self.cfg, self.io, self.planner, self.times, self.gc = cfg, io, planner, times, gc
+        self.cut, self.outputs = cut, outputs
+        self.stopping = False
 
-    def make_plan(self, t: int) -> BatchPlan | None:
+    def next(self, t: int) -> BatchPlan | None:
         self.take_in(timeout_ms=0)
-        if not self.planner.has_work and self.next_output < t:
-            self.drain(t)  # outputs still on their way back (async depth, or the ring's lag)
+        if not self.planner.has_work and self.outputs.behind(t):
+            self.outputs.drain(t)  # outputs still on their way back (async depth, or the ring's lag)
             return None
         if self.stopping and not self.planner.has_work:
             plan = BatchPlan(slot=t % self.cfg.pp_loop_size, seq=t, shutdown=True)
         elif not self.planner.has_work:
-            start = time.perf_counter()
-            self.take_in(timeout_ms=100)
-            self.gc.idle()
-            self.times.idle += time.perf_counter() - start
+            with self.times.measure("idle"):
+                self.take_in(timeout_ms=100)
+                self.gc.idle()
             self.io.alive()
             return None
         else:
-            start = time.perf_counter()
-            plan = self.planner.plan(t % self.cfg.pp_loop_size, t)
-            self.times.sched += time.perf_counter() - start
-        if self.flex and not plan.shutdown:
-            self.flex.choose(plan)
+            with self.times.measure("sched"):
+                plan = self.planner.plan(t % self.cfg.pp_loop_size, t)
+            self.cut.choose(plan)
         if self.io.plan_out:
-            start = time.perf_counter()
-            self.io.plan_out.send(plan)
-            self.times.comm += time.perf_counter() - start
+            with self.times.measure("comm"):
+                self.io.plan_out.send(plan)
         return plan
 
     def take_in(self, timeout_ms: int) -> None:
@@ -76,29 +58,48 @@ class PlanFlow:
         errors = []
         for m in msgs:
             if isinstance(m, NewRequest):
-                err = self.planner.add(m)
-                if err:
-                    errors.append(err)
+                errors.append(self.planner.add(m))
             elif isinstance(m, AbortRequest):
-                out = self.planner.abort(m.rid)
-                if out:
-                    errors.append(out)
+                errors.append(self.planner.abort(m.rid))
             elif isinstance(m, Shutdown):
                 # Stop now: everything still queued or running ends as aborted; in-flight batches drain.
                 self.stopping = True
-                for rid in list(self.planner.requests):
-                    out = self.planner.abort(rid)
-                    if out:
-                        errors.append(out)
+                errors += [self.planner.abort(rid) for rid in list(self.planner.requests)]
+        errors = [e for e in errors if e]
         if errors:
             self.io.front_out.send(OutputBatch(errors))
 
     def apply(self, plan: BatchPlan) -> None:
-        if not self.stage.is_first:  # stage 0's planner already did this
-            for rid in plan.frees:
-                self.blocks.free(rid)
-            for e in plan.entries:
-                if e.new_blocks:
-                    self.blocks.assign(e.rid, e.new_blocks)
-        if self.sampler:
-            self.sampler.apply(plan)
+        pass  # the planner already did, as it planned
+
+
+class FollowPlans:
+    def __init__(self, stage: StageInfo, io, blocks: BlockTable, times: StageTimes, gc: GcPolicy, outputs,
+                 report: Callable[[], None]) -> None:  # fmt: skip
+        self.stage, self.io, self.blocks, self.times, self.gc = stage, io, blocks, times, gc
+        self.outputs, self.report = outputs, report
+
+    def next(self, t: int) -> BatchPlan:
+        with self.times.measure("idle") as took:
+            while (plan := self.io.plan_in.recv(timeout_ms=200)) is None:
+                if self.outputs.pending:
+                    self.outputs.drain(t)  # the ring went quiet: stage 0 is waiting for these
+                self.gc.idle()
+                self.io.alive()
+                self.report()
+        if took.seconds <= 0.1:  # a short wait in a running ring is a bubble, not idleness
+            self.times.idle -= took.seconds
+            self.times.wait_prev += took.seconds
+        if not plan.shutdown and plan.seq != t:
+            raise SequenceMismatch(f"stage {self.stage.rank} expected plan {t}, got {plan.seq}")
+        if self.io.plan_out:
+            with self.times.measure("comm"):
+                self.io.plan_out.send(plan)
+        return plan
+
+    def apply(self, plan: BatchPlan) -> None:
+        for rid in plan.frees:
+            self.blocks.free(rid)
+        for e in plan.entries:
+            if e.new_blocks:
+                self.blocks.assign(e.rid, e.new_blocks)

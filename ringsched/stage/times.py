@@ -7,9 +7,16 @@ import resource
 import sys
 import time
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 WINDOW_S = 5.0  # busy_fraction and bubble_fraction cover about this many seconds before each snapshot
+
+
+@dataclass
+class Took:
+    seconds: float = 0.0
 
 
 @dataclass
@@ -30,6 +37,23 @@ class StageTimes:
     sample_rows: int = 0  # last stage: rows through the final norm, lm_head and sampling
     # (time, compute, wait, idle) at recent snapshots: the window the fractions are measured over.
     _marks: deque = field(default_factory=deque, repr=False)
+
+    @contextmanager
+    def measure(self, kind: str) -> Iterator[Took]:
+        """`with times.measure("compute") as took:` adds the block's seconds to that kind (compute, head,
+        wait_prev, wait_output, idle, sched or comm); `took.seconds` has them after the block."""
+        took, start = Took(), time.perf_counter()
+        try:
+            yield took
+        finally:
+            took.seconds = time.perf_counter() - start
+            setattr(self, kind, getattr(self, kind) + took.seconds)
+
+    def count(self, tokens: int, layers: int) -> None:
+        """One micro-batch computed: `tokens` through `layers` layers."""
+        self.batches += 1
+        self.tokens += tokens
+        self.layer_tokens += tokens * layers
 
     def snapshot(self) -> dict:
         """Totals since the first micro-batch, and `busy_fraction`/`bubble_fraction`: the shares of the last

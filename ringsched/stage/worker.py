@@ -6,6 +6,7 @@ exits non-zero, so the launcher can stop the others and say which stage failed a
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import os
@@ -27,12 +28,12 @@ from ringsched.config import EngineConfig, parse_memory
 from ringsched.kv_cache import BlockTable, KVPool, blocks_for_memory
 from ringsched.models.config import ModelConfig
 from ringsched.models.loader import load_stage_model, weights_bytes
-from ringsched.parallel.partition import stage_ranges
-from ringsched.parallel.rank import StageInfo
+from ringsched.parallel.rank import RankInfo, StageInfo
 from ringsched.process.affinity import stage_cpus
 from ringsched.process.heap import keep_heap
 from ringsched.process.rendezvous import connect_store, interface_of
 from ringsched.scheduler.planner import Planner
+from ringsched.spec import ModelSpec
 from ringsched.stage.loop import StageIO, StageLoop
 
 logger = logging.getLogger("ringsched.parallel.rank")
@@ -51,7 +52,8 @@ class ParentGone(RuntimeError):
     pass
 
 
-def stage_main(cfg: EngineConfig, rank: int, model_dir: str, addrs: StageAddrs, local_rank: int = 0) -> None:
+def stage_main(cfg: EngineConfig, spec: ModelSpec, where: RankInfo, addrs: StageAddrs) -> None:
+    rank = where.rank
     logging.basicConfig(
         level=cfg.log_level.upper(),
         format=f"[stage {rank}] %(asctime)s %(levelname)s %(message)s",
@@ -66,7 +68,7 @@ def stage_main(cfg: EngineConfig, rank: int, model_dir: str, addrs: StageAddrs, 
     ctx = zmq.Context()
     ctl = Pusher(ctx, addrs.ctl)
     try:
-        loop, info = _setup(cfg, rank, model_dir, addrs, ctx, ctl, local_rank)
+        loop, info = _setup(cfg, spec, where, addrs, ctx, ctl)
         _start_heartbeat(ctx, addrs.ctl, rank, loop)
         ctl.send(StageStatus(rank, "ready", info))
         loop.run()
@@ -84,93 +86,90 @@ def stage_main(cfg: EngineConfig, rank: int, model_dir: str, addrs: StageAddrs, 
     os._exit(0)  # skip interpreter teardown: a peer's pending gloo work must not hang our exit
 
 
-def _setup(cfg, rank, model_dir, addrs, ctx, ctl, local_rank) -> tuple[StageLoop, dict]:
+def _setup(cfg, spec: ModelSpec, where: RankInfo, addrs, ctx, ctl) -> tuple[StageLoop, dict]:
+    """Threads and device, the process group, this stage's weights and KV pool, its sockets: its loop, and what
+    it reports as ready."""
+    rank = where.rank
     parent = os.getppid()
 
     def alive() -> None:
         if os.getppid() != parent:
             raise ParentGone("the launcher is gone")
 
+    device = _threads_and_device(cfg, where.local_rank)
+    store = _process_group(cfg, rank)
+    mcfg, counts = spec.config, list(spec.partition)
+    flex = cfg.flex_boundary(mcfg.num_layers, counts)
+    stage = where.stage  # with a flexible cut, the stage also holds the shared layers around the cut
+    if flex:
+        stage = dataclasses.replace(stage, start_layer=flex.held(rank)[0], end_layer=flex.held(rank)[1])
+        if rank == 0:
+            logger.info("flexible cut: stage 0 runs the first %d to %d layers of each micro-batch", flex.lo, flex.hi)
+    model = load_stage_model(spec.model_dir, stage, cfg.torch_dtype, device)
+    num_blocks = _kv_blocks(cfg, mcfg, stage, device)
+    pool = KVPool(mcfg, stage.num_layers, num_blocks, cfg.block_size, cfg.torch_dtype, device)
+    blocks = BlockTable(num_blocks, cfg.block_size, follower=not stage.is_first)
+    info = _ready_info(stage, counts[rank], model, pool, blocks)
+    planner = None
+    if stage.is_first:
+        planner = Planner(blocks, cfg.micro_batch_size, cfg.max_running_requests, cfg.chunked_prefill_size,
+                          spec.eos_ids, spec.context_len, random.Random(cfg.seed), mcfg.vocab_size)  # fmt: skip
+    plan_in, plan_out = _plan_channels(cfg, stage, addrs, ctx, store)
+    progress_in, progress_out = _progress_channels(cfg, stage, addrs, ctx, store)
+    io = StageIO(
+        chan=TensorChannel(device), plan_in=plan_in, plan_out=plan_out,
+        front_in=Puller(ctx, addrs.front_in) if stage.is_first else None,
+        front_out=Pusher(ctx, addrs.front_out) if stage.is_first else None,
+        alive=alive, report=lambda stats: ctl.send(StageStatus(rank, "stats", stats)),
+        progress_in=progress_in, progress_out=progress_out,
+    )  # fmt: skip
+    return StageLoop(cfg, stage, model, blocks, pool, io, planner, device, spec.eos_ids, flex), info
+
+
+def _threads_and_device(cfg: EngineConfig, local_rank: int) -> torch.device:
     keep_heap()
     torch.set_num_threads(cfg.threads)
     cpus = stage_cpus(cfg.threads, cfg.stages_per_node, local_rank, cfg.resolved_device)
     if cpus is not None:
         os.sched_setaffinity(0, cpus)
-    device = torch.device("cpu")
     if cfg.resolved_device == "cuda":
         torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    store = None
-    if cfg.pp_size > 1:
-        if cfg.nnodes > 1:  # gloo and NCCL pick their interface by name: the one carrying our address
-            iface = interface_of(cfg.host_ip)
-            if iface:
-                os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
-                os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
-        store = connect_store(cfg, is_master=False)  # hosted by node 0's launcher (the rendezvous)
-        torch.distributed.init_process_group(
-            cfg.backend,
-            store=PrefixStore("pg", store),
-            rank=rank,
-            world_size=cfg.pp_size,
-            timeout=datetime.timedelta(seconds=cfg.stage_timeout),
-        )
-    mcfg = ModelConfig.from_dir(model_dir)
-    counts = cfg.partition(mcfg.num_layers)
-    flex = cfg.flex_boundary(mcfg.num_layers, counts)
-    start, end = flex.held(rank) if flex else stage_ranges(counts)[rank]
-    stage = StageInfo(rank, cfg.pp_size, start, end)
-    if rank == 0 and flex:
-        logger.info("flexible cut: stage 0 runs the first %d to %d layers of each micro-batch", flex.lo, flex.hi)
-    model = load_stage_model(model_dir, stage, cfg.torch_dtype, device)
-    num_blocks = _kv_blocks(cfg, mcfg, stage, device)
-    pool = KVPool(mcfg, stage.num_layers, num_blocks, cfg.block_size, cfg.torch_dtype, device)
-    blocks = BlockTable(num_blocks, cfg.block_size, follower=not stage.is_first)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def _process_group(cfg: EngineConfig, rank: int):
+    """Join the stages' process group (none with one stage); the store node 0's launcher hosts, or None."""
+    if cfg.pp_size == 1:
+        return None
+    if cfg.nnodes > 1:  # gloo and NCCL pick their interface by name: the one carrying our address
+        iface = interface_of(cfg.host_ip)
+        if iface:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
+    store = connect_store(cfg, is_master=False)
+    torch.distributed.init_process_group(
+        cfg.backend, store=PrefixStore("pg", store), rank=rank, world_size=cfg.pp_size,
+        timeout=datetime.timedelta(seconds=cfg.stage_timeout),
+    )  # fmt: skip
+    return store
+
+
+def _ready_info(stage: StageInfo, cut_layers: int, model, pool: KVPool, blocks: BlockTable) -> dict:
     info = {
-        "layers": [start, end],
-        "cut_layers": counts[rank],  # without --pp-flex-layers, end - start
+        "layers": [stage.start_layer, stage.end_layer],
+        "cut_layers": cut_layers,  # without --pp-flex-layers, the layer count
         "weights_bytes": weights_bytes(model),
         "kv_bytes": pool.nbytes,
         "kv_tokens": blocks.capacity_tokens,
         "pid": os.getpid(),
     }
     logger.info(
-        "layers %d-%d (%d), weights %.1f MiB, KV pool %.1f MiB = %d tokens",
-        start,
-        end - 1,
-        stage.num_layers,
-        info["weights_bytes"] / 2**20,
-        pool.nbytes / 2**20,
+        "layers %d-%d (%d), weights %.1f MiB, KV pool %.1f MiB = %d tokens", stage.start_layer,
+        stage.end_layer - 1, stage.num_layers, info["weights_bytes"] / 2**20, pool.nbytes / 2**20,
         blocks.capacity_tokens,
-    )
-    planner = None
-    eos_ids = _eos_ids(model_dir, mcfg)
-    if stage.is_first:
-        max_len = cfg.context_len(mcfg.max_position_embeddings)
-        planner = Planner(
-            blocks,
-            cfg.micro_batch_size,
-            cfg.max_running_requests,
-            cfg.chunked_prefill_size,
-            eos_ids,
-            max_len,
-            random.Random(cfg.seed),
-            mcfg.vocab_size,
-        )
-    plan_in, plan_out = _plan_channels(cfg, stage, addrs, ctx, store)
-    progress_in, progress_out = _progress_channels(cfg, stage, addrs, ctx, store)
-    io = StageIO(
-        chan=TensorChannel(device),
-        plan_in=plan_in,
-        plan_out=plan_out,
-        front_in=Puller(ctx, addrs.front_in) if stage.is_first else None,
-        front_out=Pusher(ctx, addrs.front_out) if stage.is_first else None,
-        alive=alive,
-        report=lambda stats: ctl.send(StageStatus(rank, "stats", stats)),
-        progress_in=progress_in,
-        progress_out=progress_out,
-    )
-    return StageLoop(cfg, stage, model, blocks, pool, io, planner, device, eos_ids, flex), info
+    )  # fmt: skip
+    return info
 
 
 HEARTBEAT_PERIOD_S = 0.5
@@ -262,18 +261,6 @@ def _kv_blocks(cfg: EngineConfig, mcfg: ModelConfig, stage: StageInfo, device: t
     if blocks < 1:
         raise RuntimeError(f"--kv-cache-memory {cfg.kv_cache_memory} holds no KV block; raise it")
     return blocks
-
-
-def _eos_ids(model_dir: str, mcfg: ModelConfig) -> tuple[int, ...]:
-    import json
-    from pathlib import Path
-
-    ids = set(mcfg.eos_token_ids)
-    gen = Path(model_dir) / "generation_config.json"
-    if gen.exists():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    return tuple(sorted(ids))
 
 
 def _set_process_name(name: str) -> None:

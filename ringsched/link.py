@@ -1,0 +1,61 @@
+"""The front end's one link to the ring, shared by the offline `Engine` and the server's `EngineClient`.
+
+`RingLink(cfg, spec)` binds the socket stage 0's outputs come back on (before any stage starts, so no early
+message is lost), connects the one requests and aborts go out on, and starts this node's stages through a
+`Supervisor` (blocking until every stage is ready; a failure or Ctrl-C while loading stops them all). `send`
+never blocks (a PUSH socket without a high-water mark), so it is safe in `finally` blocks; `recv` and `drain`
+read outputs synchronously (the server wraps `out` for asyncio instead); `close` stops the stages and closes
+both sockets, once.
+"""
+
+from __future__ import annotations
+
+import zmq
+
+from ringsched.comm.messages import OutputBatch, decode
+from ringsched.comm.zmq_io import Pusher
+from ringsched.config import EngineConfig
+from ringsched.process.supervisor import Supervisor
+from ringsched.spec import ModelSpec
+
+
+class RingLink:
+    def __init__(self, cfg: EngineConfig, spec: ModelSpec, supervisor: Supervisor | None = None) -> None:
+        """`supervisor`: one not yet started, to run the stages some other way (tests stand in a fake ring)."""
+        self.supervisor = supervisor or Supervisor(cfg, spec)
+        self.zctx = zmq.Context()
+        self.out = self.zctx.socket(zmq.PULL)
+        self.out.setsockopt(zmq.RCVHWM, 0)
+        self.out.bind(self.supervisor.addrs.front_out)
+        self.inp = Pusher(self.zctx, self.supervisor.addrs.front_in)
+        self.closed = False
+        try:
+            self.supervisor.start()
+        except BaseException:  # Ctrl-C or SIGTERM while loading included: no stage may outlive us
+            self.close()
+            raise
+
+    def send(self, msg: object) -> None:
+        if not self.closed:
+            self.inp.send(msg)
+
+    def recv(self, timeout_ms: int) -> OutputBatch | None:
+        if not self.out.poll(timeout_ms, zmq.POLLIN):
+            return None
+        return decode(self.out.recv(copy=False).bytes)
+
+    def drain(self) -> list[OutputBatch]:
+        msgs = []
+        while self.out.poll(0, zmq.POLLIN):
+            msgs.append(decode(self.out.recv(copy=False).bytes))
+        return msgs
+
+    def close(self) -> None:
+        """Stop every stage of this node, then close the sockets (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        self.supervisor.stop()
+        self.inp.close(linger_ms=0)
+        self.out.close(linger=0)
+        self.zctx.destroy(linger=0)

@@ -1,0 +1,51 @@
+"""What an engine runs, resolved once: the model's directory and config, its end-of-sequence ids, the context
+length and the layer partition. Built by `ModelSpec.resolve(cfg)` where the engine starts (the launcher, the
+offline `Engine`) and passed, as a value, to the server, the supervisor and every stage; `auto` partitions are
+decided by node 0's supervisor, which hands the stages `spec.with_partition(decided)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ringsched.config import EngineConfig
+from ringsched.models.config import ModelConfig
+from ringsched.models.fetch import resolve_model
+from ringsched.parallel.partition import default_partition
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    model_dir: str
+    config: ModelConfig
+    context_len: int  # --max-model-len, or the model's
+    eos_ids: tuple[int, ...]
+    partition: tuple[int, ...]  # layers per stage (with `auto`: the default split until node 0 has measured)
+
+    @classmethod
+    def resolve(cls, cfg: EngineConfig, quiet: bool = True) -> ModelSpec:
+        """Fetch the model if needed and check the flags against it; raises ConfigError, FetchError,
+        UnsupportedModelError or FileNotFoundError with a message naming the flag."""
+        model_dir = str(resolve_model(cfg.model, quiet=quiet))
+        mcfg = ModelConfig.from_dir(model_dir)
+        cfg.check_partition(mcfg.num_layers)  # a bad --pp-layer-partition fails here, not in a child
+        auto = cfg.auto_partition
+        counts = default_partition(mcfg.num_layers, cfg.pp_size) if auto else cfg.partition(mcfg.num_layers)
+        return cls(model_dir, mcfg, cfg.context_len(mcfg.max_position_embeddings), _eos_ids(model_dir, mcfg),
+                   tuple(counts))  # fmt: skip
+
+    def with_partition(self, counts: list[int] | tuple[int, ...]) -> ModelSpec:
+        return dataclasses.replace(self, partition=tuple(counts))
+
+
+def _eos_ids(model_dir: str, mcfg: ModelConfig) -> tuple[int, ...]:
+    """The config's end-of-sequence ids and those of generation_config.json (chat models often add one there)."""
+    ids = set(mcfg.eos_token_ids)
+    gen = Path(model_dir) / "generation_config.json"
+    if gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return tuple(sorted(ids))

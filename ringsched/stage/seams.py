@@ -1,0 +1,107 @@
+"""What a stage does at its two seams, chosen once by its place in the ring (`StageLoop` composes them).
+
+In: the first stage embeds token ids (`Embed`); the others receive the previous stage's `"proxy"` tensors
+(`ReceiveProxy`). After the layers: a stage that is not the last passes its output on (`PassOn` as its head,
+`SendProxy` to post the send); the last stage samples (`SamplingHead`) and holds the tokens for their way back
+(`HoldTokens`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ringsched.comm.messages import BatchPlan
+from ringsched.models.llama import StageModel
+from ringsched.parallel.flex_ring import FixedCut, FlexRing
+from ringsched.parallel.rank import StageInfo
+from ringsched.stage.sampler_state import SamplerState
+from ringsched.stage.times import StageTimes
+
+PeerCall = Callable[..., object]  # (peer, fn, *args): a tensor-channel call whose failure names the peer
+
+
+class Embed:
+    """The first stage: its input is the plan's token ids, nothing to receive."""
+
+    def receive(self, plan: BatchPlan) -> None:
+        return None
+
+
+class ReceiveProxy:
+    """A later stage: `[hidden_states, residual, *kv rows]` of the micro-batch from the previous stage."""
+
+    def __init__(self, stage: StageInfo, chan, times: StageTimes, peer: PeerCall) -> None:
+        self.stage, self.chan, self.times, self.peer = stage, chan, times, peer
+
+    def receive(self, plan: BatchPlan) -> dict[str, torch.Tensor] | None:
+        if not plan.entries:
+            return None
+        with self.times.measure("wait_prev"):
+            msg = self.peer(self.stage.prev, self.chan.recv, self.stage.prev, "proxy", plan.seq)
+        return {"hidden_states": msg.tensors[0], "residual": msg.tensors[1], "kv": msg.tensors[2:]}
+
+
+class PassOn:
+    """Not the last stage: the layers' output goes on as it is, with the K/V rows the cut mirrors."""
+
+    def apply(self, plan: BatchPlan) -> None:
+        pass
+
+    def __call__(self, plan: BatchPlan, out: dict, rows: list[torch.Tensor]) -> dict:
+        out["kv"] = rows
+        return out
+
+    def empty(self) -> None:
+        return None
+
+
+class SamplingHead:
+    """The last stage: the final norm, lm_head and sampling of the rows that sample; tokens to the CPU."""
+
+    def __init__(self, model: StageModel, sampler: SamplerState, times: StageTimes, cut: FixedCut | FlexRing) -> None:
+        self.model, self.sampler, self.times, self.cut = model, sampler, times, cut
+
+    def apply(self, plan: BatchPlan) -> None:
+        self.sampler.apply(plan)
+
+    def __call__(self, plan: BatchPlan, out: dict, rows: list[torch.Tensor]) -> torch.Tensor:
+        with self.times.measure("head") as took:
+            if self.sampler.greedy_only(plan):
+                tokens = self.model.greedy_tokens(out).cpu()
+            else:
+                tokens = self.sampler.sample(plan, self.model.compute_logits(out)).cpu()
+        self.cut.head_took(plan.num_samples, took.seconds)
+        self.times.sample_rows += tokens.numel()
+        return tokens
+
+    def empty(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.long)
+
+
+class SendProxy:
+    """Not the last stage: post the send of the micro-batch's proxy to the next stage (asynchronous; at most one
+    outstanding per channel, see `TensorChannel`)."""
+
+    def __init__(self, stage: StageInfo, chan, times: StageTimes, peer: PeerCall) -> None:
+        self.stage, self.chan, self.times, self.peer = stage, chan, times, peer
+
+    def send(self, plan: BatchPlan, out: dict | None) -> None:
+        if not plan.entries:
+            return
+        tensors = [out["hidden_states"], out["residual"], *out.get("kv", [])]
+        with self.times.measure("comm"):
+            self.peer(self.stage.next, self.chan.send, self.stage.next, "proxy", plan.slot, plan.seq, tensors)
+
+
+class HoldTokens:
+    """The last stage: the sampled tokens join the outputs on their way back to stage 0."""
+
+    def __init__(self, cut: FixedCut | FlexRing, outputs, times: StageTimes) -> None:
+        self.cut, self.outputs, self.times = cut, outputs, times
+
+    def send(self, plan: BatchPlan, tokens: torch.Tensor) -> None:
+        with self.times.measure("comm"):
+            self.cut.done(plan)
+            self.outputs.hold(plan.seq, self.cut.payload(plan, tokens))

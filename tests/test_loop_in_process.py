@@ -1,0 +1,165 @@
+"""The ring loop in one process: each stage a thread running the real `StageLoop` over a fake stage IO (queues
+for the tensor and plan channels and the front end's sockets), so the loop's logic is checked in the fast lane
+without processes; `tests/test_ring.py` runs the same ring across real processes, gloo and ZMQ."""
+
+from __future__ import annotations
+
+import queue
+import random
+import threading
+from collections import defaultdict
+
+import pytest
+import torch
+
+from ringsched.comm.messages import NewRequest, OutputBatch, Shutdown
+from ringsched.comm.tensor_channel import SequenceMismatch, TensorMessage
+from ringsched.config import EngineConfig
+from ringsched.kv_cache import BlockTable, KVPool, blocks_for_memory
+from ringsched.models.config import ModelConfig
+from ringsched.models.loader import load_stage_model
+from ringsched.parallel.partition import stage_ranges
+from ringsched.parallel.rank import StageInfo
+from ringsched.sampling import SamplingParams
+from ringsched.scheduler.planner import Planner
+from ringsched.stage.loop import StageIO, StageLoop
+
+TIMEOUT_S = 60.0
+
+
+class QueueChannel:
+    """`TensorChannel` between threads: one queue per (source, destination, kind)."""
+
+    def __init__(self, rank: int, boxes: defaultdict) -> None:
+        self.rank, self.boxes = rank, boxes
+
+    def send(self, dst: int, kind: str, slot: int, seq: int, tensors: list[torch.Tensor]) -> None:
+        self.boxes[(self.rank, dst, kind)].put(TensorMessage(kind, slot, seq, [t.clone() for t in tensors]))
+
+    def recv(self, src: int, kind: str, seq: int | None = None) -> TensorMessage:
+        msg = self.boxes[(src, self.rank, kind)].get(timeout=TIMEOUT_S)
+        if seq is not None and msg.seq != seq:
+            raise SequenceMismatch(f"expected {kind} {seq}, got {msg.seq}")
+        return msg
+
+
+class QueueSocket:
+    """A ZMQ `Pusher`/`Puller` between threads."""
+
+    def __init__(self) -> None:
+        self.q: queue.Queue = queue.Queue()
+
+    def send(self, msg: object) -> None:
+        self.q.put(msg)
+
+    def recv(self, timeout_ms: int | None = None) -> object | None:
+        try:
+            return self.q.get(timeout=None if timeout_ms is None else timeout_ms / 1000)
+        except queue.Empty:
+            return None
+
+    def drain(self) -> list[object]:
+        out = []
+        while not self.q.empty():
+            out.append(self.q.get_nowait())
+        return out
+
+
+def run_ring(model_dir, requests: list[tuple[list[int], SamplingParams]], pp_size: int, depth: int = 0,
+             **cfg_kw) -> dict[str, list[int]]:  # fmt: skip
+    """Every request through an in-process ring of `pp_size` stage threads; each request's generated tokens."""
+    cfg = EngineConfig(pp_size=pp_size, pp_async_batch_depth=depth, kv_cache_memory="8M", **cfg_kw)
+    mcfg = ModelConfig.from_dir(model_dir)
+    ranges = stage_ranges(cfg.partition(mcfg.num_layers))
+    num_blocks = min(blocks_for_memory(mcfg, e - s, torch.float32, 8 << 20, cfg.block_size) for s, e in ranges)
+    boxes: defaultdict = defaultdict(queue.Queue)
+    plans = [QueueSocket() for _ in range(pp_size)]  # plans[k]: stage k-1 -> k
+    front_in, front_out = QueueSocket(), QueueSocket()
+    device = torch.device("cpu")
+    loops = []
+    for rank, (start, end) in enumerate(ranges):
+        stage = StageInfo(rank, pp_size, start, end)
+        blocks = BlockTable(num_blocks, cfg.block_size, follower=not stage.is_first)
+        planner = None
+        if stage.is_first:
+            planner = Planner(blocks, cfg.micro_batch_size, cfg.max_running_requests, cfg.chunked_prefill_size,
+                              tuple(mcfg.eos_token_ids), 2048, random.Random(0), mcfg.vocab_size)  # fmt: skip
+        io = StageIO(
+            chan=QueueChannel(rank, boxes), plan_in=plans[rank] if rank else None,
+            plan_out=plans[rank + 1] if rank + 1 < pp_size else None,
+            front_in=front_in if stage.is_first else None, front_out=front_out if stage.is_first else None,
+            alive=lambda: None, report=lambda stats: None,
+        )  # fmt: skip
+        pool = KVPool(mcfg, stage.num_layers, num_blocks, cfg.block_size, torch.float32, device)
+        model = load_stage_model(model_dir, stage)
+        loops.append(StageLoop(cfg, stage, model, blocks, pool, io, planner, device, tuple(mcfg.eos_token_ids)))
+    errors: list[BaseException] = []
+
+    def run(loop: StageLoop) -> None:
+        try:
+            loop.run()
+        except BaseException as e:  # surfaced by the test below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(loop,), daemon=True) for loop in loops]
+    for t in threads:
+        t.start()
+    rids = [f"r{i}" for i in range(len(requests))]
+    for rid, (ids, params) in zip(rids, requests, strict=True):
+        front_in.send(NewRequest(rid, ids, params.to_dict()))
+    out: dict[str, list[int]] = {rid: [] for rid in rids}
+    done: set[str] = set()
+    while len(done) < len(rids) and not errors:
+        msg = front_out.recv(timeout_ms=int(TIMEOUT_S * 1000))
+        assert isinstance(msg, OutputBatch), "the ring went silent"
+        for o in msg.outputs:
+            assert o.finish_reason != "error", o.error
+            out[o.rid] += o.token_ids
+            if o.finish_reason:
+                done.add(o.rid)
+    front_in.send(Shutdown("test"))
+    for t in threads:
+        t.join(TIMEOUT_S)
+    assert not errors, errors
+    assert not any(t.is_alive() for t in threads), "a stage did not stop"
+    assert all(loop.blocks.used_blocks == 0 for loop in loops), "KV left allocated"
+    return out
+
+
+def _requests(vocab: int) -> list[tuple[list[int], SamplingParams]]:
+    rng = random.Random(1)
+    greedy = [([rng.randrange(3, vocab) for _ in range(rng.randint(2, 40))],
+               SamplingParams(max_tokens=rng.randint(3, 12), temperature=0, ignore_eos=True)) for _ in range(10)]
+    seeded = [([5, 6, 7], SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=3, ignore_eos=True))]
+    return greedy + seeded  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir):
+    reqs = _requests(ModelConfig.from_dir(tiny_llama_dir).vocab_size)
+    return reqs, run_ring(str(tiny_llama_dir), reqs, pp_size=1)
+
+
+@pytest.mark.parametrize("pp_size, depth", [(2, 0), (2, 1), (3, 0), (3, 2)])
+def test_every_layout_gives_the_same_tokens(tiny_llama_dir, reference, pp_size, depth):
+    reqs, expected = reference
+    assert run_ring(str(tiny_llama_dir), reqs, pp_size=pp_size, depth=depth) == expected
+
+
+def test_small_chunks_and_micro_batches_give_the_same_tokens(tiny_llama_dir, reference):
+    reqs, expected = reference
+    got = run_ring(str(tiny_llama_dir), reqs, pp_size=2, chunked_prefill_size=7, pp_max_micro_batch_size=2)
+    assert got == expected
+
+
+def test_greedy_matches_transformers(tiny_llama_dir, reference):
+    transformers = pytest.importorskip("transformers")
+    reqs, expected = reference
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
+    for i, (ids, params) in enumerate(reqs):
+        if not params.greedy:
+            continue
+        with torch.no_grad():
+            gen = hf.generate(torch.tensor([ids]), max_new_tokens=params.max_tokens, do_sample=False,
+                              min_new_tokens=params.max_tokens, pad_token_id=0)  # fmt: skip
+        assert gen[0, len(ids) :].tolist() == expected[f"r{i}"]
