@@ -20,13 +20,12 @@ import zmq
 from ringsched.comm.messages import AbortRequest, NewRequest, OutputBatch, TokenOutput
 from ringsched.comm.zmq_io import Puller, Pusher, ipc_addr, new_ipc_dir
 from ringsched.config import EngineConfig
-from ringsched.process.supervisor import StageFailure
+from ringsched.process.supervisor import StageFailure, free_port
 from ringsched.server.app import create_app
 from ringsched.server.engine_client import EngineClient
 from ringsched.server.metrics import ServerMetrics
 from ringsched.server.protocol import Limits
 from ringsched.server.serving import ServerContext
-from ringsched.server.testing import free_port
 from ringsched.stage.worker import StageAddrs
 from ringsched.tokenizer import Tokenizer
 

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import psutil
 
+from ringsched.server.testing import ProcessTree
+
 PREFIX = "rs"  # namespace names: rs<pid>-<hex>-<host index>
 DEV = "eth0"
 
@@ -101,7 +103,7 @@ class NsProcess:
                 env=env,
                 start_new_session=True,
             )
-        self._seen: dict[int, psutil.Process] = {}
+        self.tree = ProcessTree(self.proc.pid)
         self.descendants()
 
     @property
@@ -126,24 +128,11 @@ class NsProcess:
 
     def descendants(self) -> list[psutil.Process]:
         """Live descendants; each one seen is remembered so that `kill()` reaches it even once orphaned."""
-        try:
-            kids = psutil.Process(self.proc.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            kids = []
-        for k in kids:
-            self._seen.setdefault(k.pid, k)
-        return kids
+        return self.tree.descendants()
 
     def leftovers(self) -> list[psutil.Process]:
         """Processes of this tree still running (zombies count as gone)."""
-        alive = []
-        for p in [*self._seen.values()]:
-            try:
-                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                    alive.append(p)
-            except psutil.NoSuchProcess:
-                pass
-        return alive
+        return self.tree.leftovers()
 
     def tree_gone(self) -> bool:
         return self.poll() is not None and not self.leftovers()

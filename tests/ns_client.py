@@ -21,6 +21,8 @@ import time
 
 import httpx
 
+from ringsched.server.testing import read_sse
+
 
 def wait(urls: list[str], timeout: float) -> int:
     deadline = time.monotonic() + timeout
@@ -53,43 +55,16 @@ def greedy(base: str, prompt: str, chat: str, max_tokens: int) -> int:
     return 0
 
 
-async def read_stream(hc: httpx.AsyncClient, url: str, body: dict, first: asyncio.Event) -> dict:
-    """How one SSE stream ended: token chunks, the error chunk if any, [DONE], or the transport error."""
-    out: dict = {"chunks": 0, "error": None, "done": False, "transport_error": None}
-    try:
-        async with hc.stream("POST", url, json=body) as r:
-            if r.status_code != 200:
-                out["transport_error"] = f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"
-                return out
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                if line == "data: [DONE]":
-                    out["done"] = True
-                    continue
-                ev = json.loads(line[6:])
-                if "error" in ev:
-                    out["error"] = ev["error"]
-                else:
-                    out["chunks"] += 1
-                    first.set()
-    except httpx.HTTPError as e:
-        out["transport_error"] = f"{type(e).__name__}: {e}"
-    finally:
-        first.set()  # a stream that failed before its first token must not hold up STARTED
-    return out
-
-
 async def streams(base: str, n: int, max_tokens: int, timeout: float) -> int:
     body = {"prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
     async with httpx.AsyncClient(timeout=timeout, trust_env=False) as hc:
         model = (await hc.get(f"{base}/v1/models")).json()["data"][0]["id"]
         firsts = [asyncio.Event() for _ in range(n)]
         url = f"{base}/v1/completions"
-        tasks = [asyncio.create_task(read_stream(hc, url, {**body, "model": model}, ev)) for ev in firsts]
+        tasks = [asyncio.create_task(read_sse(hc, url, {**body, "model": model}, ev)) for ev in firsts]
         await asyncio.gather(*(ev.wait() for ev in firsts))
         print("STARTED", flush=True)
-        results = await asyncio.gather(*tasks)
+        results = [{**r, "chunks": len(r["chunks"])} for r in await asyncio.gather(*tasks)]
     print(json.dumps(results))
     return 0
 

@@ -10,6 +10,8 @@ pytest.importorskip("transformers")
 
 from ringsched.bench.__main__ import main  # noqa: E402
 
+pytestmark = pytest.mark.slow  # real model or several processes: the full suite's
+
 
 def test_bench_hf_both_modes(tiny_llama_dir, capsys):
     n, out_len = 6, 4

@@ -19,6 +19,8 @@ from ringsched.bench.offline import add_offline_args, offline_config, run_offlin
 from ringsched.models.config import ModelConfig
 from ringsched.process.cli_args import add_engine_args, config_from_args
 
+pytestmark = pytest.mark.slow  # real model or several processes: the full suite's
+
 MIB = 2**20
 
 

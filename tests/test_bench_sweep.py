@@ -18,6 +18,8 @@ from ringsched.bench.stage_metrics import parse_stage_metrics, stage_deltas  # n
 from ringsched.bench.sweep_plan import RateLadder, ServerConfig, SweepConfigError, parse_rates  # noqa: E402
 from ringsched.bench.sweep_report import load_sweep, markdown_table, write_report  # noqa: E402
 
+pytestmark = pytest.mark.slow  # real model or several processes: the full suite's
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 PLOTS = ("tpot_vs_rate.png", "throughput_vs_rate.png")
 

@@ -9,6 +9,8 @@ import pytest
 from ringsched.engine import Engine
 from ringsched.sampling import SamplingParams
 
+pytestmark = pytest.mark.slow  # real model or several processes: the full suite's
+
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):

@@ -11,6 +11,8 @@ import torch
 
 from ringsched.process.heap import STAGE_ALLOCATOR_ENV, stage_allocator_env
 
+pytestmark = pytest.mark.slow  # real model or several processes: the full suite's
+
 
 def _has_mallinfo2() -> bool:
     try:

@@ -31,6 +31,8 @@ from ringsched.models.random_model import random_config, write_random_model
 from ringsched.parallel.partition import get_pp_indices
 from ringsched.parallel.rank import StageInfo
 
+pytestmark = pytest.mark.slow  # real model or several processes: the full suite's
+
 EMBED = "model.embed_tokens.weight"
 LAYER = re.compile(r"model\.layers\.(\d+)\.")
 

@@ -11,6 +11,8 @@ from ringsched.models.config import ModelConfig
 from ringsched.models.loader import load_stage_model
 from ringsched.parallel.rank import StageInfo
 
+pytestmark = pytest.mark.slow  # real model or several processes: the full suite's
+
 transformers = pytest.importorskip("transformers")
 
 RAW = [

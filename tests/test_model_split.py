@@ -9,6 +9,8 @@ from ringsched.models.loader import load_stage_model
 from ringsched.parallel.partition import resolve_partition, stage_ranges
 from ringsched.parallel.rank import StageInfo
 
+pytestmark = pytest.mark.slow  # real model or several processes: the full suite's
+
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407]
 
 

@@ -18,6 +18,8 @@ from ringsched.models.loader import load_stage_model
 from ringsched.parallel.rank import StageInfo
 from ringsched.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.slow  # real model or several processes: the full suite's
+
 FILES = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"}
 SMALL = ["--layers", "4", "--hidden", "64", "--heads", "4", "--kv-heads", "2"]
 

@@ -16,6 +16,8 @@ from ringsched.models.config import ModelConfig
 from ringsched.parallel.partition import ENV_OVERRIDE
 from ringsched.parallel.partition_auto import BatchShape, StageCosts, balance_loss, best_partition, choose_partition
 
+pytestmark = pytest.mark.slow  # real model or several processes: the full suite's
+
 SHAPE = BatchShape(decodes=64, prefill_tokens=64, context=256)
 
 

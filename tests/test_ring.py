@@ -13,6 +13,8 @@ from ring_utils import children_of, mixed_workload, run_staggered, stage_kv_usag
 from ringsched.engine import Engine
 from ringsched.sampling import SamplingParams
 
+pytestmark = pytest.mark.slow  # real model or several processes: the full suite's
+
 ENGINE_KW = dict(threads_per_stage=1, kv_cache_memory="256M", log_level="warning")
 
 

@@ -11,6 +11,8 @@ from ringsched.engine import Engine
 from ringsched.process.supervisor import StageFailure
 from ringsched.sampling import SamplingParams
 
+pytestmark = pytest.mark.slow  # real model or several processes: the full suite's
+
 KW = dict(threads_per_stage=1, log_level="warning")
 
 

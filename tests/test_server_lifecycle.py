@@ -6,7 +6,6 @@ Each test starts its own real server (SmolLM2, two stages) because each one ends
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import re
 import signal
@@ -16,32 +15,11 @@ import time
 import httpx
 import pytest
 
-from ringsched.server.testing import ServerProcess
+from ringsched.server.testing import ServerProcess, read_sse
 
 pytestmark = pytest.mark.slow
 
 BASE = ["--pp-size", "2", "--threads-per-stage", "1", "--kv-cache-memory", "64M", "--max-model-len", "1024"]
-
-
-async def read_stream(hc: httpx.AsyncClient, url: str, body: dict, first: asyncio.Event | None = None) -> dict:
-    """Every event of one SSE stream: the parsed chunks, the error chunk if any, and whether [DONE] came."""
-    out: dict = {"chunks": [], "error": None, "done": False}
-    async with hc.stream("POST", url, json={**body, "stream": True}) as r:
-        assert r.status_code == 200, await r.aread()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
-                out["done"] = True
-                continue
-            ev = json.loads(line[6:])
-            if "error" in ev:
-                out["error"] = ev["error"]
-            else:
-                out["chunks"].append(ev)
-                if first is not None and ev["choices"][0]["text"]:
-                    first.set()
-    return out
 
 
 def finish_reason(result: dict) -> str | None:
@@ -81,11 +59,11 @@ def test_queue_full_then_sigterm_drains_and_exits():
                 firsts = [asyncio.Event() for _ in range(4)]
                 lengths = [20, 400, 400, 400]
                 tasks = [
-                    asyncio.create_task(read_stream(hc, url, {**body, "max_tokens": n}, ev))
+                    asyncio.create_task(read_sse(hc, url, {**body, "max_tokens": n}, ev))
                     for n, ev in zip(lengths[:2], firsts, strict=False)
                 ]
                 await asyncio.wait_for(asyncio.gather(firsts[0].wait(), firsts[1].wait()), 60)
-                tasks += [asyncio.create_task(read_stream(hc, url, {**body, "max_tokens": n})) for n in lengths[2:]]
+                tasks += [asyncio.create_task(read_sse(hc, url, {**body, "max_tokens": n})) for n in lengths[2:]]
                 deadline = time.monotonic() + 10
                 while waiting(srv) < 2 and time.monotonic() < deadline:
                     await asyncio.sleep(0.1)
@@ -125,7 +103,7 @@ def test_stage_death_ends_streams_with_an_error():
         async def scenario() -> list[dict]:
             async with httpx.AsyncClient(timeout=15) as hc:  # a stream silent for 15 s fails the test: no hangs
                 firsts = [asyncio.Event() for _ in range(3)]
-                tasks = [asyncio.create_task(read_stream(hc, url, body, ev)) for ev in firsts]
+                tasks = [asyncio.create_task(read_sse(hc, url, body, ev)) for ev in firsts]
                 await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in firsts)), 60)
                 srv.descendants()
                 os.kill(srv.stage_pid(1), signal.SIGKILL)
@@ -192,7 +170,7 @@ def test_a_stopped_stage_is_noticed_by_its_heartbeat(busy):
         async def scenario() -> tuple[list[dict], float]:
             async with httpx.AsyncClient(timeout=timeout + 10) as hc:
                 firsts = [asyncio.Event() for _ in range(3 if busy else 0)]
-                tasks = [asyncio.create_task(read_stream(hc, url, body, ev)) for ev in firsts]
+                tasks = [asyncio.create_task(read_sse(hc, url, body, ev)) for ev in firsts]
                 await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in firsts)), 60)
                 srv.descendants()
                 os.kill(stage1, signal.SIGSTOP)

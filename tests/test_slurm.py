@@ -20,6 +20,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from ringsched.process.supervisor import free_port
+
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(os.geteuid() != 0, reason="slurmctld and slurmd run as root here"),
@@ -28,12 +30,6 @@ pytestmark = [
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "launch" / "slurm" / "ringsched.sbatch"
 QUESTION = "What is the capital of France?"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def free_port_pair() -> int:

@@ -47,6 +47,7 @@ def test_profiles_only_the_window(tmp_path):
     assert "window: micro-batches 4, tokens 26, layer-tokens 0, compute s 2," in text
 
 
+@pytest.mark.slow
 def test_a_ring_writes_each_stage_table_and_keeps_serving(tiny_llama_dir, tmp_path, monkeypatch):
     """Both stages of a real two-process ring (gloo, ZMQ) profile their window, write their tables and go on
     serving: the ring outlives the window and answers the same as before it. (The abort that keeping the

@@ -9,6 +9,8 @@ import torch
 from ringsched.comm.tensor_channel import HEADER_LEN, SequenceMismatch, TensorChannel, pack_header, unpack_header
 from ringsched.process.supervisor import free_port
 
+pytestmark = pytest.mark.slow  # real model or several processes: the full suite's
+
 
 def test_header_round_trip():
     ts = [torch.zeros(3, 5), torch.zeros(7, dtype=torch.int64)]

@@ -7,6 +7,8 @@ import pytest
 
 from ringsched.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.slow  # real model or several processes: the full suite's
+
 transformers = pytest.importorskip("transformers")
 
 CORPUS = {

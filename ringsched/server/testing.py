@@ -7,10 +7,12 @@ every descendant it has seen.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,13 +22,8 @@ from pathlib import Path
 import httpx
 import psutil
 
+from ringsched.process.supervisor import free_port
 from ringsched.stage.worker import process_name
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess:
@@ -39,7 +36,7 @@ class ServerProcess:
         self.startup_timeout = startup_timeout
         self.log_path = Path(tempfile.mkstemp(prefix="ringsched-server-", suffix=".log")[1])
         self.proc: subprocess.Popen | None = None
-        self._seen: dict[int, psutil.Process] = {}
+        self.tree: ProcessTree | None = None
 
     @property
     def url(self) -> str:
@@ -71,6 +68,7 @@ class ServerProcess:
                 env=env,
                 start_new_session=True,
             )
+        self.tree = ProcessTree(self.proc.pid)
         try:
             self._wait_ready()
         except BaseException:
@@ -97,13 +95,7 @@ class ServerProcess:
 
     def descendants(self) -> list[psutil.Process]:
         """Live descendants of the server; each one seen is remembered, so `stop()` can kill it if orphaned."""
-        try:
-            kids = psutil.Process(self.proc.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            kids = []
-        for k in kids:
-            self._seen.setdefault(k.pid, k)
-        return kids
+        return self.tree.descendants() if self.tree else []
 
     def stage_pid(self, rank: int) -> int:
         """The pid of stage `rank`: by process name when stages set one, else from the Supervisor's ready log."""
@@ -120,14 +112,7 @@ class ServerProcess:
 
     def leftovers(self) -> list[psutil.Process]:
         """Processes this server started that are still running (zombies count as gone)."""
-        alive = []
-        for p in self._seen.values():
-            try:
-                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                    alive.append(p)
-            except psutil.NoSuchProcess:
-                pass
-        return alive
+        return self.tree.leftovers() if self.tree else []
 
     def stop(self, grace: float = 30.0) -> int | None:
         """SIGTERM, wait up to `grace` seconds, then SIGKILL everything that is left. Returns the exit code."""
@@ -144,7 +129,69 @@ class ServerProcess:
             os.killpg(self.proc.pid, signal.SIGKILL)  # the session: stages and helpers included
         except (ProcessLookupError, PermissionError):
             pass
-        for p in self.leftovers():
-            p.kill()
+        self.tree.kill()
         self.proc.wait(10)
         return self.proc.returncode
+
+
+class ProcessTree:
+    """The processes under `pid`, remembered as they are seen, so that ones orphaned later can still be found
+    and killed: the tests' one process-tree cleanup."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.seen: dict[int, psutil.Process] = {}
+
+    def descendants(self) -> list[psutil.Process]:
+        """Live descendants now; each one is remembered."""
+        try:
+            kids = psutil.Process(self.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            kids = []
+        for k in kids:
+            self.seen.setdefault(k.pid, k)
+        return kids
+
+    def leftovers(self) -> list[psutil.Process]:
+        """Processes ever seen that still run (zombies count as gone)."""
+        alive = []
+        for p in list(self.seen.values()):
+            try:
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        return alive
+
+    def kill(self) -> None:
+        for p in self.leftovers():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+
+
+async def read_sse(hc: httpx.AsyncClient, url: str, body: dict, first: asyncio.Event | None = None) -> dict:
+    """How one SSE stream went: its chunks, the error chunk if any, whether `[DONE]` came, or the HTTP or
+    transport error that ended it. `first` is set at the first chunk with text, and when the stream ends."""
+    out: dict = {"chunks": [], "error": None, "done": False, "transport_error": None}
+    try:
+        async with hc.stream("POST", url, json={**body, "stream": True}) as r:
+            if r.status_code != 200:
+                out["transport_error"] = f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"
+                return out
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue  # keep-alive comments and blank separators
+                if line == "data: [DONE]":
+                    out["done"] = True
+                elif "error" in (ev := json.loads(line[6:])):
+                    out["error"] = ev["error"]
+                else:
+                    out["chunks"].append(ev)
+                    if first is not None and ev.get("choices") and ev["choices"][0].get("text"):
+                        first.set()
+    except httpx.HTTPError as e:
+        out["transport_error"] = f"{type(e).__name__}: {e}"
+    finally:
+        if first is not None:
+            first.set()  # ended (one way or another): a stream that never sent text must not hold up its waiter
+    return out
