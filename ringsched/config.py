@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ringsched.parallel.flex import FLEX_POLICIES, FlexBoundary
+from ringsched.parallel.flex import CYCLE, FLEX_POLICIES, FlexBoundary
 from ringsched.parallel.partition import ENV_OVERRIDE, PartitionError, resolve_partition
 from ringsched.parallel.rank import Layout
 
@@ -84,7 +84,7 @@ class EngineConfig:
     )  # fmt: skip
     # PP=2: layers on each side of the cut that both stages hold, so stage 0 can move the cut per micro-batch
     # (parallel/flex.py). "balance" predicts each micro-batch's cut from the measured stage times; "ready" cuts
-    # when stage 1 is ready for the micro-batch (CPU stages); "cycle" visits every cut in turn (tests).
+    # when stage 1 is ready for the micro-batch (CPU stages); "cycle" (tests only, no flag) visits every cut in turn.
     pp_flex_layers: int = _flag(0, "PP=2: both stages hold this many layers on each side of the cut, and stage 0 "
                                 "moves the cut per micro-batch to balance prefill- and decode-heavy batches; costs "
                                 "2x this many layers of weights and KV")  # fmt: skip
@@ -136,7 +136,7 @@ class EngineConfig:
             "leave it at 0",
         )
         _require(
-            self.pp_flex_policy in FLEX_POLICIES,
+            self.pp_flex_policy in (*FLEX_POLICIES, CYCLE),
             f"--pp-flex-policy {self.pp_flex_policy!r}: use one of {', '.join(FLEX_POLICIES)}",
         )
         _require(

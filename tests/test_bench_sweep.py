@@ -53,7 +53,7 @@ def test_config_strings_become_launcher_flags():
         ("pp=0", "pp must be >= 1"),
         ("depth=-1", "depth must be >= 0"),
         ("pp=2,flex=-1", "flex must be >= 0"),
-        ("pp=2,flex=2,policy=fast", "policy must be one of balance, ready, cycle"),
+        ("pp=2,flex=2,policy=fast", "policy must be one of balance, ready, got 'fast'"),
         ("tp=2", "unknown key 'tp'"),
         ("pp=1,pp=2", "pp is given twice"),
         ("dtype=fp8", "dtype must be one of"),

@@ -14,9 +14,10 @@ the sampled tokens back), so whichever stage runs a shared layer next finds the 
 A request is in at most one in-flight micro-batch, so the mirror lands before that request is computed again.
 Stage 1 reads the cut from the proxy: the K/V rows stage 0 sends are those of layers `[base - K, cut)`.
 
-Two policies choose the cut (`--pp-flex-policy`; `cycle` is for tests). `balance` predicts it before the micro-batch
-starts, from what the stages measured: stage 0 times its own layers, stage 1 reports its compute time with the
-sampled tokens, each adding its mean time per micro-batch outside the model (`FlexRing.note_overhead`); from the two
+Two policies choose the cut (`--pp-flex-policy`; a third, `cycle`, is for tests and no flag offers it).
+`balance` predicts it before the micro-batch starts, from what the stages measured: stage 0 times its own
+layers, stage 1 reports its compute time with the sampled tokens, each adding its mean time per micro-batch
+outside the model (`FlexRing.note_overhead`); from the two
 times of each micro-batch `CutChooser` learns which cut would have balanced it, as a function of the micro-batch's
 sampled rows per token. `ready` decides it while the micro-batch runs: stage 0 runs the shared layers one at a time
 until stage 1 is ready for it, or about to be (`scheduler/flex_ready.py`). Why: at depth 0 the two micro-batches
@@ -33,7 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-FLEX_POLICIES = ("balance", "ready", "cycle")
+FLEX_POLICIES = ("balance", "ready")  # --pp-flex-policy's choices
+CYCLE = "cycle"  # every cut in turn: tests set it through EngineConfig; no flag offers it
 # Observations before the chooser trusts its fit (until then: the partition's own cut).
 WARMUP_OBSERVATIONS = 8
 # Weight of older observations in the fits: ~50 micro-batches of memory follows a host whose speed drifts.
