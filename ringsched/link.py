@@ -4,7 +4,7 @@
 message is lost), connects the one requests and aborts go out on, and starts this node's stages through a
 `Supervisor` (blocking until every stage is ready; a failure or Ctrl-C while loading stops them all). `send`
 never blocks (a PUSH socket without a high-water mark), so it is safe in `finally` blocks; `recv` and `drain`
-read outputs synchronously (the server wraps `out` for asyncio instead); `close` stops the stages and closes
+read outputs synchronously (the server wraps `out.sock` for asyncio instead); `close` stops the stages and closes
 both sockets, once.
 """
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import zmq
 
-from ringsched.comm.messages import OutputBatch, decode
-from ringsched.comm.zmq_io import Pusher
+from ringsched.comm.messages import OutputBatch
+from ringsched.comm.zmq_io import Puller, Pusher
 from ringsched.config import EngineConfig
 from ringsched.process.supervisor import Supervisor
 from ringsched.spec import ModelSpec
@@ -24,9 +24,7 @@ class RingLink:
         """`supervisor`: one not yet started, to run the stages some other way (tests stand in a fake ring)."""
         self.supervisor = supervisor or Supervisor(cfg, spec)
         self.zctx = zmq.Context()
-        self.out = self.zctx.socket(zmq.PULL)
-        self.out.setsockopt(zmq.RCVHWM, 0)
-        self.out.bind(self.supervisor.addrs.front_out)
+        self.out = Puller(self.zctx, self.supervisor.addrs.front_out)
         self.inp = Pusher(self.zctx, self.supervisor.addrs.front_in)
         self.closed = False
         try:
@@ -40,15 +38,10 @@ class RingLink:
             self.inp.send(msg)
 
     def recv(self, timeout_ms: int) -> OutputBatch | None:
-        if not self.out.poll(timeout_ms, zmq.POLLIN):
-            return None
-        return decode(self.out.recv(copy=False).bytes)
+        return self.out.recv(timeout_ms)
 
     def drain(self) -> list[OutputBatch]:
-        msgs = []
-        while self.out.poll(0, zmq.POLLIN):
-            msgs.append(decode(self.out.recv(copy=False).bytes))
-        return msgs
+        return self.out.drain()
 
     def close(self) -> None:
         """Stop every stage of this node, then close the sockets (idempotent)."""
@@ -57,5 +50,5 @@ class RingLink:
         self.closed = True
         self.supervisor.stop()
         self.inp.close(linger_ms=0)
-        self.out.close(linger=0)
+        self.out.close()
         self.zctx.destroy(linger=0)

@@ -99,7 +99,7 @@ class EngineClient:
 
     async def _route(self) -> None:
         """Route outputs to their requests' queues, and watch the stages, until cancelled by `close()`."""
-        sock = zmq.asyncio.Socket.from_socket(self.link.out)
+        sock = zmq.asyncio.Socket.from_socket(self.link.out.sock)
         watch = asyncio.create_task(self._watch())
         try:
             while not self._closed:
