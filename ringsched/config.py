@@ -114,6 +114,8 @@ class EngineConfig:
     ipc_dir: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
+        # One check per flag, in the fields' order, each with its own message: long, but splitting it would only
+        # scatter the checks away from the fields they guard.
         if isinstance(self.pp_layer_partition, (list, tuple)):
             _require(
                 all(isinstance(n, int) and not isinstance(n, bool) for n in self.pp_layer_partition),

@@ -61,6 +61,8 @@ def _field(reader, key: str, default=None):
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, quiet: bool = False) -> Path:
+    """One pass from a GGUF file to a Hugging Face-layout directory: config, tensors (Q and K un-permuted from
+    llama.cpp's rotary layout), tokenizer. Long because it is the whole mapping, read top to bottom."""
     import gguf  # imported here: only the converter needs it
 
     reader = gguf.GGUFReader(str(gguf_path))
