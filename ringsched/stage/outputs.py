@@ -31,21 +31,34 @@ from ringsched.stage.times import StageTimes
 PeerCall = Callable[..., object]
 
 
-class _Holder:
-    """The last stage's side: sampled, not yet sent (seq, the message's tensors)."""
+class _Holding:
+    """The last stage's side (`SendBack`, and `Local` for one stage): what it sampled, held (seq, the message's
+    tensors) until more than `depth - 1` wait, then released oldest first by `_release`."""
 
-    def __init__(self, cfg: EngineConfig) -> None:
+    def __init__(self, cfg: EngineConfig, times: StageTimes) -> None:
+        self.times = times
         self.held: deque[tuple[int, list[torch.Tensor]]] = deque()
         self.keep = max(cfg.pp_async_batch_depth - 1, 0)
 
     def hold(self, seq: int, payload: list[torch.Tensor]) -> None:
         self.held.append((seq, payload))
 
-    def due(self, flush: bool) -> list[tuple[int, list[torch.Tensor]]]:
-        out = []
+    def exchange(self, t: int) -> None:
+        with self.times.measure("comm"):
+            self._release_due(flush=False)
+
+    def drain(self, t: int) -> None:
+        """Idle: release everything held, so no stage sits on an unfinished send (a gloo send of an output
+        completes only when stage 0 receives it) and every finished request gets freed. (Its time is the idle
+        wait's it happens in.)"""
+        self._release_due(flush=True)
+
+    def _release_due(self, flush: bool) -> None:
         while self.held and (flush or len(self.held) > self.keep):
-            out.append(self.held.popleft())
-        return out
+            self._release(*self.held.popleft())
+
+    def _release(self, seq: int, payload: list[torch.Tensor]) -> None:
+        raise NotImplementedError
 
     @property
     def pending(self) -> bool:
@@ -70,31 +83,13 @@ class _Taker:
         return self.next_output < t
 
 
-class SendBack:
+class SendBack(_Holding):
     def __init__(self, cfg: EngineConfig, chan, times: StageTimes, peer: PeerCall) -> None:
-        self.cfg, self.chan, self.times, self.peer = cfg, chan, times, peer
-        self.holder = _Holder(cfg)
+        super().__init__(cfg, times)
+        self.cfg, self.chan, self.peer = cfg, chan, peer
 
-    def hold(self, seq: int, payload: list[torch.Tensor]) -> None:
-        self.holder.hold(seq, payload)
-
-    def exchange(self, t: int) -> None:
-        with self.times.measure("comm"):
-            self._send(flush=False)
-
-    def drain(self, t: int) -> None:
-        """Idle: send everything held, so no stage sits on an unfinished send (a gloo send of an output
-        completes only when stage 0 receives it) and every finished request gets freed. (Its time is the idle
-        wait's it happens in.)"""
-        self._send(flush=True)
-
-    def _send(self, flush: bool) -> None:
-        for seq, payload in self.holder.due(flush):
-            self.peer(0, self.chan.send, 0, "output", seq % self.cfg.pp_loop_size, seq, payload)
-
-    @property
-    def pending(self) -> bool:
-        return self.holder.pending
+    def _release(self, seq: int, payload: list[torch.Tensor]) -> None:
+        self.peer(0, self.chan.send, 0, "output", seq % self.cfg.pp_loop_size, seq, payload)
 
     def behind(self, t: int) -> bool:
         return False
@@ -132,29 +127,15 @@ class TakeBack:
         return self.taker.behind(t)
 
 
-class Local:
+class Local(_Holding):
     """One stage: the outputs never leave the process (held as the last stage would, then delivered)."""
 
     def __init__(self, cfg: EngineConfig, times: StageTimes, taker: _Taker) -> None:
-        self.times, self.taker, self.holder = times, taker, _Holder(cfg)
+        super().__init__(cfg, times)
+        self.taker = taker
 
-    def hold(self, seq: int, payload: list[torch.Tensor]) -> None:
-        self.holder.hold(seq, payload)
-
-    def exchange(self, t: int) -> None:
-        with self.times.measure("comm"):
-            self._deliver(flush=False)
-
-    def drain(self, t: int) -> None:
-        self._deliver(flush=True)
-
-    def _deliver(self, flush: bool) -> None:
-        for seq, payload in self.holder.due(flush):
-            self.taker.deliver(seq, payload[0] if payload else torch.empty(0, dtype=torch.long))
-
-    @property
-    def pending(self) -> bool:
-        return self.holder.pending
+    def _release(self, seq: int, payload: list[torch.Tensor]) -> None:
+        self.taker.deliver(seq, payload[0] if payload else torch.empty(0, dtype=torch.long))
 
     def behind(self, t: int) -> bool:
         return self.taker.behind(t)
