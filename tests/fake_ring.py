@@ -183,6 +183,14 @@ class FrontEnd:
             time.sleep(0.02)
         return self.num_open
 
+    def wait_aborted(self, n: int, timeout: float = 10.0) -> int:
+        """Wait until the ring has received at least `n` aborts (they travel over ZMQ after the release);
+        return how many it has."""
+        deadline = time.monotonic() + timeout
+        while len(self.ring.aborted) < n and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return len(self.ring.aborted)
+
     def close(self) -> None:
         self.server.should_exit = True
         self._thread.join(10)
