@@ -58,6 +58,9 @@ class EngineConfig:
     model: str = _flag("smollm2-135m-instruct", "a model directory, or a known model name (fetched on first use)")
     pp_size: int = _flag(1, "pipeline stages, one process each; more stages hold a bigger model and raise throughput, "
                          "not single-request latency")  # fmt: skip
+    tp_size: int = _flag(1, "tensor-parallel ranks per stage, one process each: every layer's matrices are split "
+                         "across them at two all-reduces per layer; lowers the time per token where the ranks share a "
+                         "fast link (one node)")  # fmt: skip
     pp_async_batch_depth: int = _flag(0, "micro-batches in flight beyond --pp-size; 1 lets stage 0 plan one ahead, "
                                       "which absorbs a slow micro-batch at some latency per token")  # fmt: skip
     max_running_requests: int = _flag(128, "requests running at once (decoding or prefilling); more raises "
@@ -74,8 +77,8 @@ class EngineConfig:
                        "faster), float16 is for GPUs", choices=("float32", "bfloat16", "float16"))  # fmt: skip
     device: str = _flag("auto", "cuda gives each stage one GPU (NCCL between them); auto picks cuda when present",
                         choices=("auto", "cpu", "cuda"))  # fmt: skip
-    threads_per_stage: int | None = _flag(None, "CPU threads per stage (default: cores // stages on this node)",
-                                          type=int)  # fmt: skip
+    threads_per_stage: int | None = _flag(None, "CPU threads per rank (default: cores // ranks on this node; a rank "
+                                          "is a stage, or one of its --tp-size ranks)", type=int)  # fmt: skip
     # "auto", "16,14", or [16, 14] from Python
     pp_layer_partition: str | Sequence[int] | None = _flag(
         None, "layers per stage, e.g. 16,14, or auto: measure a layer, the embedding and the lm_head here and pick "
@@ -124,6 +127,7 @@ class EngineConfig:
             # One form from here on (it travels to the stages and prints in logs like the flag's).
             object.__setattr__(self, "pp_layer_partition", ",".join(map(str, self.pp_layer_partition)))
         _require(self.pp_size >= 1, f"--pp-size must be >= 1, got {self.pp_size}")
+        _require(self.tp_size >= 1, f"--tp-size must be >= 1, got {self.tp_size}")
         _require(
             self.pp_async_batch_depth >= 0,
             f"--pp-async-batch-depth must be >= 0 (0 = exactly pp_size micro-batches), got "
@@ -136,6 +140,11 @@ class EngineConfig:
             self.pp_flex_layers == 0 or self.pp_size == 2,
             f"--pp-flex-layers moves the cut between two stages; it needs --pp-size 2 (got {self.pp_size}), or "
             "leave it at 0",
+        )
+        _require(
+            self.pp_flex_layers == 0 or self.tp_size == 1,
+            f"--pp-flex-layers runs with --tp-size 1 only (got --tp-size {self.tp_size}): a moving cut's mirrored KV "
+            "rows are not sharded; leave --pp-flex-layers at 0 with tensor parallelism",
         )
         _require(
             self.pp_flex_policy in (*FLEX_POLICIES, CYCLE),
@@ -184,7 +193,9 @@ class EngineConfig:
         )
         _require(
             self.pp_size % self.nnodes == 0,
-            f"--nnodes {self.nnodes} must divide --pp-size {self.pp_size} (stages are placed pp_size/nnodes per node)",
+            f"--nnodes {self.nnodes} must divide --pp-size {self.pp_size}: nodes hold whole stages (pp_size/nnodes "
+            "each), because a stage's --tp-size ranks all-reduce twice per layer and must share a node's fast links; "
+            "raise --pp-size or lower --nnodes",
         )
         if self.nnodes > 1:
             _require(
@@ -212,16 +223,37 @@ class EngineConfig:
         return self.pp_size // self.nnodes
 
     @property
+    def world_size(self) -> int:
+        return self.pp_size * self.tp_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    @property
     def layout(self) -> Layout:
-        return Layout(pp_size=self.pp_size, nnodes=self.nnodes)
+        return Layout(pp_size=self.pp_size, tp_size=self.tp_size, nnodes=self.nnodes)
 
     @property
     def local_ranks(self) -> range:
-        """The global ranks of the stages this node runs."""
-        return range(self.node_rank * self.stages_per_node, (self.node_rank + 1) * self.stages_per_node)
+        """The global ranks this node runs (whole stages: each stage's --tp-size ranks are consecutive)."""
+        return range(self.node_rank * self.ranks_per_node, (self.node_rank + 1) * self.ranks_per_node)
 
     def node_of(self, rank: int) -> int:
-        return rank // self.stages_per_node
+        return rank // self.ranks_per_node
+
+    def describe_rank(self, rank: int) -> str:
+        """How messages name a rank: `stage 1` with one rank per stage, else `rank 3 (stage 1, tp 1)`; with several
+        nodes, the node too."""
+        where = []
+        if self.tp_size > 1:
+            stage, tp = divmod(rank, self.tp_size)
+            text, where = f"rank {rank}", [f"stage {stage}", f"tp {tp}"]
+        else:
+            text = f"stage {rank}"
+        if self.nnodes > 1:
+            where.append(f"node {self.node_of(rank)}")
+        return f"{text} ({', '.join(where)})" if where else text
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -241,7 +273,7 @@ class EngineConfig:
     def threads(self) -> int:
         if self.threads_per_stage is not None:
             return self.threads_per_stage
-        return max((os.cpu_count() or 1) // self.pp_size, 1)
+        return max((os.cpu_count() or 1) // self.ranks_per_node, 1)
 
     @property
     def auto_partition(self) -> bool:

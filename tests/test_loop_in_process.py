@@ -42,6 +42,9 @@ class QueueChannel:
             raise SequenceMismatch(f"expected {kind} {seq}, got {msg.seq}")
         return msg
 
+    def stats(self) -> dict:
+        return {}
+
 
 class QueueSocket:
     """A ZMQ `Pusher`/`Puller` between threads."""

@@ -78,6 +78,7 @@ class TensorChannel:
         self._outstanding: dict[int, tuple[list, list[torch.Tensor]]] = {}
         self._inbox: dict[tuple[int, str], deque[TensorMessage]] = defaultdict(deque)
         self.stashed = 0  # how many messages arrived out of order (for tests and logs)
+        self.sent_bytes: dict[str, int] = defaultdict(int)  # payload bytes sent, per kind (headers not counted)
 
     def send(self, dst: int, kind: str, slot: int, seq: int, tensors: list[torch.Tensor]) -> None:
         self.wait_sent(dst)
@@ -85,6 +86,10 @@ class TensorChannel:
         header = pack_header(kind, slot, seq, tensors).to(self.device)
         works = [dist.isend(header, dst)] + [dist.isend(t, dst) for t in tensors]
         self._outstanding[dst] = (works, [header, *tensors])  # keeps the payload alive until done
+        self.sent_bytes[kind] += sum(t.numel() * t.element_size() for t in tensors)
+
+    def stats(self) -> dict:
+        return {"seam_bytes_sent": self.sent_bytes["proxy"], "output_bytes_sent": self.sent_bytes["output"]}
 
     def wait_sent(self, dst: int | None = None) -> None:
         for d in [dst] if dst is not None else list(self._outstanding):

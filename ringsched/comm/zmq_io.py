@@ -35,6 +35,23 @@ class Pusher:
         self.sock.close(linger=linger_ms)
 
 
+class Fanout:
+    """One message to several `Pusher`s (a stage's first rank: the plan to the next stage and to its own other
+    ranks), encoded once."""
+
+    def __init__(self, pushers: list[Pusher]) -> None:
+        self.pushers = pushers
+
+    def send(self, msg: object) -> None:
+        data = encode(msg)
+        for p in self.pushers:
+            p.sock.send(data, copy=False)
+
+    def close(self, linger_ms: int = 500) -> None:
+        for p in self.pushers:
+            p.close(linger_ms)
+
+
 class Puller:
     def __init__(self, ctx: zmq.Context, addr: str, bind: bool = True) -> None:
         """`tcp://IP:*` binds a free port; `endpoint` then says which."""

@@ -17,6 +17,7 @@ from torch import nn
 from ringsched.models.attention import ForwardBatch, paged_attention
 from ringsched.models.config import ModelConfig
 from ringsched.parallel.rank import StageInfo
+from ringsched.parallel.tp import TPGroup
 
 # Vocabulary rows of the lm_head per step of `compute_logits` / `greedy_tokens` on CPU. Measured (one thread, a
 # process per setting, AMD EPYC Zen 4): 1024 words against 8192 took SmolLM2's greedy head from 81 to 65 ms at
@@ -127,8 +128,12 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: Rotary | None = None) -> None:
+    """`cfg` is the rank's shard under tensor parallelism (its heads, `TPShard.local_config`); `tp` then sums the
+    row-parallel o_proj's partial outputs."""
+
+    def __init__(self, cfg: ModelConfig, rotary: Rotary | None = None, tp: TPGroup | None = None) -> None:
         super().__init__()
+        self.tp = tp
         h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, kvh, d
         self.q_proj = nn.Linear(cfg.hidden_size, h * d, bias=cfg.attention_bias)
@@ -152,17 +157,23 @@ class Attention(nn.Module):
         q, k = self.rotary(batch.positions, q, k)
         k_cache, v_cache = kv if kv is not None else (None, None)
         out = paged_attention(q, k, v, batch, k_cache, v_cache, self.scale)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        out = self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return self.tp.all_reduce(out) if self.tp else out
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
+        self.tp = tp
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._slices(x)
+        return self.tp.all_reduce(out) if self.tp else out  # row-parallel down_proj: one sum per layer
+
+    def _slices(self, x: torch.Tensor) -> torch.Tensor:
         pieces = mlp_slices(x.shape[0], self.gate_proj.out_features, x.element_size())
         if pieces == 1:
             return self._rows(x)
@@ -191,12 +202,12 @@ def mlp_slices(tokens: int, intermediate: int, elt: int) -> int:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: Rotary | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: Rotary | None = None, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary)
+        self.self_attn = Attention(cfg, rotary, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(self, hidden, residual, batch: ForwardBatch, kv):
         h, residual = self.input_layernorm.add_forward(hidden, residual)
@@ -219,21 +230,24 @@ def _embedding(vocab: int, hidden: int) -> nn.Embedding:
 
 
 class StageModel(nn.Module):
-    """The part of a decoder one stage runs. `state_dict` names are the Hugging Face ones."""
+    """The part of a decoder one stage runs (one rank's shard of it under tensor parallelism: `tp`). `state_dict`
+    names are the Hugging Face ones; `cfg` is the whole model's."""
 
-    def __init__(self, cfg: ModelConfig, stage: StageInfo) -> None:
+    def __init__(self, cfg: ModelConfig, stage: StageInfo, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.cfg, self.stage = cfg, stage
+        self.cfg, self.stage, self.tp = cfg, stage, tp
+        local = tp.shard.local_config(cfg) if tp else cfg
+        self.vocab_start = tp.shard.vocab(cfg)[0] if tp else 0
         self.model = nn.Module()
         if stage.is_first:
-            self.model.embed_tokens = _embedding(cfg.vocab_size, cfg.hidden_size)
+            self.model.embed_tokens = _embedding(local.vocab_size, cfg.hidden_size)
         rotary = Rotary(cfg.head_dim, cfg.rope_theta)  # shared by the stage's layers
         self.model.layers = nn.ModuleList(
-            DecoderLayer(cfg, rotary) if stage.owns(i) else MissingLayer() for i in range(cfg.num_layers)
+            DecoderLayer(local, rotary, tp) if stage.owns(i) else MissingLayer() for i in range(cfg.num_layers)
         )
         if stage.is_last:
             self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = nn.Linear(cfg.hidden_size, local.vocab_size, bias=False)
 
     def forward(
         self,
@@ -247,7 +261,7 @@ class StageModel(nn.Module):
         the final-normed hidden states of `batch.logit_rows` ([S, hidden]). `layers`: the held layers to run
         (default all; a flexible cut runs part of them)."""
         if self.stage.is_first:
-            hidden, residual = self.model.embed_tokens(input_ids), None
+            hidden, residual = self._embed(input_ids), None
         else:
             assert proxy is not None, "a non-first stage needs the previous stage's proxy tensors"
             hidden, residual = proxy["hidden_states"], proxy["residual"]
@@ -261,6 +275,18 @@ class StageModel(nn.Module):
         out, _ = self.model.norm.add_forward(hidden[rows], residual[rows])
         return out
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if not self.tp:
+            return self.model.embed_tokens(input_ids)
+        # Vocabulary-parallel: the rank holding a token's row contributes it, the others zeros; the sum is
+        # exact (one nonzero term).
+        rows = self.model.embed_tokens.weight.shape[0]
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= rows)
+        out = self.model.embed_tokens(local.clamp(0, rows - 1))
+        out[outside] = 0
+        return self.tp.all_reduce(out)
+
     def lay_out_for_cpu(self) -> StageModel:
         """`cpu_layout` applied to every parameter (models built in place, such as the partition probe's)."""
         for name, p in list(self.named_parameters()):
@@ -272,7 +298,18 @@ class StageModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[S, vocab]` logits, computed a vocabulary chunk at a time exactly as `greedy_tokens` computes them,
-        so a greedy request gets the same token whichever of the two paths its batch takes."""
+        so a greedy request gets the same token whichever of the two paths its batch takes. Under tensor
+        parallelism each rank computes its rows' logits and every rank gathers the whole row (sampling then
+        draws from exactly what one rank would)."""
+        logits = self._local_logits(hidden)
+        if not self.tp:
+            return logits
+        per = self.tp.shard.vocab_per_rank(self.cfg)
+        if logits.shape[1] < per:  # the last rank's slice is short: pad, gather, cut
+            logits = F.pad(logits, (0, per - logits.shape[1]), value=float("-inf"))
+        return torch.cat(self.tp.all_gather(logits), dim=1)[:, : self.cfg.vocab_size]
+
+    def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         vocab = self.lm_head.weight.shape[0]
         out = None
         for start, logits in self._logit_chunks(hidden):
@@ -297,7 +334,13 @@ class StageModel(nn.Module):
             better = val > best_val  # strictly: an equal value in a later chunk is a later index
             best_val = torch.where(better, val, best_val)
             best_idx = torch.where(better, idx + start, best_idx)
-        return best_idx
+        if not self.tp:
+            return best_idx
+        # Each rank's best of its vocabulary rows; the best of those, the lowest rank (lowest word) on ties.
+        mine = torch.stack((best_val.double(), (best_idx + self.vocab_start).double()))
+        every = torch.stack(self.tp.all_gather(mine))  # [ranks, 2, S]
+        rank = every[:, 0].argmax(dim=0)  # the first maximum
+        return every[rank, 1, torch.arange(rank.numel(), device=rank.device)].long()
 
     def _logit_chunks(self, hidden: torch.Tensor):
         """(first word, logits `[S, chunk]`) per vocabulary chunk of the lm_head: on a GPU one launch over the

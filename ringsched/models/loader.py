@@ -1,8 +1,9 @@
-"""Stage-local loading: a stage reads only the tensors it owns from the safetensors files.
+"""Stage-local, rank-local loading: a rank reads only the tensors its stage owns, and of each only its tensor-
+parallel slice, from the safetensors files.
 
-The model is built on the meta device (no memory), then each owned parameter is read lazily by name and
-assigned. With tied embeddings the last stage reads `model.embed_tokens.weight` as its `lm_head.weight`
-even though it does not own the embedding.
+The model is built on the meta device (no memory), then each owned parameter is read lazily by name (sliced on
+read under tensor parallelism: `TPShard.slice_of`) and assigned. With tied embeddings the last stage reads
+`model.embed_tokens.weight` as its `lm_head.weight` even though it does not own the embedding.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from safetensors import safe_open
 from ringsched.models.config import ModelConfig
 from ringsched.models.llama import StageModel, cpu_layout
 from ringsched.parallel.rank import StageInfo
+from ringsched.parallel.tp import TPGroup, TPShard
 
 logger = logging.getLogger(__name__)
 
@@ -47,11 +49,13 @@ def load_stage_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     stats: LoadStats | None = None,
+    tp: TPGroup | None = None,
 ) -> StageModel:
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
+    shard = tp.shard if tp else TPShard()
     with torch.device("meta"):
-        model = StageModel(cfg, stage)
+        model = StageModel(cfg, stage, tp)
     index = weight_index(model_dir)
     wanted = list(model.state_dict().keys())
     by_file: dict[Path, list[tuple[str, str]]] = {}
@@ -69,7 +73,7 @@ def load_stage_model(
             # copying tensors (the CPU layout) through one handle held the file twice at the peak (measured
             # for SmolLM2: 1039 MiB peak against 638 this way).
             with safe_open(path, framework="pt", device="cpu") as f:
-                t = f.get_tensor(source)
+                t = _read(f, source, shard.slice_of(name, cfg))
             if stats is not None:
                 stats.tensors_read.append(source)
                 stats.bytes_read += t.numel() * t.element_size()
@@ -81,6 +85,17 @@ def load_stage_model(
     if cfg.tie_word_embeddings and stage.is_first and stage.is_last:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval().requires_grad_(False)
+
+
+def _read(f, name: str, part: tuple[int, int, int] | None) -> torch.Tensor:
+    """Tensor `name`, or only rows (dim 0) or columns (dim 1) `[start, stop)` of it: a slice read from the file
+    (a 1-D bias takes dim 0's)."""
+    if part is None:
+        return f.get_tensor(name)
+    dim, start, stop = part
+    view = f.get_slice(name)
+    t = view[start:stop] if dim == 0 or len(view.get_shape()) == 1 else view[:, start:stop]
+    return t.contiguous()
 
 
 def weights_bytes(model: torch.nn.Module) -> int:

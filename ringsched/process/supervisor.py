@@ -61,11 +61,13 @@ class Supervisor:
             # One node: every plan channel is a local ipc socket. Several: tcp, exchanged through the store.
             plans=tuple(ipc_addr(ipc_dir, f"plan-{k}") for k in range(cfg.pp_size)) if cfg.nnodes == 1 else (),
             progress=ipc_addr(ipc_dir, "progress") if cfg.nnodes == 1 else "",
+            group_plans=tuple(ipc_addr(ipc_dir, f"group-plan-{r}") for r in range(cfg.world_size))
+            if cfg.tp_size > 1 else (),
         )
         self.ctx = zmq.Context()
         self.ctl = Puller(self.ctx, self.addrs.ctl)
         self.procs: list[mp.Process] = []
-        self.ranks: list[int] = []  # global stage rank of each local process
+        self.ranks: list[int] = []  # global rank of each local process
         self.rendezvous: Rendezvous | None = None
         self.info: dict[int, dict] = {}
         self.stats: dict[int, dict] = {}
@@ -93,7 +95,7 @@ class Supervisor:
             log_partition(self.rendezvous.partition, partition_source(given))
         if self.cfg.nnodes > 1:
             logger.info(
-                "node %d of %d joined the rendezvous at %s as %s; stages %s run here",
+                "node %d of %d joined the rendezvous at %s as %s; ranks %s run here",
                 self.cfg.node_rank, self.cfg.nnodes, self.cfg.dist_init_addr, self.cfg.host_ip,
                 list(self.cfg.local_ranks),
             )  # fmt: skip
@@ -103,18 +105,18 @@ class Supervisor:
         for rank in sorted(self.info):
             i = self.info[rank]
             logger.info(
-                "stage %d ready: layers %d-%d, weights %.1f MiB, KV %d tokens (pid %d)", rank, i["layers"][0],
-                i["layers"][1] - 1, i["weights_bytes"] / 2**20, i["kv_tokens"], i["pid"],
+                "%s ready: layers %d-%d, weights %.1f MiB, KV %d tokens (pid %d)", self.cfg.describe_rank(rank),
+                i["layers"][0], i["layers"][1] - 1, i["weights_bytes"] / 2**20, i["kv_tokens"], i["pid"],
             )  # fmt: skip
 
     def _spawn(self) -> None:
         """One process per rank of this node (spawned, not forked)."""
         spawn = mp.get_context("spawn")
         for info in node_rank_infos(self.cfg.layout, self.rendezvous.partition, self.cfg.node_rank):
+            name = process_name(info.pp, info.tp if self.cfg.tp_size > 1 else None)
             p = spawn.Process(
-                target=stage_main, args=(self.cfg, self.spec, info, self.addrs), name=process_name(info.rank),
-                daemon=True,
-            )  # fmt: skip
+                target=stage_main, args=(self.cfg, self.spec, info, self.addrs), name=name, daemon=True
+            )
             with without_main_module(), stage_allocator_env():
                 p.start()
             self.procs.append(p)
@@ -125,8 +127,8 @@ class Supervisor:
         while len(self.info) < len(self.ranks):
             if time.monotonic() > deadline:
                 self.stop()
-                missing = sorted(set(self.ranks) - set(self.info))
-                raise StageFailure(f"stages {missing} not ready after {timeout:.0f}s")
+                missing = [self.cfg.describe_rank(r) for r in sorted(set(self.ranks) - set(self.info))]
+                raise StageFailure(f"{', '.join(missing)} not ready after {timeout:.0f}s")
             try:
                 self.check(timeout_ms=200)
             except StageFailure:
@@ -148,7 +150,8 @@ class Supervisor:
         )  # fmt: skip
         device = torch.device("cuda", 0) if c.resolved_device == "cuda" else torch.device("cpu")
         # Node 0 knows only its own cores: with several nodes, its first stage's stand in for every stage's.
-        here = [stage_cpus(c.threads, c.stages_per_node, i, c.resolved_device) for i in range(c.stages_per_node)]
+        here = [stage_cpus(c.threads, c.ranks_per_node, i * c.tp_size, c.resolved_device)
+                for i in range(c.stages_per_node)]  # fmt: skip
         cpus = here if c.nnodes == 1 else [here[0]] * c.pp_size
         counts, _ = choose_partition(mcfg, c.pp_size, shape, c.torch_dtype, device, c.threads, cpus)
         return counts
@@ -200,8 +203,9 @@ class Supervisor:
             silent = now - (beat["sent_at"] if beat else self._ready_at[rank])
             if silent > cfg.heartbeat_timeout:
                 return (
-                    f"stage {rank} (pid {p.pid}) is hung: no heartbeat for {silent:.1f}s (--heartbeat-timeout "
-                    f"{cfg.heartbeat_timeout:g}); it is stopped, or blocked without releasing Python's GIL"
+                    f"{cfg.describe_rank(rank)} (pid {p.pid}) is hung: no heartbeat for {silent:.1f}s "
+                    f"(--heartbeat-timeout {cfg.heartbeat_timeout:g}); it is stopped, or blocked without releasing "
+                    "Python's GIL"
                 )
             if beat is None or not beat["in_step"]:
                 self._stalled.pop(rank, None)
@@ -211,8 +215,8 @@ class Supervisor:
                 self._stalled[rank] = (beat["steps"], beat["sent_at"])
             elif beat["sent_at"] - since > cfg.stage_timeout:
                 return (
-                    f"stage {rank} (pid {p.pid}) is stuck: one micro-batch has taken {beat['sent_at'] - since:.0f}s "
-                    f"without finishing (--stage-timeout {cfg.stage_timeout:g})"
+                    f"{cfg.describe_rank(rank)} (pid {p.pid}) is stuck: one micro-batch has taken "
+                    f"{beat['sent_at'] - since:.0f}s without finishing (--stage-timeout {cfg.stage_timeout:g})"
                 )
         return None
 
@@ -224,16 +228,17 @@ class Supervisor:
         if silent:
             r, p = silent[0]
             how = f"was killed by signal {-p.exitcode}" if p.exitcode < 0 else f"exited with code {p.exitcode}"
-            msg = f"stage {r} (pid {p.pid}) {how} without reporting an error"
-            others = [f"stage {k}: {without_source_paths(e.splitlines()[0])}" for k, e in errors.items()]
+            msg = f"{self.cfg.describe_rank(r)} (pid {p.pid}) {how} without reporting an error"
+            others = [f"{self.cfg.describe_rank(k)}: {without_source_paths(e.splitlines()[0])}"
+                      for k, e in errors.items()]  # fmt: skip
             return msg + (f"; then {'; '.join(others)}" if others else "")
         causes = [k for k, e in errors.items() if not e.startswith("PeerLost")] or list(errors)
         r = causes[0]
-        where = f" (node {self.cfg.node_of(r)})" if self.cfg.nnodes > 1 else ""
         first, _, details = errors[r].partition("\n")
         then = [k for k in errors if k != r]
-        after = f"; then stage{'s' if len(then) > 1 else ''} {', '.join(map(str, then))} stopped too" if then else ""
-        return f"stage {r}{where} failed: {without_source_paths(first)}{after}\n{details}"
+        noun = ("rank" if self.cfg.tp_size > 1 else "stage") + ("s" if len(then) > 1 else "")
+        after = f"; then {noun} {', '.join(map(str, then))} stopped too" if then else ""
+        return f"{self.cfg.describe_rank(r)} failed: {without_source_paths(first)}{after}\n{details}"
 
     @property
     def alive(self) -> bool:

@@ -28,7 +28,7 @@ import torch
 
 from ringsched.comm.messages import BatchPlan, OutputBatch
 from ringsched.comm.tensor_channel import SequenceMismatch, TensorChannel, without_source_paths
-from ringsched.comm.zmq_io import Puller, Pusher
+from ringsched.comm.zmq_io import Fanout, Puller, Pusher
 from ringsched.config import EngineConfig
 from ringsched.kv_cache import BlockTable, KVPool
 from ringsched.models import native
@@ -36,7 +36,8 @@ from ringsched.models.batch import build_forward_batch
 from ringsched.models.llama import StageModel
 from ringsched.parallel.flex import FlexBoundary
 from ringsched.parallel.flex_ring import FixedCut, FlexRing
-from ringsched.parallel.rank import StageInfo
+from ringsched.parallel.rank import Layout, RankInfo, StageInfo, rank_infos
+from ringsched.parallel.tp import TPGroup
 from ringsched.scheduler.planner import Planner
 from ringsched.stage.gc_policy import GcPolicy
 from ringsched.stage.outputs import outputs_for
@@ -57,7 +58,7 @@ class PeerLost(RuntimeError):
 class StageIO:
     chan: TensorChannel
     plan_in: Puller | None  # from the previous stage (non-first)
-    plan_out: Pusher | None  # to the next stage (non-last)
+    plan_out: Pusher | Fanout | None  # to the next stage (non-last) and the stage's other ranks (its first rank)
     front_in: Puller | None  # stage 0: new requests and aborts
     front_out: Pusher | None  # stage 0: outputs for the front end
     alive: Callable[[], None]  # raises when this process should stop (parent gone)
@@ -70,7 +71,9 @@ class StageLoop:
     """One stage's loop. Its parts are chosen once, from its place in the ring: where plans come from (`plans`),
     what comes in at its first seam (`inbound`), what its layers' output becomes (`head`) and where it goes
     (`outbound`), the tokens' way back (`outputs`), and the cut between two stages (`cut`: fixed, or
-    `--pp-flex-layers`)."""
+    `--pp-flex-layers`). `where` places the rank (default: the only rank of `stage`); with `tp`, one of the
+    stage's tensor-parallel ranks: stage 0's first rank plans, each stage's first rank passes plans on, the last
+    stage's first rank sends the tokens back, and seam tensors travel between ranks of the same TP index."""
 
     def __init__(
         self,
@@ -84,8 +87,12 @@ class StageLoop:
         device: torch.device,
         eos_ids: tuple[int, ...] = (),
         flex: FlexBoundary | None = None,
+        where: RankInfo | None = None,
+        tp: TPGroup | None = None,
     ) -> None:
         self.cfg, self.stage, self.model, self.blocks, self.pool, self.io = cfg, stage, model, blocks, pool, io
+        self.where = where or rank_infos(Layout(stage.size), [1] * stage.size)[stage.rank]
+        self.tp = tp
         self.planner, self.device = planner, device
         # Decode attention through the CPU kernel where it applies (float32 or bfloat16 KV on CPU, a C compiler
         # at hand).
@@ -101,23 +108,27 @@ class StageLoop:
         self._compose(flex, eos_ids)
 
     def _compose(self, flex: FlexBoundary | None, eos_ids: tuple[int, ...]) -> None:
-        cfg, stage, io, times = self.cfg, self.stage, self.io, self.times
+        cfg, stage, io, times, where = self.cfg, self.stage, self.io, self.times, self.where
         self.cut = (
             FlexRing(flex, stage, self.pool.caches, self.device, cfg.pp_flex_policy, io.progress_in, io.progress_out)
             if flex else FixedCut(stage, self.device)
         )  # fmt: skip
-        self.outputs = outputs_for(cfg, stage, io.chan, times, self.peer, self.planner, io.front_out, self.cut)
-        if stage.is_first:
+        prev, next_ = where.pp_group[stage.prev], where.pp_group[stage.next]  # the same TP index, next door
+        self.outputs = outputs_for(cfg, where, io.chan, times, self.peer, self.planner, io.front_out, self.cut)
+        if where.decides:
             self.plans = LeadPlans(cfg, io, self.planner, times, self.gc, self.cut, self.outputs)
+        else:
+            self.plans = FollowPlans(where, io, self.blocks, times, self.gc, self.outputs, self.maybe_report)
+        if stage.is_first:
             self.inbound = Embed()
         else:
-            self.plans = FollowPlans(stage, io, self.blocks, times, self.gc, self.outputs, self.maybe_report)
-            self.inbound = ReceiveProxy(stage, io.chan, times, self.peer)
+            hidden = self.model.cfg.hidden_size
+            self.inbound = ReceiveProxy(prev, io.chan, times, self.peer, self.tp, hidden)
         if stage.is_last:
             self.head = SamplingHead(self.model, SamplerState(self.device, eos_ids), times, self.cut)
             self.outbound = HoldTokens(self.cut, self.outputs, times)
         else:
-            self.head, self.outbound = PassOn(), SendProxy(stage, io.chan, times, self.peer)
+            self.head, self.outbound = PassOn(), SendProxy(next_, io.chan, times, self.peer, self.tp)
 
     def run(self) -> None:
         self.gc.start()
@@ -170,10 +181,8 @@ class StageLoop:
         except SequenceMismatch:
             raise
         except RuntimeError as e:
-            here, there = self.stage.rank, peer
-            if self.cfg.nnodes > 1:
-                here, there = f"{here} (node {self.cfg.node_of(here)})", f"{there} (node {self.cfg.node_of(there)})"
-            raise PeerLost(f"stage {here} lost stage {there}: {without_source_paths(str(e).splitlines()[0])}") from e
+            here, there = self.cfg.describe_rank(self.where.rank), self.cfg.describe_rank(peer)
+            raise PeerLost(f"{here} lost {there}: {without_source_paths(str(e).splitlines()[0])}") from e
 
     @torch.inference_mode()
     def compute(self, plan: BatchPlan, proxy: dict | None):
@@ -197,13 +206,18 @@ class StageLoop:
     def stage_stats(self) -> dict:
         on_gpu = torch.device(self.device).type == "cuda"
         return {
-            "rank": self.stage.rank,
+            "rank": self.where.rank,
+            "stage": self.stage.rank,
+            "tp": self.where.tp,
             "kv_usage": self.blocks.usage,
             "kv_used_blocks": self.blocks.used_blocks,
             "peak_rss_bytes": peak_rss_bytes(),
             "peak_device_bytes": torch.cuda.max_memory_allocated(self.device) if on_gpu else 0,
             **self.times.snapshot(),
             **self.cut.stats(),
+            **self.io.chan.stats(),
+            "seam_tokens_sent": getattr(self.outbound, "tokens", 0),
+            **(self.tp.stats() if self.tp else {}),
         }
 
     def maybe_report(self, period: float = 0.5) -> None:
@@ -214,5 +228,5 @@ class StageLoop:
         self._last_stats = now
         stats = self.stage_stats()
         self.io.report(stats)
-        if self.stage.is_first:
+        if self.planner is not None:
             self.io.front_out.send(OutputBatch([], {**self.planner.stats(), **stats}))

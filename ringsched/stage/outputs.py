@@ -2,7 +2,9 @@
 
 `SendBack` (the last stage) holds what it sampled and sends it to stage 0; `TakeBack` (stage 0) receives the
 tokens of each micro-batch it planned and hands them to the planner; `Local` is both in one process (a single
-stage); `NoOutputs` is a middle stage's. Each has `hold`, `exchange`, `drain`, `pending` and `behind`.
+stage); `NoOutputs` is a middle stage's, and `Discard` that of the last stage's other tensor-parallel ranks (they
+sample the same tokens; only the stage's first rank sends them). Each has `hold`, `exchange`, `drain`, `pending`
+and `behind`.
 
 Why the last stage holds `depth - 1` outputs and not `depth`: holding the newest `depth` tied stage 0 to the last
 stage exactly as at depth 0. Planning `t + 1` needs the outputs of `t + 1 - loop`; held `depth` micro-batches,
@@ -24,7 +26,7 @@ import torch
 from ringsched.comm.messages import OutputBatch
 from ringsched.config import EngineConfig
 from ringsched.parallel.flex_ring import FixedCut, FlexRing
-from ringsched.parallel.rank import StageInfo
+from ringsched.parallel.rank import RankInfo
 from ringsched.scheduler.planner import Planner
 from ringsched.stage.times import StageTimes
 
@@ -89,16 +91,18 @@ class SendBack(_Holding):
         self.cfg, self.chan, self.peer = cfg, chan, peer
 
     def _release(self, seq: int, payload: list[torch.Tensor]) -> None:
-        self.peer(0, self.chan.send, 0, "output", seq % self.cfg.pp_loop_size, seq, payload)
+        self.peer(0, self.chan.send, 0, "output", seq % self.cfg.pp_loop_size, seq, payload)  # to global rank 0
 
     def behind(self, t: int) -> bool:
         return False
 
 
 class TakeBack:
-    def __init__(self, cfg: EngineConfig, stage: StageInfo, chan, times: StageTimes, peer: PeerCall,
+    """`src`: the global rank of the last stage's first rank."""
+
+    def __init__(self, cfg: EngineConfig, src: int, chan, times: StageTimes, peer: PeerCall,
                  taker: _Taker, cut: FixedCut | FlexRing) -> None:  # fmt: skip
-        self.cfg, self.stage, self.chan, self.times, self.peer = cfg, stage, chan, times, peer
+        self.cfg, self.src, self.chan, self.times, self.peer = cfg, src, chan, times, peer
         self.taker, self.cut = taker, cut
 
     def hold(self, seq: int, payload: list[torch.Tensor]) -> None:
@@ -117,7 +121,7 @@ class TakeBack:
         """Receive (the wait counts as waiting for outputs) and deliver (as communication when `counted`)."""
         while self.taker.next_output <= upto:
             with self.times.measure("wait_output"):
-                msg = self.peer(self.stage.prev, self.chan.recv, self.stage.prev, "output", self.taker.next_output)
+                msg = self.peer(self.src, self.chan.recv, self.src, "output", self.taker.next_output)
             with self.times.measure("comm") if counted else contextlib.nullcontext():
                 self.taker.deliver(msg.seq, self.cut.tokens_of(msg.seq, msg.tensors))
 
@@ -159,10 +163,22 @@ class NoOutputs:
         return False
 
 
-def outputs_for(cfg: EngineConfig, stage: StageInfo, chan, times: StageTimes, peer: PeerCall,
+class Discard(NoOutputs):
+    """The last stage's other tensor-parallel ranks: the tokens they sampled (the same as the first rank's) stay
+    here."""
+
+    def hold(self, seq: int, payload: list[torch.Tensor]) -> None:
+        pass
+
+
+def outputs_for(cfg: EngineConfig, where: RankInfo, chan, times: StageTimes, peer: PeerCall,
                 planner: Planner | None, front_out, cut: FixedCut | FlexRing):  # fmt: skip
-    """The part for this stage's place in the ring."""
-    if stage.is_first:
+    """The part for this rank's place in the ring."""
+    stage = where.stage
+    if where.decides:
         taker = _Taker(planner, front_out, times)
-        return Local(cfg, times, taker) if stage.is_last else TakeBack(cfg, stage, chan, times, peer, taker, cut)
-    return SendBack(cfg, chan, times, peer) if stage.is_last else NoOutputs()
+        last = where.pp_group[-1]  # the last stage's first rank (this rank's TP index is 0)
+        return Local(cfg, times, taker) if stage.is_last else TakeBack(cfg, last, chan, times, peer, taker, cut)
+    if stage.is_last:
+        return SendBack(cfg, chan, times, peer) if where.leads_stage else Discard()
+    return NoOutputs()

@@ -3,7 +3,8 @@
 Stage 0 decides every plan (`LeadPlans`: it takes in the front end's requests and aborts, plans with the
 `Planner`, and sends the plan on before computing it); the other stages receive it, check its sequence number
 before anything else, forward it and apply its frees and block numbers (`FollowPlans`), so all stages apply the
-same plans in the same order. `next(t)` returns micro-batch `t`'s plan, or None when there is nothing to do.
+same plans in the same order. Within a stage of several tensor-parallel ranks, the first rank passes each plan
+to the others as it forwards it. `next(t)` returns micro-batch `t`'s plan, or None when there is nothing to do.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from ringsched.comm.tensor_channel import SequenceMismatch
 from ringsched.config import EngineConfig
 from ringsched.kv_cache import BlockTable
 from ringsched.parallel.flex_ring import FixedCut, FlexRing
-from ringsched.parallel.rank import StageInfo
+from ringsched.parallel.rank import RankInfo
 from ringsched.scheduler.planner import Planner
 from ringsched.stage.gc_policy import GcPolicy
 from ringsched.stage.times import StageTimes
@@ -74,9 +75,9 @@ class LeadPlans:
 
 
 class FollowPlans:
-    def __init__(self, stage: StageInfo, io, blocks: BlockTable, times: StageTimes, gc: GcPolicy, outputs,
+    def __init__(self, where: RankInfo, io, blocks: BlockTable, times: StageTimes, gc: GcPolicy, outputs,
                  report: Callable[[], None]) -> None:  # fmt: skip
-        self.stage, self.io, self.blocks, self.times, self.gc = stage, io, blocks, times, gc
+        self.where, self.io, self.blocks, self.times, self.gc = where, io, blocks, times, gc
         self.outputs, self.report = outputs, report
 
     def next(self, t: int) -> BatchPlan:
@@ -91,7 +92,7 @@ class FollowPlans:
             self.times.idle -= took.seconds
             self.times.wait_prev += took.seconds
         if not plan.shutdown and plan.seq != t:
-            raise SequenceMismatch(f"stage {self.stage.rank} expected plan {t}, got {plan.seq}")
+            raise SequenceMismatch(f"rank {self.where.rank} (stage {self.where.pp}) expected plan {t}, got {plan.seq}")
         if self.io.plan_out:
             with self.times.measure("comm"):
                 self.io.plan_out.send(plan)

@@ -4,6 +4,9 @@ In: the first stage embeds token ids (`Embed`); the others receive the previous 
 (`ReceiveProxy`). After the layers: a stage that is not the last passes its output on (`PassOn` as its head,
 `SendProxy` to post the send); the last stage samples (`SamplingHead`) and holds the tokens for their way back
 (`HoldTokens`).
+
+Under tensor parallelism the seam is sharded: each rank sends 1/tp of `hidden_states` and `residual` to the rank
+of the same TP index on the next stage, which rebuilds them with one all-gather over its stage's ranks.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import torch
 from ringsched.comm.messages import BatchPlan
 from ringsched.models.llama import StageModel
 from ringsched.parallel.flex_ring import FixedCut, FlexRing
-from ringsched.parallel.rank import StageInfo
+from ringsched.parallel.tp import TPGroup
 from ringsched.stage.sampler_state import SamplerState
 from ringsched.stage.times import StageTimes
 
@@ -30,17 +33,24 @@ class Embed:
 
 
 class ReceiveProxy:
-    """A later stage: `[hidden_states, residual, *kv rows]` of the micro-batch from the previous stage."""
+    """A later stage: `[hidden_states, residual, *kv rows]` of the micro-batch from rank `src` of the previous
+    stage (with `tp`: this rank's shard of the first two, all-gathered into `[tokens, hidden]`)."""
 
-    def __init__(self, stage: StageInfo, chan, times: StageTimes, peer: PeerCall) -> None:
-        self.stage, self.chan, self.times, self.peer = stage, chan, times, peer
+    def __init__(self, src: int, chan, times: StageTimes, peer: PeerCall, tp: TPGroup | None = None,
+                 hidden: int = 0) -> None:  # fmt: skip
+        self.src, self.chan, self.times, self.peer, self.tp, self.hidden = src, chan, times, peer, tp, hidden
 
     def receive(self, plan: BatchPlan) -> dict[str, torch.Tensor] | None:
         if not plan.entries:
             return None
         with self.times.measure("wait_prev"):
-            msg = self.peer(self.stage.prev, self.chan.recv, self.stage.prev, "proxy", plan.seq)
-        return {"hidden_states": msg.tensors[0], "residual": msg.tensors[1], "kv": msg.tensors[2:]}
+            msg = self.peer(self.src, self.chan.recv, self.src, "proxy", plan.seq)
+        hidden, residual = msg.tensors[0], msg.tensors[1]
+        if self.tp:
+            with self.times.measure("comm"):
+                shape = (hidden.numel() * self.tp.size // self.hidden, self.hidden)
+                hidden, residual = self.tp.seam_gather(hidden, shape), self.tp.seam_gather(residual, shape)
+        return {"hidden_states": hidden, "residual": residual, "kv": msg.tensors[2:]}
 
 
 class PassOn:
@@ -81,18 +91,22 @@ class SamplingHead:
 
 
 class SendProxy:
-    """Not the last stage: post the send of the micro-batch's proxy to the next stage (asynchronous; at most one
-    outstanding per channel, see `TensorChannel`)."""
+    """Not the last stage: post the send of the micro-batch's proxy to rank `dst` of the next stage (asynchronous;
+    at most one outstanding per channel, see `TensorChannel`); with `tp`, this rank's shard of it."""
 
-    def __init__(self, stage: StageInfo, chan, times: StageTimes, peer: PeerCall) -> None:
-        self.stage, self.chan, self.times, self.peer = stage, chan, times, peer
+    def __init__(self, dst: int, chan, times: StageTimes, peer: PeerCall, tp: TPGroup | None = None) -> None:
+        self.dst, self.chan, self.times, self.peer, self.tp = dst, chan, times, peer, tp
+        self.tokens = 0  # tokens sent on (the seam's bytes per token: `TensorChannel.sent_bytes` over this)
 
     def send(self, plan: BatchPlan, out: dict | None) -> None:
         if not plan.entries:
             return
-        tensors = [out["hidden_states"], out["residual"], *out.get("kv", [])]
+        seam = [out["hidden_states"], out["residual"]]
+        if self.tp:
+            seam = [self.tp.seam_shard(t) for t in seam]
         with self.times.measure("comm"):
-            self.peer(self.stage.next, self.chan.send, self.stage.next, "proxy", plan.slot, plan.seq, tensors)
+            self.peer(self.dst, self.chan.send, self.dst, "proxy", plan.slot, plan.seq, [*seam, *out.get("kv", [])])
+        self.tokens += plan.num_tokens
 
 
 class HoldTokens:

@@ -23,12 +23,13 @@ from torch.distributed import PrefixStore
 
 from ringsched.comm.messages import StageStatus
 from ringsched.comm.tensor_channel import TensorChannel
-from ringsched.comm.zmq_io import Puller, Pusher
+from ringsched.comm.zmq_io import Fanout, Puller, Pusher
 from ringsched.config import EngineConfig, parse_memory
 from ringsched.kv_cache import BlockTable, KVPool, blocks_for_memory
 from ringsched.models.config import ModelConfig
 from ringsched.models.loader import load_stage_model, weights_bytes
 from ringsched.parallel.rank import RankInfo, StageInfo
+from ringsched.parallel.tp import TPGroup, TPShard
 from ringsched.process.affinity import stage_cpus
 from ringsched.process.heap import keep_heap
 from ringsched.process.rendezvous import connect_store, interface_of
@@ -46,6 +47,7 @@ class StageAddrs:
     front_out: str  # stage 0 -> front end
     plans: tuple[str, ...]  # one node: plans[k] is stage k-1 -> stage k (index 0 unused); several: empty
     progress: str = ""  # one node: stage 1 -> stage 0 (--pp-flex-policy ready); several: empty
+    group_plans: tuple[str, ...] = ()  # per global rank: its stage's first rank -> it (--tp-size > 1; local ipc)
 
 
 class ParentGone(RuntimeError):
@@ -56,10 +58,10 @@ def stage_main(cfg: EngineConfig, spec: ModelSpec, where: RankInfo, addrs: Stage
     rank = where.rank
     logging.basicConfig(
         level=cfg.log_level.upper(),
-        format=f"[stage {rank}] %(asctime)s %(levelname)s %(message)s",
+        format=f"[{cfg.describe_rank(rank)}] %(asctime)s %(levelname)s %(message)s",
         force=True,
     )
-    _set_process_name(process_name(rank))
+    _set_process_name(process_name(where.pp, where.tp if cfg.tp_size > 1 else None))
     # Ctrl-C in a terminal, and scancel or systemd's SIGTERM, reach the whole process group; the launcher owns
     # shutdown, so a stage ignores them and stops when told to (Shutdown plan), when its parent is gone, or by
     # the launcher's SIGKILL.
@@ -97,39 +99,42 @@ def _setup(cfg, spec: ModelSpec, where: RankInfo, addrs, ctx, ctl) -> tuple[Stag
             raise ParentGone("the launcher is gone")
 
     device = _threads_and_device(cfg, where.local_rank)
-    store = _process_group(cfg, rank)
+    store, tp = _process_groups(cfg, where)
     mcfg, counts = spec.config, list(spec.partition)
     flex = cfg.flex_boundary(mcfg.num_layers, counts)
     stage = where.stage  # with a flexible cut, the stage also holds the shared layers around the cut
     if flex:
-        stage = dataclasses.replace(stage, start_layer=flex.held(rank)[0], end_layer=flex.held(rank)[1])
-        if rank == 0:
+        held = flex.held(where.pp)
+        stage = dataclasses.replace(stage, start_layer=held[0], end_layer=held[1])
+        if where.decides:
             logger.info("flexible cut: stage 0 runs the first %d to %d layers of each micro-batch", flex.lo, flex.hi)
-    model = load_stage_model(spec.model_dir, stage, cfg.torch_dtype, device)
-    num_blocks = _kv_blocks(cfg, mcfg, stage, device)
-    pool = KVPool(mcfg, stage.num_layers, num_blocks, cfg.block_size, cfg.torch_dtype, device)
-    blocks = BlockTable(num_blocks, cfg.block_size, follower=not stage.is_first)
-    info = _ready_info(stage, counts[rank], model, pool, blocks)
+    model = load_stage_model(spec.model_dir, stage, cfg.torch_dtype, device, tp=tp)
+    local = tp.shard.local_config(mcfg) if tp else mcfg  # this rank's KV heads
+    num_blocks = _kv_blocks(cfg, local, stage, device)
+    pool = KVPool(local, stage.num_layers, num_blocks, cfg.block_size, cfg.torch_dtype, device)
+    blocks = BlockTable(num_blocks, cfg.block_size, follower=not where.decides)
+    info = _ready_info(cfg, where, stage, counts[stage.rank], model, pool, blocks)
     planner = None
-    if stage.is_first:
+    if where.decides:
         planner = Planner(blocks, cfg.micro_batch_size, cfg.max_running_requests, cfg.chunked_prefill_size,
                           spec.eos_ids, spec.context_len, random.Random(cfg.seed), mcfg.vocab_size)  # fmt: skip
-    plan_in, plan_out = _plan_channels(cfg, stage, addrs, ctx, store)
+    plan_in, plan_out = _plan_channels(cfg, where, addrs, ctx, store)
     progress_in, progress_out = _progress_channels(cfg, stage, addrs, ctx, store)
     io = StageIO(
         chan=TensorChannel(device), plan_in=plan_in, plan_out=plan_out,
-        front_in=Puller(ctx, addrs.front_in) if stage.is_first else None,
-        front_out=Pusher(ctx, addrs.front_out) if stage.is_first else None,
+        front_in=Puller(ctx, addrs.front_in) if where.decides else None,
+        front_out=Pusher(ctx, addrs.front_out) if where.decides else None,
         alive=alive, report=lambda stats: ctl.send(StageStatus(rank, "stats", stats)),
         progress_in=progress_in, progress_out=progress_out,
     )  # fmt: skip
-    return StageLoop(cfg, stage, model, blocks, pool, io, planner, device, spec.eos_ids, flex), info
+    loop = StageLoop(cfg, stage, model, blocks, pool, io, planner, device, spec.eos_ids, flex, where=where, tp=tp)
+    return loop, info
 
 
 def _threads_and_device(cfg: EngineConfig, local_rank: int) -> torch.device:
     keep_heap()
     torch.set_num_threads(cfg.threads)
-    cpus = stage_cpus(cfg.threads, cfg.stages_per_node, local_rank, cfg.resolved_device)
+    cpus = stage_cpus(cfg.threads, cfg.ranks_per_node, local_rank, cfg.resolved_device)
     if cpus is not None:
         os.sched_setaffinity(0, cpus)
     if cfg.resolved_device == "cuda":
@@ -138,25 +143,38 @@ def _threads_and_device(cfg: EngineConfig, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def _process_group(cfg: EngineConfig, rank: int):
-    """Join the stages' process group (none with one stage); the store node 0's launcher hosts, or None."""
-    if cfg.pp_size == 1:
-        return None
+def _process_groups(cfg: EngineConfig, where: RankInfo) -> tuple:
+    """Join the ranks' process group (none with one rank) and, with --tp-size > 1, this stage's tensor-parallel
+    group: the store node 0's launcher hosts (or None), and this rank's `TPGroup` (or None)."""
+    if cfg.world_size == 1:
+        return None, None
     if cfg.nnodes > 1:  # gloo and NCCL pick their interface by name: the one carrying our address
         iface = interface_of(cfg.host_ip)
         if iface:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
             os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
     store = connect_store(cfg, is_master=False)
+    timeout = datetime.timedelta(seconds=cfg.stage_timeout)
     torch.distributed.init_process_group(
-        cfg.backend, store=PrefixStore("pg", store), rank=rank, world_size=cfg.pp_size,
-        timeout=datetime.timedelta(seconds=cfg.stage_timeout),
-    )  # fmt: skip
-    return store
+        cfg.backend, store=PrefixStore("pg", store), rank=where.rank, world_size=cfg.world_size, timeout=timeout
+    )
+    if cfg.tp_size == 1:
+        return store, None
+    group = None
+    for pp in range(cfg.pp_size):  # every rank creates every stage's group, in the same order
+        ranks = [cfg.layout.rank_of(pp, t) for t in range(cfg.tp_size)]
+        g = torch.distributed.new_group(ranks, timeout=timeout, backend=cfg.backend)
+        if pp == where.pp:
+            group = g
+    return store, TPGroup(TPShard(where.tp, cfg.tp_size), group)
 
 
-def _ready_info(stage: StageInfo, cut_layers: int, model, pool: KVPool, blocks: BlockTable) -> dict:
+def _ready_info(cfg: EngineConfig, where: RankInfo, stage: StageInfo, cut_layers: int, model, pool: KVPool,
+                blocks: BlockTable) -> dict:  # fmt: skip
     info = {
+        "stage": where.pp,
+        "tp": where.tp,
+        "node": where.node,
         "layers": [stage.start_layer, stage.end_layer],
         "cut_layers": cut_layers,  # without --pp-flex-layers, the layer count
         "weights_bytes": weights_bytes(model),
@@ -191,19 +209,25 @@ def _start_heartbeat(ctx: zmq.Context, addr: str, rank: int, loop: StageLoop) ->
     threading.Thread(target=beat, name=f"heartbeat-{rank}", daemon=True).start()
 
 
-def process_name(rank: int) -> str:
-    """What `ps`, `top` and `pgrep` show for a stage: at most 15 characters, the kernel's limit."""
-    return f"ringsched-pp{rank}"
+def process_name(stage: int, tp: int | None = None) -> str:
+    """What `ps`, `top` and `pgrep` show for a rank: `ringsched-pp1`, or `ringsched-pp1t0` for tensor-parallel
+    rank 0 of stage 1; at most 15 characters, the kernel's limit."""
+    return f"ringsched-pp{stage}" + (f"t{tp}" if tp is not None else "")
 
 
-def _plan_channels(cfg: EngineConfig, stage: StageInfo, addrs: StageAddrs, ctx, store) -> tuple:
-    """Plans flow stage k -> k+1; stage k binds the channel it receives on (see `_receiver`)."""
+def _plan_channels(cfg: EngineConfig, where: RankInfo, addrs: StageAddrs, ctx, store) -> tuple:
+    """Plans flow from stage k's first rank to stage k+1's, which binds the channel it receives on (see
+    `_receiver`); each stage's first rank also passes them to the stage's other ranks (local ipc: a stage sits on
+    one node). The plan out is a `Fanout` over both, or None."""
     zstore = PrefixStore("zmq", store) if cfg.nnodes > 1 else None
     ipc = addrs.plans or ("",) * cfg.pp_size  # several nodes: tcp, no ipc addresses
-    k = stage.rank
-    plan_in = None if stage.is_first else _receiver(ctx, zstore, cfg.host_ip, ipc[k], f"plan/{k}")
-    plan_out = None if stage.is_last else _sender(ctx, zstore, ipc[k + 1], f"plan/{k + 1}")
-    return plan_in, plan_out
+    k = where.pp
+    if not where.leads_stage:
+        return Puller(ctx, addrs.group_plans[where.rank]), None
+    plan_in = None if k == 0 else _receiver(ctx, zstore, cfg.host_ip, ipc[k], f"plan/{k}")
+    outs = [] if k == cfg.pp_size - 1 else [_sender(ctx, zstore, ipc[k + 1], f"plan/{k + 1}")]
+    outs += [Pusher(ctx, addrs.group_plans[r]) for r in where.tp_group if r != where.rank]
+    return plan_in, Fanout(outs) if outs else None
 
 
 def _progress_channels(cfg: EngineConfig, stage: StageInfo, addrs: StageAddrs, ctx, store) -> tuple:
@@ -246,15 +270,15 @@ def kv_budget_bytes(cfg: EngineConfig, device: torch.device, free: int | None = 
 
         free = psutil.virtual_memory().available
     if device.type != "cuda":
-        free //= cfg.stages_per_node
+        free //= cfg.ranks_per_node
     return int(free * budget)
 
 
 def _kv_blocks(cfg: EngineConfig, mcfg: ModelConfig, stage: StageInfo, device: torch.device) -> int:
     budget = kv_budget_bytes(cfg, device)
     blocks = blocks_for_memory(mcfg, stage.num_layers, cfg.torch_dtype, budget, cfg.block_size)
-    if cfg.pp_size > 1:
-        # Stage 0 admits against the smallest pool; every stage allocates just that much.
+    if cfg.world_size > 1:
+        # Stage 0 admits against the smallest pool (over every rank); every rank allocates just that much.
         t = torch.tensor([blocks], dtype=torch.long, device=device)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
         blocks = int(t.item())

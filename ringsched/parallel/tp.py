@@ -1,0 +1,182 @@
+"""Tensor parallelism inside a stage: which slice of each weight a rank holds (`TPShard`), and the collectives
+its layers and seams run over the stage's group of ranks (`TPGroup`).
+
+Megatron's split: q/k/v and gate/up are column-parallel (each rank computes its heads, its slice of the
+intermediate), o_proj and down_proj row-parallel (each rank's partial sum, then one all-reduce: two per layer).
+KV heads are split while `num_kv_heads >= tp`; past that each rank stores one whole KV head, the one its query
+heads read (replicated: `tp / num_kv_heads` ranks hold each). The embedding and the lm_head are split by
+vocabulary rows: a token's embedding comes from the rank holding its row (an all-reduce of zeros elsewhere);
+each rank computes its slice of the logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ringsched.models.config import ModelConfig
+
+
+class TPLayoutError(ValueError):
+    """The model cannot be split `tp` ways; the message says which dimension and what `--tp-size` fits."""
+
+
+def check_tp(cfg: ModelConfig, tp: int) -> None:
+    """Raise `TPLayoutError` unless the model splits `tp` ways (see `TPShard`)."""
+    if tp == 1 or _fits(cfg, tp):
+        return
+    fits = [n for n in range(1, cfg.num_heads + 1) if _fits(cfg, n)]
+
+    def refuse(what: str) -> None:
+        raise TPLayoutError(f"--tp-size {tp}: {what}; --tp-size values that fit this model: {fits}")
+
+    if tp > cfg.num_kv_heads and (tp % cfg.num_kv_heads or cfg.num_heads % tp):
+        refuse(
+            f"past its {cfg.num_kv_heads} KV heads each rank holds one whole KV head and an equal share of the "
+            f"{cfg.num_heads // cfg.num_kv_heads} query heads that read it, so --tp-size must be a multiple of "
+            f"{cfg.num_kv_heads} dividing the {cfg.num_heads} attention heads"
+        )
+    if tp > cfg.intermediate_size:
+        refuse(f"its MLP width {cfg.intermediate_size} is narrower than {tp} ranks")
+    if cfg.hidden_size % tp:
+        refuse(f"its hidden size {cfg.hidden_size} does not split evenly over {tp} ranks (the sharded seam)")
+
+
+def _fits(cfg: ModelConfig, tp: int) -> bool:
+    if tp > cfg.num_kv_heads and (tp % cfg.num_kv_heads or cfg.num_heads % tp):
+        return False
+    return tp <= cfg.intermediate_size and cfg.hidden_size % tp == 0
+
+
+def _even(n: int, parts: int, i: int) -> tuple[int, int]:
+    """(first, count) of part `i` of `n` items cut into `parts` contiguous parts as evenly as possible."""
+    lo, hi = i * n // parts, (i + 1) * n // parts
+    return lo, hi - lo
+
+
+@dataclass(frozen=True)
+class TPShard:
+    """Rank `rank` of `size` tensor-parallel ranks: the slices of a model's weights it holds.
+
+    Attention is split by whole GQA groups (a KV head and the query heads that read it), so every rank's heads
+    keep the model's grouping: while `size <= num_kv_heads` the groups are shared out as evenly as they go
+    (SmolLM2's 3 KV heads over 2 ranks: 2 and 1); past that each group's query heads are split over
+    `size / num_kv_heads` ranks, each of which stores the group's whole KV head. The MLP width and the vocabulary
+    are cut as evenly as they go."""
+
+    rank: int = 0
+    size: int = 1
+
+    def kv_heads(self, cfg: ModelConfig) -> tuple[int, int]:
+        """(first, count) of the KV heads this rank stores."""
+        if self.size <= cfg.num_kv_heads:
+            return _even(cfg.num_kv_heads, self.size, self.rank)
+        return self.rank // (self.size // cfg.num_kv_heads), 1
+
+    def heads(self, cfg: ModelConfig) -> tuple[int, int]:
+        """(first, count) of this rank's query heads."""
+        group = cfg.num_heads // cfg.num_kv_heads
+        if self.size <= cfg.num_kv_heads:
+            first, n = self.kv_heads(cfg)
+            return first * group, n * group
+        reps = self.size // cfg.num_kv_heads  # ranks per KV head
+        per = group // reps
+        return self.kv_heads(cfg)[0] * group + (self.rank % reps) * per, per
+
+    def intermediate(self, cfg: ModelConfig) -> tuple[int, int]:
+        return _even(cfg.intermediate_size, self.size, self.rank)
+
+    def vocab(self, cfg: ModelConfig) -> tuple[int, int]:
+        """(first, count) of the vocabulary rows: `ceil(vocab / size)` each, the last rank what is left."""
+        per = self.vocab_per_rank(cfg)
+        start = min(self.rank * per, cfg.vocab_size)
+        return start, min(per, cfg.vocab_size - start)
+
+    def vocab_per_rank(self, cfg: ModelConfig) -> int:
+        return -(-cfg.vocab_size // self.size)
+
+    def local_config(self, cfg: ModelConfig) -> ModelConfig:
+        """The model as this rank builds it: its heads, KV heads, MLP width and vocabulary rows (the layer code
+        reads every size from its tensors' shapes, so it runs unchanged on a shard)."""
+        if self.size == 1:
+            return cfg
+        return dataclasses.replace(
+            cfg, num_heads=self.heads(cfg)[1], num_kv_heads=self.kv_heads(cfg)[1],
+            intermediate_size=self.intermediate(cfg)[1], vocab_size=self.vocab(cfg)[1],
+        )  # fmt: skip
+
+    def slice_of(self, name: str, cfg: ModelConfig) -> tuple[int, int, int] | None:
+        """(dim, start, stop) of tensor `name` (a Hugging Face name) this rank reads, or None for the whole."""
+        if self.size == 1:
+            return None
+        d = cfg.head_dim
+        last = name.rsplit(".", 2)[-2]  # the module: q_proj, embed_tokens, ...
+        if last in ("embed_tokens", "lm_head"):
+            start, n = self.vocab(cfg)
+            return 0, start, start + n
+        if last == "q_proj":
+            start, n = self.heads(cfg)
+            return 0, start * d, (start + n) * d
+        if last in ("k_proj", "v_proj"):
+            start, n = self.kv_heads(cfg)
+            return 0, start * d, (start + n) * d
+        if last == "o_proj":
+            start, n = self.heads(cfg)
+            return 1, start * d, (start + n) * d
+        if last in ("gate_proj", "up_proj"):
+            start, n = self.intermediate(cfg)
+            return 0, start, start + n
+        if last == "down_proj":
+            start, n = self.intermediate(cfg)
+            return 1, start, start + n
+        return None  # norms: every rank holds them whole
+
+
+class TPGroup:
+    """The collectives of one rank of a stage's tensor-parallel group, counted (calls and bytes) for the
+    benchmarks and `/metrics`. `group` is the torch.distributed group of the stage's ranks."""
+
+    def __init__(self, shard: TPShard, group) -> None:
+        self.shard, self.group = shard, group
+        self.rank, self.size = shard.rank, shard.size
+        self.all_reduces = 0
+        self.all_reduce_bytes = 0
+        self.gathers = 0
+        self.gather_bytes = 0
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum `t` over the group in place (a row-parallel layer's partial sums; an embedding's rows)."""
+        dist.all_reduce(t, group=self.group)
+        self.all_reduces += 1
+        self.all_reduce_bytes += t.numel() * t.element_size()
+        return t
+
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `t` (same shape on all), in rank order."""
+        out = [torch.empty_like(t) for _ in range(self.size)]
+        dist.all_gather(out, t.contiguous(), group=self.group)
+        self.gathers += 1
+        self.gather_bytes += t.numel() * t.element_size() * self.size
+        return out
+
+    def seam_shard(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's 1/size of a seam tensor (a contiguous view of the flattened tensor, no copy)."""
+        flat = t.contiguous().view(-1)
+        n = flat.numel() // self.size
+        return flat[self.rank * n : (self.rank + 1) * n]
+
+    def seam_gather(self, shard: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        """The whole seam tensor of `shape` from every rank's `seam_shard`, gathered straight into one buffer."""
+        out = shard.new_empty(shape)
+        parts = list(out.view(-1).chunk(self.size))
+        dist.all_gather(parts, shard, group=self.group)
+        self.gathers += 1
+        self.gather_bytes += out.numel() * out.element_size()
+        return out
+
+    def stats(self) -> dict:
+        return {"tp_all_reduces": self.all_reduces, "tp_all_reduce_bytes": self.all_reduce_bytes,
+                "tp_gathers": self.gathers, "tp_gather_bytes": self.gather_bytes}  # fmt: skip
