@@ -1,0 +1,111 @@
+"""Tensor parallelism across real processes (gloo, ZMQ, the launcher's supervisor): every TP x PP layout gives
+transformers' greedy tokens and TP=1's seeded samples; each rank holds its share of the weights; the seam
+carries 1/tp of the activations per rank."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from test_model_reference import hf_greedy, prompt_ids
+
+from ringsched.engine import Engine
+from ringsched.models.config import ModelConfig
+from ringsched.models.llama import StageModel
+from ringsched.models.random_model import random_config, write_random_model
+from ringsched.parallel.partition import resolve_partition, stage_ranges
+from ringsched.parallel.rank import StageInfo
+from ringsched.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow  # several processes and real weights
+
+GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+SEEDED = [SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=s, ignore_eos=True) for s in (1, 2)]
+
+
+def _settled_stats(llm: Engine, key: str, timeout: float = 10.0) -> dict[int, dict]:
+    """Every rank's stats once each has reported `key` after the last step (stats come every 0.5 s)."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        llm.poll(0.3)
+        now = {r: dict(s) for r, s in llm.supervisor.stats.items()}
+        if last is not None and now == last and all(key in s for s in now.values()):
+            return now
+        last = now
+    raise AssertionError(f"stats with {key!r} did not settle: {last}")
+
+
+def _share_bytes(model_dir: str, pp: int, tp: int) -> list[float]:
+    """What each rank of each stage should hold: 1/tp of the unsharded stage's weights (built on meta)."""
+    cfg = ModelConfig.from_dir(model_dir)
+    out = []
+    for k, (s, e) in enumerate(stage_ranges(resolve_partition(cfg.num_layers, pp, None))):
+        with torch.device("meta"):
+            model = StageModel(cfg, StageInfo(k, pp, s, e))
+        if cfg.tie_word_embeddings and pp == 1:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        out.append(sum(p.numel() * p.element_size() for p in model.parameters()) / tp)  # tied: counted once
+    return out
+
+
+@pytest.fixture(scope="module")
+def smol_reference(hf_smol):
+    hf, tok = hf_smol
+    prompts = [prompt_ids(tok, i) for i in (0, 1, 4, 5)]
+    return prompts, [hf_greedy(hf, ids, GREEDY.max_tokens) for ids in prompts]
+
+
+@pytest.fixture(scope="module")
+def smol_tp1_samples(smollm2_dir, smol_reference):
+    prompts, _ = smol_reference
+    with Engine(model=str(smollm2_dir), kv_cache_memory="64M", threads_per_stage=1) as llm:
+        return [o.token_ids for o in llm.generate([prompts[0], prompts[2]], SEEDED)]
+
+
+@pytest.mark.parametrize(("pp", "tp"), [(1, 2), (2, 2)])
+def test_smollm2_tp_layouts_match_transformers_and_tp1(smollm2_dir, smol_reference, smol_tp1_samples, pp, tp):
+    prompts, want = smol_reference
+    with Engine(model=str(smollm2_dir), pp_size=pp, tp_size=tp, kv_cache_memory="64M", threads_per_stage=1) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
+        assert [o.token_ids for o in llm.generate([prompts[0], prompts[2]], SEEDED)] == smol_tp1_samples
+        info = {r: dict(i) for r, i in llm.supervisor.info.items()}
+        stats = _settled_stats(llm, "seam_bytes_sent")
+    assert sorted(info) == list(range(pp * tp))
+    share = _share_bytes(str(smollm2_dir), pp, tp)
+    for r, i in info.items():
+        assert abs(i["weights_bytes"] / share[i["stage"]] - 1) < 0.10, (r, i["weights_bytes"], share[i["stage"]])
+    hidden = ModelConfig.from_dir(smollm2_dir).hidden_size
+    for s in stats.values():
+        if s["stage"] < pp - 1:  # each rank of a stage with a seam after it sends 1/tp of it
+            assert s["seam_tokens_sent"] > 0
+            assert s["seam_bytes_sent"] / s["seam_tokens_sent"] == 2 * hidden * 4 / tp
+        else:
+            assert s["seam_bytes_sent"] == 0
+        assert s["tp_all_reduces"] > 0
+
+
+@pytest.mark.parametrize(
+    ("arch", "heads", "kv", "tp", "pp"),
+    [("qwen3", 4, 1, 2, 1), ("llama", 8, 4, 4, 1), ("qwen3", 4, 1, 2, 2)],
+    ids=["qwen3-1kv-tp2", "llama-4kv-tp4", "qwen3-1kv-tp2-pp2"],
+)
+def test_tiny_random_models_match_transformers_at_tp(tmp_path, arch, heads, kv, tp, pp):
+    """One KV head at TP=2: each rank stores it whole (replicated); 4 KV heads at TP=4: one each, 4 processes."""
+    from transformers import AutoModelForCausalLM
+
+    config = random_config(arch, 4, 64, heads, kv, 128, 320, tie=arch == "llama")
+    model_dir = write_random_model(tmp_path / arch, config, seed=3)
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    prompts = [[5, 17, 42, 99, 3, 250, 7], [300, 12, 8], list(range(40, 90))]
+    want = [hf_greedy(hf, ids, 24) for ids in prompts]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    with Engine(model=str(model_dir), pp_size=pp, tp_size=tp, kv_cache_memory="8M", threads_per_stage=1) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, params)] == want
+        kv_tokens = {r: i["kv_tokens"] for r, i in llm.supervisor.info.items()}
+    # Each rank's pool holds its own KV heads (one: split 4 ways, or the one replicated), so the 8 MiB of each
+    # holds `kv / local heads` times the tokens one rank of every head would.
+    head_dim, layers = 64 // heads, 4 // pp
+    blocks = (8 << 20) // (2 * 1 * head_dim * 4 * layers * 16)
+    assert kv_tokens == {r: blocks * 16 for r in range(pp * tp)}
