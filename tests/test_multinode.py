@@ -1,10 +1,11 @@
 """The ring across machines: two hosts with their own addresses (network namespaces joined by a veth pair),
 node 0 in one and node 1 in the other, each started with the same `python -m ringsched.launch` command.
 
-Covered: greedy text equal to a single-node run at PP=2 (also with the cut decided while running) and PP=4;
-node 1 killed and the link cut while streams are open (every process gone within --stage-timeout + 10 s, the
-error names node 1, every stream ends with an error chunk); rendezvous refusing a different partition and
-timing out on a missing node.
+Covered: greedy text equal to a single-node run at PP=2 (also with the cut decided while running), PP=4 and
+PP=2 x TP=2 (two ranks per node); node 1 killed and the link cut while streams are open (every process gone
+within --stage-timeout + 10 s, the error names node 1, every stream ends with an error chunk); one rank of node 1
+killed at TP=2 (the same, the error naming that rank); rendezvous refusing a different partition and timing out
+on a missing node.
 
 Every client request runs inside node 0's namespace (`tests/ns_client.py`): the test process itself has no
 route to the hosts. Needs root; skipped with the reason where network namespaces are unavailable.
@@ -117,9 +118,10 @@ def lines_with(text: str, *words: str) -> list[str]:
 # The third case also sends stage 1's progress across the hosts (`--pp-flex-policy ready`: a tcp channel whose
 # address travels through the store).
 READY = ("--pp-flex-layers", "2", "--pp-flex-policy", "ready")
+TP2 = ("--tp-size", "2")  # each node runs one stage of two ranks: the seam goes sharded across the hosts
 
 
-@pytest.mark.parametrize("pp,extra", [(2, ()), (4, ()), (2, READY)], ids=["2", "4", "2-ready"])
+@pytest.mark.parametrize("pp,extra", [(2, ()), (4, ()), (2, READY), (2, TP2)], ids=["2", "4", "2-ready", "2-tp2"])
 def test_two_hosts_match_single_node_greedy(net, reference, pp, extra):
     nodes = [launch(net, r, pp, *extra, stage_timeout=FAST_TIMEOUT) for r in (0, 1)]
     wait_ready(net, nodes)
@@ -165,6 +167,32 @@ def test_lost_node_ends_every_process_and_stream(net, fault):
     for r in results:
         assert r["chunks"] > 0 and r["error"] is not None and r["done"], (r, logs(net))
         assert r["transport_error"] is None, (r, logs(net))
+
+
+def test_killed_rank_of_a_tensor_parallel_stage_ends_every_process_naming_it(net):
+    """PP=2 x TP=2: SIGKILL of node 1's second rank (global rank 3) while streams are open."""
+    nodes = [launch(net, r, 2, *TP2) for r in (0, 1)]
+    wait_ready(net, nodes)
+    streams = net.spawn(0, [sys.executable, CLIENT, "streams", base_url(net), "--n", "3", "--timeout", "60"], "streams")
+    deadline = time.monotonic() + 60
+    while "STARTED" not in streams.log():
+        assert streams.poll() is None and time.monotonic() < deadline, f"{streams.log()}\n{logs(net)}"
+        time.sleep(0.1)
+    for n in nodes:
+        n.descendants()
+    victims = [p for p in nodes[1].descendants() if p.name() == "ringsched-pp1t1"]
+    assert len(victims) == 1, (nodes[1].descendants(), logs(net))
+    victims[0].kill()
+    bound = STAGE_TIMEOUT + 10
+    took = wait_gone(nodes, bound)
+    assert took is not None, f"still running {bound:.0f}s after the kill\n{logs(net)}"
+    for n in nodes:
+        assert n.proc.returncode != 0, logs(net)
+        assert lines_with(n.log(), "rank 3", "killed"), f"{n.log_path.name} does not name rank 3\n{logs(net)}"
+    assert streams.wait(15) == 0, f"{streams.log()}\n{logs(net)}"
+    for r in json.loads(streams.log().strip().splitlines()[-1]):
+        assert r["chunks"] > 0 and r["done"] and r["transport_error"] is None, (r, logs(net))
+        assert "rank 3" in str(r["error"]), (r, logs(net))
 
 
 # -- rendezvous --------------------------------------------------------------------------------------------------

@@ -90,6 +90,11 @@ class Rendezvous:
         self._last_ok = time.monotonic()
         self._seen: dict[int, tuple[int, float]] = {}
         self.stopped: str | None = None  # node 0 ended the ring: "" when cleanly, else why
+        # Why a node's ring failed, as its own supervisor saw it (the root cause: which rank died), published
+        # through the store so the other nodes can name it instead of only the neighbour they lost. The heartbeat
+        # thread writes ours and reads theirs (a store call can block on a cut link; the supervisor's must not).
+        self.report: str | None = None
+        self.remote_failures: dict[int, str] = {}
 
     def join(self) -> None:
         """Publish this node and wait for the others; raise `RendezvousError` on a timeout or a mismatch."""
@@ -151,6 +156,12 @@ class Rendezvous:
                 try:
                     if self.cfg.node_rank > 0 and self.nodes.check(["stop"]):
                         self.stopped = self.nodes.get("stop").decode()
+                    if self.report is not None:
+                        self.nodes.set(f"failed/{self.cfg.node_rank}", self.report)
+                    for n in range(self.cfg.nnodes):
+                        if n != self.cfg.node_rank and n not in self.remote_failures:
+                            if self.nodes.check([f"failed/{n}"]):
+                                self.remote_failures[n] = self.nodes.get(f"failed/{n}").decode()
                     self.nodes.add(f"hb/{self.cfg.node_rank}", 1)
                     for n in watched:
                         count = self.nodes.add(f"hb/{n}", 0)
@@ -183,6 +194,18 @@ class Rendezvous:
                     "or the link to it is cut"
                 )
         return self.failure
+
+    def publish_failure(self, reason: str) -> None:
+        """This node's root cause, for the other nodes (written by the heartbeat thread within a second)."""
+        if self.cfg.nnodes > 1 and self.report is None:
+            self.report = reason.splitlines()[0]
+
+    def wait_remote_failure(self, timeout: float) -> str | None:
+        """Another node's published root cause, waiting up to `timeout` for one to arrive."""
+        deadline = time.monotonic() + timeout
+        while not self.remote_failures and time.monotonic() < deadline and self.cfg.nnodes > 1:
+            time.sleep(0.1)
+        return "; ".join(f"node {n}: {why}" for n, why in sorted(self.remote_failures.items())) or None
 
     def announce_stop(self, reason: str) -> None:
         """Node 0 tells the other nodes the ring is over (and why, if it failed), so they exit promptly."""

@@ -168,13 +168,25 @@ class Supervisor:
                 time.sleep(0.3)
                 errors.update(self._take_status(self.ctl.drain()))
                 dead = [(r, p) for r, p in zip(self.ranks, self.procs, strict=True) if p.exitcode is not None]
-                self.failure = self._describe(errors, dead)
+                self.failure = self._remote_cause(errors, dead) + self._describe(errors, dead)
             elif self.rendezvous is not None and self.rendezvous.check():
                 self.failure = self.rendezvous.failure
             else:
                 self.failure = self._liveness()
+            if self.failure and self.rendezvous is not None:
+                self.rendezvous.publish_failure(self.failure)
         if self.failure:
             raise StageFailure(self.failure)
+
+    def _remote_cause(self, errors: dict[int, str], dead: list) -> str:
+        """When every rank here only lost a neighbour on another node, that node's own account (which of its
+        ranks died, and how) comes first: `"node 1: rank 3 (...) was killed by signal 9; then here: "`."""
+        if self.rendezvous is None or self.cfg.nnodes == 1 or any(r not in errors for r, _ in dead):
+            return ""  # a rank here died without a word: the cause is here
+        if not errors or not all(e.startswith("PeerLost") for e in errors.values()):
+            return ""
+        remote = self.rendezvous.wait_remote_failure(3.0)
+        return f"{remote}; then here: " if remote else ""
 
     def _take_status(self, msgs: list) -> dict[int, str]:
         errors = {}
