@@ -109,3 +109,35 @@ def test_tiny_random_models_match_transformers_at_tp(tmp_path, arch, heads, kv, 
     head_dim, layers = 64 // heads, 4 // pp
     blocks = (8 << 20) // (2 * 1 * head_dim * 4 * layers * 16)
     assert kv_tokens == {r: blocks * 16 for r in range(pp * tp)}
+
+
+def test_server_at_tp2_pp2_serves_greedy_and_reports_the_seam_per_rank(smollm2_dir):
+    """The launcher at PP=2 x TP=2 behind real HTTP: the openai client gets TP=1's greedy text, and /metrics
+    reports each rank's seam bytes per token (stage 0's ranks: 2 x 576 x 4 / 2) and all-reduces."""
+    import re
+
+    import httpx
+    import openai
+
+    from ringsched.server.testing import ServerProcess
+
+    prompt = "The capital of France is"
+    with Engine(model=str(smollm2_dir), kv_cache_memory="64M", threads_per_stage=1) as llm:
+        want = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0))[0].text
+    args = ["--pp-size", "2", "--tp-size", "2", "--threads-per-stage", "1", "--kv-cache-memory", "64M"]
+    with ServerProcess(args) as srv:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=120)
+        r = client.completions.create(model="smollm2-135m-instruct", prompt=prompt, max_tokens=16, temperature=0)
+        assert r.choices[0].text == want
+        deadline, seam = time.monotonic() + 10, {}
+        while time.monotonic() < deadline and sorted(seam.values()) != [0.0, 0.0, 2304.0, 2304.0]:
+            time.sleep(0.5)
+            text = httpx.get(f"{srv.url}/metrics", timeout=10).text
+            seam = {m[1]: float(m[2]) for m in re.finditer(
+                r'^ringsched:seam_bytes_per_token\{rank="(\d)",stage="\d",tp="\d"\} (\S+)$', text, re.M)}
+        assert seam == {"0": 2304.0, "1": 2304.0, "2": 0.0, "3": 0.0}, text
+        reduces = re.findall(r'^ringsched:tp_all_reduces_per_batch\{rank="(\d)",stage="(\d)",tp="\d"\} (\S+)$', text,
+                             re.M)  # fmt: skip
+        # Two per layer (15 layers a stage), stage 0 one more for the embedding; the head's gather is not one.
+        assert {(r, s): float(v) for r, s, v in reduces} == {("0", "0"): 31, ("1", "0"): 31, ("2", "1"): 30,
+                                                               ("3", "1"): 30}  # fmt: skip

@@ -57,6 +57,23 @@ class ServerMetrics:
             f"{p}stage_peak_memory_bytes", "Peak resident memory of a stage process (device memory on GPU).",
             ["stage"], registry=r,
         )  # fmt: skip
+        rank = ["rank", "stage", "tp"]
+        self.rank_peak_memory = Gauge(
+            f"{p}rank_peak_memory_bytes", "Peak resident memory of each rank (device memory on GPU).", rank,
+            registry=r,
+        )  # fmt: skip
+        self.seam_bytes = Gauge(
+            f"{p}seam_bytes_per_token", "Bytes a rank sent across its stage's seam per token: 2 x hidden x dtype "
+            "bytes / tp (each tensor-parallel rank sends its shard).", rank, registry=r,
+        )  # fmt: skip
+        self.tp_reduces = Gauge(
+            f"{p}tp_all_reduces_per_batch", "Tensor-parallel all-reduces a rank ran per micro-batch (two per layer, "
+            "one more for the embedding).", rank, registry=r,
+        )  # fmt: skip
+        self.tp_reduce_bytes = Gauge(
+            f"{p}tp_all_reduce_bytes_per_token", "Bytes a rank all-reduced per token over its stage's ranks.", rank,
+            registry=r,
+        )  # fmt: skip
         self.prompt_tokens = Counter(f"{p}prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.generation_tokens = Counter(f"{p}generation_tokens", "Generated tokens.", registry=r)
         self.finished = Counter(
@@ -88,13 +105,21 @@ class ServerMetrics:
         self.open.set(client.num_open)
         self.waiting.set(client.num_waiting())
         for rank, s in client.stage_stats().items():
-            self.kv_usage.labels(stage=str(rank)).set(s.get("kv_usage", 0.0))
-            self.busy.labels(stage=str(rank)).set(s.get("busy_fraction", 0.0))
-            self.bubble.labels(stage=str(rank)).set(s.get("bubble_fraction", 0.0))
-            for kind in ("compute", "wait", "sched", "comm"):
-                self.stage_time.labels(stage=str(rank), kind=kind).set(s.get(f"{kind}_s", 0.0))
             peak = s.get("peak_device_bytes") or s.get("peak_rss_bytes", 0)
-            self.peak_memory.labels(stage=str(rank)).set(peak)
+            where = {"rank": str(rank), "stage": str(s.get("stage", rank)), "tp": str(s.get("tp", 0))}
+            self.rank_peak_memory.labels(**where).set(peak)
+            self.seam_bytes.labels(**where).set(s.get("seam_bytes_sent", 0) / max(s.get("seam_tokens_sent", 0), 1))
+            self.tp_reduces.labels(**where).set(s.get("tp_all_reduces", 0) / max(s.get("batches", 0), 1))
+            self.tp_reduce_bytes.labels(**where).set(s.get("tp_all_reduce_bytes", 0) / max(s.get("tokens", 0), 1))
+            if s.get("tp", 0):
+                continue  # a stage's figures: its first rank's (its ranks share the plan, the pool and the pace)
+            stage = where["stage"]
+            self.kv_usage.labels(stage=stage).set(s.get("kv_usage", 0.0))
+            self.busy.labels(stage=stage).set(s.get("busy_fraction", 0.0))
+            self.bubble.labels(stage=stage).set(s.get("bubble_fraction", 0.0))
+            for kind in ("compute", "wait", "sched", "comm"):
+                self.stage_time.labels(stage=stage, kind=kind).set(s.get(f"{kind}_s", 0.0))
+            self.peak_memory.labels(stage=stage).set(peak)
         return generate_latest(self.registry)
 
 
@@ -111,7 +136,8 @@ async def log_throughput(client: EngineClient, period: float = 5.0) -> None:
         prefill_now, gen_now = client.sched_stats.get("prefill_tokens", 0), client.counters.generation_tokens
         running, waiting = client.sched_stats.get("running", 0), client.num_waiting()
         if gen_now > gen or prefill_now > prefill or running or waiting:
-            kv = ", ".join(f"{s.get('kv_usage', 0.0):.1%}" for _, s in sorted(client.stage_stats().items()))
+            stages = [s for _, s in sorted(client.stage_stats().items()) if not s.get("tp", 0)]
+            kv = ", ".join(f"{s.get('kv_usage', 0.0):.1%}" for s in stages)
             logger.info(
                 "running %d, waiting %d, prompt %.1f tok/s, generation %.1f tok/s, KV usage per stage %s",
                 running, waiting, (prefill_now - prefill) / dt, (gen_now - gen) / dt, kv or "-",
