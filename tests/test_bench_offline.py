@@ -94,3 +94,23 @@ def test_auto_balances_for_the_benchmarks_requests(tiny_llama_dir):
     add_engine_args(q)
     cfg = config_from_args(q.parse_args(["--model", str(tiny_llama_dir)]))
     assert (cfg.pp_auto_input_len, cfg.pp_auto_output_len) == (128, 128)
+
+
+def test_offline_reports_each_ranks_seam_and_all_reduces_at_tp(tiny_llama_dir, capsys):
+    """PP=2 x TP=2 on the tiny Llama (hidden 64, 3 layers a stage): stage 0's ranks each send half the seam,
+    2 x 64 x 4 / 2 bytes per token; every rank all-reduces twice per layer, stage 0 once more (the embedding)."""
+    p = argparse.ArgumentParser()
+    add_offline_args(p)
+    args = p.parse_args([
+        "--model", str(tiny_llama_dir), "--pp-size", "2", "--tp-size", "2", "--threads-per-stage", "1",
+        "--kv-cache-memory", "16M", "--num-prompts", "4", "--input-len", "16", "--output-len", "8",
+        "--warmup-prompts", "1", "--json",
+    ])  # fmt: skip
+    r = run_offline(args)
+    assert r["tp_size"] == 2 and len(r["stage_memory"]) == 2 and len(r["rank_memory"]) == 4
+    wire = {w["rank"]: w for w in r["rank_wire"]}
+    assert [(w["stage"], w["tp"]) for w in r["rank_wire"]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [wire[k]["seam_bytes_per_token"] for k in range(4)] == [256, 256, 0, 0]
+    assert [wire[k]["tp_all_reduces_per_batch"] for k in range(4)] == [7, 7, 6, 6]
+    assert [wire[k]["tp_all_reduce_bytes_per_token"] for k in range(4)] == [7 * 256, 7 * 256, 6 * 256, 6 * 256]
+    assert "rank 3 (stage 1, tp 1): seam 0 B/token, 6 all-reduces/batch" in capsys.readouterr().out

@@ -35,6 +35,7 @@ def test_config_strings_become_launcher_flags():
     assert ServerConfig.parse("pp=2,partition=auto").flags == ["--pp-size", "2", "--pp-layer-partition", "auto"]
     assert ServerConfig.parse("pp=2,running=256").flags == ["--pp-size", "2", "--max-running-requests", "256"]
     assert ServerConfig.parse("threads=2").flags == ["--threads-per-stage", "2"]
+    assert ServerConfig.parse("threads=1,tp=2").flags == ["--tp-size", "2", "--threads-per-stage", "1"]
     assert ServerConfig.parse("pp=2,flex=2,depth=0").flags == [
         "--pp-size", "2", "--pp-async-batch-depth", "0", "--pp-flex-layers", "2",
     ]  # fmt: skip
@@ -54,7 +55,8 @@ def test_config_strings_become_launcher_flags():
         ("depth=-1", "depth must be >= 0"),
         ("pp=2,flex=-1", "flex must be >= 0"),
         ("pp=2,flex=2,policy=fast", "policy must be one of balance, ready, got 'fast'"),
-        ("tp=2", "unknown key 'tp'"),
+        ("tp=0", "tp must be >= 1"),
+        ("cp=2", "unknown key 'cp'"),
         ("pp=1,pp=2", "pp is given twice"),
         ("dtype=fp8", "dtype must be one of"),
         ("pp=2,partition=6", "partition has 1 stages but pp is 2"),

@@ -19,6 +19,8 @@ from ringsched.process.cli_args import add_engine_args, config_from_args, engine
 
 TIME_KEYS = ("compute_s", "wait_s", "sched_s", "comm_s")
 COUNT_KEYS = ("batches", "tokens", "layer_tokens", "sample_rows", "head_s")  # head_s: part of compute_s
+# What each rank sent across its seam and all-reduced over its stage's tensor-parallel ranks (cumulative).
+WIRE_KEYS = ("seam_bytes_sent", "seam_tokens_sent", "tp_all_reduces", "tp_all_reduce_bytes")
 
 
 def add_offline_args(p: argparse.ArgumentParser) -> None:
@@ -53,7 +55,23 @@ def _fresh_stats(llm) -> dict[int, dict]:
 
 
 def _stage_deltas(before: dict[int, dict], after: dict[int, dict]) -> list[dict]:
-    return [{k: after[r][k] - before.get(r, {}).get(k, 0) for k in TIME_KEYS + COUNT_KEYS} for r in sorted(after)]
+    """Per rank (in rank order), what the run added to each time and count."""
+    keys = TIME_KEYS + COUNT_KEYS + WIRE_KEYS
+    return [{k: after[r].get(k, 0) - before.get(r, {}).get(k, 0) for k in keys} for r in sorted(after)]
+
+
+def wire_per_rank(deltas: list[dict], info: dict[int, dict]) -> list[dict]:
+    """Each rank's traffic per token: seam bytes sent (2 x hidden x dtype bytes / tp where a seam follows), and
+    the all-reduces per micro-batch and their bytes per token."""
+    out = []
+    for r, d in zip(sorted(info), deltas, strict=True):
+        out.append({
+            "rank": r, "stage": info[r].get("stage", r), "tp": info[r].get("tp", 0),
+            "seam_bytes_per_token": d["seam_bytes_sent"] / max(d["seam_tokens_sent"], 1),
+            "tp_all_reduces_per_batch": d["tp_all_reduces"] / max(d["batches"], 1),
+            "tp_all_reduce_bytes_per_token": d["tp_all_reduce_bytes"] / max(d["tokens"], 1),
+        })  # fmt: skip
+    return out
 
 
 def _one_run(llm, prompts, params, before: dict[int, dict]) -> tuple[dict, dict[int, dict]]:
@@ -116,19 +134,26 @@ def run_offline(args: argparse.Namespace) -> dict:
                                    before)  # fmt: skip
             runs.append(run)
         info = {r: dict(i) for r, i in llm.supervisor.info.items()}
-    # As run (`auto` decided). With --pp-flex-layers: the partition the cut moves around, not the layers held.
-    partition = [info[r].get("cut_layers", info[r]["layers"][1] - info[r]["layers"][0]) for r in sorted(info)]
+    # Per stage: its first rank's figures (a stage's ranks run the same plans in step). As run (`auto` decided);
+    # with --pp-flex-layers, the partition the cut moves around, not the layers held.
+    firsts = [i for i, r in enumerate(sorted(info)) if info[r].get("tp", 0) == 0]
+    leaders = [sorted(info)[i] for i in firsts]
+    partition = [info[r].get("cut_layers", info[r]["layers"][1] - info[r]["layers"][0]) for r in leaders]
     med = {k: statistics.median(r[k] for r in runs) for k in ("output_tokens_per_s", "requests_per_s", "elapsed_s")}
-    busy = [statistics.median(r["stage_busy_fraction"][i] for r in runs) for i in range(cfg.pp_size)]
+    busy = [statistics.median(r["stage_busy_fraction"][i] for r in runs) for i in firsts]
+    fractions = _median_per_stage([r["stage_time_fractions"] for r in runs])
     result = {
-        "pp_size": cfg.pp_size, "threads_per_stage": cfg.threads, "pp_async_batch_depth": cfg.pp_async_batch_depth,
-        "partition": partition, "pp_flex_layers": cfg.pp_flex_layers, "num_prompts": args.num_prompts,
-        "input_len": args.input_len, "output_len": args.output_len, "dtype": cfg.dtype, **med,
-        "stage_busy_fraction": busy,
-        "stage_time_fractions": _median_per_stage([r["stage_time_fractions"] for r in runs]),
-        "stage_memory": [stage_memory(before[r], info[r]) for r in sorted(info)], "runs": runs,
+        "pp_size": cfg.pp_size, "tp_size": cfg.tp_size, "threads_per_stage": cfg.threads,
+        "pp_async_batch_depth": cfg.pp_async_batch_depth, "partition": partition, "pp_flex_layers": cfg.pp_flex_layers,
+        "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len, "dtype": cfg.dtype,
+        **med, "stage_busy_fraction": busy, "stage_time_fractions": [fractions[i] for i in firsts],
+        "stage_memory": [stage_memory(before[r], info[r]) for r in leaders],
+        "rank_memory": [stage_memory(before[r], info[r]) for r in sorted(info)],
+        "rank_wire": wire_per_rank(_median_per_stage([r["stage_deltas"] for r in runs]), info), "runs": runs,
     }  # fmt: skip
-    if args.efficiency:
+    if args.efficiency and cfg.tp_size > 1:
+        print("  (model FLOP/s efficiency is computed per stage at --tp-size 1 only)")
+    elif args.efficiency:
         result |= _efficiency(cfg, mcfg, runs, partition, args.input_len, args.output_len)
     _print_report(result, len(runs))
     if args.json:
@@ -137,8 +162,8 @@ def run_offline(args: argparse.Namespace) -> dict:
 
 
 def _print_report(r: dict, n_runs: int) -> None:
-    print(f"pp={r['pp_size']} threads/stage={r['threads_per_stage']} depth={r['pp_async_batch_depth']} "
-          f"partition={r['partition']}")  # fmt: skip
+    print(f"pp={r['pp_size']} tp={r['tp_size']} threads/rank={r['threads_per_stage']} "
+          f"depth={r['pp_async_batch_depth']} partition={r['partition']}")  # fmt: skip
     print(f"  output tokens/s: {r['output_tokens_per_s']:.1f}   requests/s: {r['requests_per_s']:.3f}   "
           f"elapsed: {r['elapsed_s']:.1f}s (median of {n_runs})")
     print("  stage busy fraction: " + ", ".join(f"stage {i}: {b:.1%}" for i, b in enumerate(r["stage_busy_fraction"])))
@@ -153,3 +178,8 @@ def _print_report(r: dict, n_runs: int) -> None:
             parts.append(f"{s['gflops_per_s_wall']:.1f} GFLOP/s model (matmul {ref:.1f}) = {r['efficiency'][i]:.0%}")
         parts.append(format_memory(mem))
         print(f"  stage {i}: " + " | ".join(parts))
+    for w, mem in zip(r["rank_wire"], r["rank_memory"], strict=True):
+        if r["tp_size"] > 1 or r["pp_size"] > 1:
+            print(f"  rank {w['rank']} (stage {w['stage']}, tp {w['tp']}): seam "
+                  f"{w['seam_bytes_per_token']:.0f} B/token, {w['tp_all_reduces_per_batch']:.0f} all-reduces/batch = "
+                  f"{w['tp_all_reduce_bytes_per_token']:.0f} B/token | {format_memory(mem)}")  # fmt: skip

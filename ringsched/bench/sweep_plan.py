@@ -1,4 +1,5 @@
-"""What `bench sweep` runs: the server configurations (`--config pp=2,threads=1`) and the ladder of rates.
+"""What `bench sweep` runs: the server configurations (`--config pp=2,threads=1`, `--config tp=2,threads=1`) and
+the ladder of rates.
 
 Contract: `ServerConfig.parse(text)` turns one `--config` string into a validated config whose `flags` are the
 launcher flags it stands for; `parse_rates(text)` reads `--rates`; `RateLadder.next_rate(throughputs)` is
@@ -17,6 +18,7 @@ from ringsched.parallel.flex import FLEX_POLICIES
 # --config key -> launcher flag.
 CONFIG_FLAGS = {
     "pp": "--pp-size",
+    "tp": "--tp-size",
     "threads": "--threads-per-stage",
     "depth": "--pp-async-batch-depth",
     "partition": "--pp-layer-partition",
@@ -41,6 +43,7 @@ class ServerConfig:
 
     label: str
     pp: int | None = None
+    tp: int | None = None
     threads: int | None = None
     depth: int | None = None
     partition: tuple[int, ...] | str | None = None
@@ -52,7 +55,7 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         where = f"--config {self.label!r}"
-        for key, low in (("pp", 1), ("threads", 1), ("depth", 0), ("flex", 0), ("mbs", 1), ("running", 1)):
+        for key, low in (("pp", 1), ("tp", 1), ("threads", 1), ("depth", 0), ("flex", 0), ("mbs", 1), ("running", 1)):
             value = getattr(self, key)
             if value is not None and value < low:
                 raise SweepConfigError(f"{where}: {key} must be >= {low}, got {value}")
