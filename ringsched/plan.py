@@ -16,6 +16,7 @@ import json
 import sys
 
 from ringsched.capacity import GPU_PRESETS, MODEL_PRESETS, CapacityError, ClusterSpec, load_gpu, load_model
+from ringsched.capacity.launch_lines import launch_commands
 from ringsched.capacity.report import json_rows, text_report
 from ringsched.capacity.sweep import make_layouts
 
@@ -62,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=int, nargs="+", help="plan only these PP sizes (paired with --tp if given)")
     p.add_argument("--pp-layer-partition", help="layers per stage, e.g. 48,32 (as the server's flag)")
     p.add_argument("--json", action="store_true", help="print the rows as a JSON list")
+    p.add_argument("--print-launch", action="store_true",
+                   help="also print the ringsched.launch command for each node of the recommended layout")
+    p.add_argument("--dist-init-addr", default="$HEAD_ADDR:29500",
+                   help="HOST:PORT the printed commands rendezvous at (node 0's address)")  # fmt: skip
 
     m = p.add_argument_group("model overrides")
     for flag in (
@@ -110,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
             in_flight=args.in_flight,
         )
         plan = make_layouts(model, cluster, args.tp, args.pp, args.pp_layer_partition)
+        launch = []
+        if args.print_launch and plan.recommendation.row is not None:
+            launch = launch_commands(plan.recommendation.row, args.model, args.gpus_per_node, model.dtype_bytes,
+                                     args.max_model_len, args.dist_init_addr)  # fmt: skip
     except CapacityError as err:
         print(f"ringsched.plan: error: {err}", file=sys.stderr)
         return 2
@@ -121,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
                 model, cluster, plan.derivation, plan.rows, plan.skipped, plan.baseline, plan.recommendation
             )
         )
+    if launch:
+        print("\n" + "\n".join(launch), file=sys.stderr if args.json else sys.stdout)
     return 0
 
 

@@ -292,3 +292,28 @@ def test_cli_json_subprocess():
     assert 1 + rows[(8, 2)]["concurrency_vs_one_node"] == approx(2.32)
     assert rows[(4, 4)]["bubble"] == approx(0.429)
     assert rows[(8, 2)]["partition"] == [40, 40]
+
+
+def test_print_launch_gives_each_node_its_command_for_the_recommended_layout(capsys):
+    argv = ["--model", "llama-3-70b", "--gpu", "h100-sxm-80gb", "--gpus", "16", "--gpus-per-node", "8",
+            "--print-launch", "--dist-init-addr", "10.0.0.1:29500"]  # fmt: skip
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    cmds = [ln for ln in lines if ln.startswith("python -m ringsched.launch")]
+    assert len(cmds) == 2
+    for node, cmd in enumerate(cmds):
+        assert "--tp-size 8 --pp-size 2 --dtype bfloat16" in cmd
+        assert cmd.endswith(f"--nnodes 2 --node-rank {node} --dist-init-addr 10.0.0.1:29500")
+    assert "# node 0: stage 0, 8 GPUs and the OpenAI API" in lines
+    # The commands parse as the launcher's own flags (TP inside a node, PP across).
+    from ringsched.launch import build_parser
+
+    args = build_parser().parse_args(cmds[1].split()[3:])
+    assert (args.tp_size, args.pp_size, args.nnodes, args.node_rank) == (8, 2, 2, 1)
+
+
+def test_print_launch_refuses_a_tensor_parallel_group_wider_than_a_node(capsys):
+    argv = ["--model", "llama-3-70b", "--gpu", "h100-sxm-80gb", "--gpus", "16", "--gpus-per-node", "8",
+            "--tp", "16", "--pp", "1", "--print-launch"]  # fmt: skip
+    assert main(argv) == 2
+    assert "TP=16 is wider than a node's 8 GPUs" in capsys.readouterr().err

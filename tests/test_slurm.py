@@ -171,11 +171,13 @@ def cluster(tmp_path) -> SlurmCluster:
         yield c
 
 
-def test_sbatch_script_serves_on_two_nodes(cluster, smollm2_dir, tmp_path):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_sbatch_script_serves_on_two_nodes(cluster, smollm2_dir, tmp_path, tp):
     out = tmp_path / "job.out"
     env = {
         "RINGSCHED_PYTHON": sys.executable,
         "RINGSCHED_PP_SIZE": "2",
+        "RINGSCHED_TP_SIZE": str(tp),
         "RINGSCHED_PORT": str(free_port_pair()),
         "RINGSCHED_DIST_PORT": str(free_port()),
         "RINGSCHED_EXTRA_ARGS": "--threads-per-stage 1 --kv-cache-memory 64M --max-model-len 1024",
@@ -191,6 +193,6 @@ def test_sbatch_script_serves_on_two_nodes(cluster, smollm2_dir, tmp_path):
     state = cluster.cmd("scontrol", "show", "job", job, check=False)
     assert "JobState=COMPLETED" in state and "ExitCode=0:0" in state, f"{state}\n{log}\n{cluster.logs()}"
     assert "0: " in log and "1: " in log, log  # srun --label: both tasks (nodes) printed
-    assert "ringsched: serving" in log and "/v1" in log, log
+    assert f"ringsched: serving smollm2-135m-instruct (2 stages of {tp} ranks on 2 nodes)" in log, log
     answers = [ln for ln in log.splitlines() if ln.startswith("ringsched: answer:")]
     assert answers and "Paris" in answers[0], log

@@ -128,9 +128,9 @@ def _vocab_size(model: str) -> int:
 def add_sweep_args(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--config", action="append", metavar="KEY=VALUE,...",
-        help="one server configuration (repeatable); keys pp, tp (--tp-size), threads (per rank), depth, partition (16:14 "
-             "or auto), flex (--pp-flex-layers), policy (--pp-flex-policy), dtype, running, mbs; e.g. --config "
-             "pp=2,threads=1 --config tp=2,threads=1")  # fmt: skip
+        help="one server configuration (repeatable); keys pp, tp (--tp-size), threads (per rank), depth, "
+             "partition (16:14 or auto), flex (--pp-flex-layers), policy (--pp-flex-policy), dtype, running, "
+             "mbs; e.g. --config pp=2,threads=1 --config tp=2,threads=1")  # fmt: skip
     add("--model", default=DEFAULT_MODEL, help=f"model directory or known name (default {DEFAULT_MODEL})")
     add("--server-args", default="",
         help='more launcher flags for every server, e.g. --server-args="--kv-cache-memory 2G"')  # fmt: skip

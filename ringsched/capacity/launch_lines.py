@@ -1,0 +1,47 @@
+"""`python -m ringsched.plan ... --print-launch`: the `ringsched.launch` command for each node of a layout.
+
+Contract: `launch_commands(row, model, gpus_per_node, ...)` returns the lines to print (one comment and one
+command per node), or raises `CapacityError` when ringsched cannot run the layout as planned: a tensor-parallel
+group wider than a node (its all-reduces stay inside one), or stages that do not split evenly over the nodes.
+"""
+
+from __future__ import annotations
+
+import shlex
+
+from ringsched.capacity.estimate import LayoutRow
+from ringsched.capacity.presets import CapacityError
+from ringsched.parallel.partition import default_partition
+
+
+def launch_commands(row: LayoutRow, model: str, gpus_per_node: int, dtype_bytes: int, max_model_len: int,
+                    head_addr: str = "$HEAD_ADDR:29500") -> list[str]:  # fmt: skip
+    world = row.tp * row.pp
+    nnodes = max(1, -(-world // gpus_per_node))
+    if row.tp > gpus_per_node:
+        raise CapacityError(
+            f"TP={row.tp} is wider than a node's {gpus_per_node} GPUs: ringsched keeps a stage's tensor-parallel "
+            "ranks on one node; plan with --tp at most --gpus-per-node"
+        )
+    if row.pp % nnodes or world % nnodes:
+        raise CapacityError(
+            f"PP={row.pp} stages do not split evenly over {nnodes} nodes: each node runs whole stages; pick a PP "
+            f"that is a multiple of {nnodes}"
+        )
+    flags = ["--model", model, "--tp-size", str(row.tp), "--pp-size", str(row.pp)]
+    if dtype_bytes == 2:
+        flags += ["--dtype", "bfloat16"]
+    if list(row.partition) != default_partition(sum(row.partition), row.pp):
+        flags += ["--pp-layer-partition", ",".join(map(str, row.partition))]
+    flags += ["--max-model-len", str(max_model_len)]
+    base = "python -m ringsched.launch " + " ".join(shlex.quote(f) for f in flags)
+    if nnodes == 1:
+        return [f"# one node, {world} GPUs", base]
+    lines = []
+    per = row.pp // nnodes
+    for node in range(nnodes):
+        stages = f"stages {node * per}-{(node + 1) * per - 1}" if per > 1 else f"stage {node * per}"
+        what = f"{stages}, {per * row.tp} GPUs" + (" and the OpenAI API" if node == 0 else "")
+        lines.append(f"# node {node}: {what}")
+        lines.append(f"{base} --nnodes {nnodes} --node-rank {node} --dist-init-addr {head_addr}")
+    return lines
