@@ -157,12 +157,14 @@ def test_burst_beyond_running_plus_queued_gets_503_and_the_rest_completes():
         assert re.search(r"^ringsched:num_requests_open 0\.0$", m, re.M), m
 
 
-@pytest.mark.parametrize("busy", [False, True], ids=["idle", "busy"])
-def test_a_stopped_stage_is_noticed_by_its_heartbeat(busy):
+@pytest.mark.parametrize(("busy", "tp"), [(False, 1), (True, 1), (True, 2)], ids=["idle", "busy", "busy-tp2"])
+def test_a_stopped_stage_is_noticed_by_its_heartbeat(busy, tp):
+    """SIGSTOP of stage 1 (at TP=2, of its second rank: global rank 3)."""
     timeout = 3.0
-    with ServerProcess([*BASE, "--heartbeat-timeout", str(timeout)]) as srv:
-        pids = subprocess.run(["pgrep", "-x", "ringsched-pp1"], capture_output=True, text=True).stdout.split()
-        stage1 = srv.stage_pid(1)
+    name, victim = ("ringsched-pp1", "stage 1") if tp == 1 else ("ringsched-pp1t1", "rank 3 (stage 1, tp 1)")
+    with ServerProcess([*BASE, "--tp-size", str(tp), "--heartbeat-timeout", str(timeout)]) as srv:
+        pids = subprocess.run(["pgrep", "-x", name], capture_output=True, text=True).stdout.split()
+        stage1 = srv.stage_pid(1, tp=1 if tp > 1 else None)
         assert str(stage1) in pids  # each rank is findable by name
         url = f"{srv.url}/v1/completions"
         body = {"prompt": "Once upon a time", "ignore_eos": True, "max_tokens": 900}
@@ -180,10 +182,10 @@ def test_a_stopped_stage_is_noticed_by_its_heartbeat(busy):
         results, t0 = asyncio.run(scenario())
         for r in results:
             assert r["done"] and r["error"] is not None, r
-            assert r["error"]["code"] == "engine_failed" and "stage 1" in r["error"]["message"], r
+            assert r["error"]["code"] == "engine_failed" and victim in r["error"]["message"], r
             assert "hung" in r["error"]["message"]
         code = wait_exit(srv, timeout + 5 - (time.monotonic() - t0))
         assert code == 1, srv.log()[-3000:]
         assert time.monotonic() - t0 < timeout + 5
         assert_tree_gone(srv)
-        assert re.search(r"stage 1 \(pid \d+\) is hung: no heartbeat", srv.log()), srv.log()[-3000:]
+        assert re.search(rf"{re.escape(victim)} \(pid \d+\) is hung: no heartbeat", srv.log()), srv.log()[-3000:]

@@ -97,17 +97,19 @@ class ServerProcess:
         """Live descendants of the server; each one seen is remembered, so `stop()` can kill it if orphaned."""
         return self.tree.descendants() if self.tree else []
 
-    def stage_pid(self, rank: int) -> int:
-        """The pid of stage `rank`: by process name when stages set one, else from the Supervisor's ready log."""
+    def stage_pid(self, rank: int, tp: int | None = None) -> int:
+        """The pid of stage `rank` (of its tensor-parallel rank `tp`, with --tp-size > 1): by process name when
+        ranks set one, else from the Supervisor's ready log."""
         for k in self.descendants():
             try:
-                if k.name() == process_name(rank):
+                if k.name() == process_name(rank, tp):
                     return k.pid
             except psutil.NoSuchProcess:
                 continue
-        m = re.search(rf"stage {rank} ready: .*\(pid (\d+)\)", self.log())
+        where = rf"stage {rank}" if tp is None else rf"stage {rank}, tp {tp}\)"
+        m = re.search(rf"{where} ready: .*\(pid (\d+)\)", self.log())
         if not m:
-            raise LookupError(f"no pid for stage {rank} in the server log")
+            raise LookupError(f"no pid for {where} in the server log")
         return int(m.group(1))
 
     def leftovers(self) -> list[psutil.Process]:
