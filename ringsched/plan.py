@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 
 from ringsched.capacity import GPU_PRESETS, MODEL_PRESETS, CapacityError, ClusterSpec, load_gpu, load_model
@@ -131,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
     if launch:
+        if not os.path.isdir(args.model):
+            launch.insert(0, f"# --model: give each node the model's directory ({args.model} is a planning preset)")
         print("\n" + "\n".join(launch), file=sys.stderr if args.json else sys.stdout)
     return 0
 
