@@ -91,10 +91,10 @@ class Rendezvous:
         self._seen: dict[int, tuple[int, float]] = {}
         self.stopped: str | None = None  # node 0 ended the ring: "" when cleanly, else why
         # Why a node's ring failed, as its own supervisor saw it (the root cause: which rank died), published
-        # through the store so the other nodes can name it instead of only the neighbour they lost. The heartbeat
-        # thread writes ours and reads theirs (a store call can block on a cut link; the supervisor's must not).
-        self.report: str | None = None
+        # through the store so the other nodes can name it instead of only the neighbour they lost. Threads write
+        # ours and read theirs (a store call can block on a cut link; the supervisor's must not).
         self.remote_failures: dict[int, str] = {}
+        self._publisher: threading.Thread | None = None
 
     def join(self) -> None:
         """Publish this node and wait for the others; raise `RendezvousError` on a timeout or a mismatch."""
@@ -156,8 +156,6 @@ class Rendezvous:
                 try:
                     if self.cfg.node_rank > 0 and self.nodes.check(["stop"]):
                         self.stopped = self.nodes.get("stop").decode()
-                    if self.report is not None:
-                        self.nodes.set(f"failed/{self.cfg.node_rank}", self.report)
                     for n in range(self.cfg.nnodes):
                         if n != self.cfg.node_rank and n not in self.remote_failures:
                             if self.nodes.check([f"failed/{n}"]):
@@ -196,9 +194,19 @@ class Rendezvous:
         return self.failure
 
     def publish_failure(self, reason: str) -> None:
-        """This node's root cause, for the other nodes (written by the heartbeat thread within a second)."""
-        if self.cfg.nnodes > 1 and self.report is None:
-            self.report = reason.splitlines()[0]
+        """This node's root cause, for the other nodes: written by a thread of its own, which `close` waits for
+        a moment (the launcher is about to stop)."""
+        if self.cfg.nnodes == 1 or self._publisher is not None:
+            return
+
+        def write() -> None:
+            try:
+                self.nodes.set(f"failed/{self.cfg.node_rank}", reason.splitlines()[0])
+            except Exception:  # the store is gone: the others notice this node's silence instead
+                pass
+
+        self._publisher = threading.Thread(target=write, name="ringsched-failure", daemon=True)
+        self._publisher.start()
 
     def wait_remote_failure(self, timeout: float) -> str | None:
         """Another node's published root cause, waiting up to `timeout` for one to arrive."""
@@ -218,3 +226,5 @@ class Rendezvous:
 
     def close(self) -> None:
         self._stop.set()
+        if self._publisher is not None:
+            self._publisher.join(2.0)
