@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ringsched.models.config import ModelConfig
+from ringsched.parallel.shm_group import ShmCollectives
 
 
 class TPLayoutError(ValueError):
@@ -87,6 +88,9 @@ class TPShard:
         return self.kv_heads(cfg)[0] * group + (self.rank % reps) * per, per
 
     def intermediate(self, cfg: ModelConfig) -> tuple[int, int]:
+        """(first, count) of this rank's MLP rows, cut evenly: the all-reduce after attention is a barrier, so the
+        MLP half of a layer must balance on its own (giving the rank with fewer heads more MLP rows only moved
+        the wait from one all-reduce to the other)."""
         return _even(cfg.intermediate_size, self.size, self.rank)
 
     def vocab(self, cfg: ModelConfig) -> tuple[int, int]:
@@ -137,10 +141,11 @@ class TPShard:
 
 class TPGroup:
     """The collectives of one rank of a stage's tensor-parallel group, counted (calls and bytes) for the
-    benchmarks and `/metrics`. `group` is the torch.distributed group of the stage's ranks."""
+    benchmarks and `/metrics`. `group` is the torch.distributed group of the stage's ranks; `shm`, where given
+    (CPU ranks of one node), carries them instead through shared memory (`parallel/shm_group.py`)."""
 
-    def __init__(self, shard: TPShard, group) -> None:
-        self.shard, self.group = shard, group
+    def __init__(self, shard: TPShard, group, shm: ShmCollectives | None = None) -> None:
+        self.shard, self.group, self.shm = shard, group, shm
         self.rank, self.size = shard.rank, shard.size
         self.all_reduces = 0
         self.all_reduce_bytes = 0
@@ -149,15 +154,21 @@ class TPGroup:
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum `t` over the group in place (a row-parallel layer's partial sums; an embedding's rows)."""
-        dist.all_reduce(t, group=self.group)
+        if self.shm:
+            self.shm.all_reduce(t)
+        else:
+            dist.all_reduce(t, group=self.group)
         self.all_reduces += 1
         self.all_reduce_bytes += t.numel() * t.element_size()
         return t
 
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's `t` (same shape on all), in rank order."""
-        out = [torch.empty_like(t) for _ in range(self.size)]
-        dist.all_gather(out, t.contiguous(), group=self.group)
+        if self.shm:
+            out = list(self.shm.all_gather_into(t, t.new_empty(self.size, *t.shape)))
+        else:
+            out = [torch.empty_like(t) for _ in range(self.size)]
+            dist.all_gather(out, t.contiguous(), group=self.group)
         self.gathers += 1
         self.gather_bytes += t.numel() * t.element_size() * self.size
         return out
@@ -171,12 +182,15 @@ class TPGroup:
     def seam_gather(self, shard: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         """The whole seam tensor of `shape` from every rank's `seam_shard`, gathered straight into one buffer."""
         out = shard.new_empty(shape)
-        parts = list(out.view(-1).chunk(self.size))
-        dist.all_gather(parts, shard, group=self.group)
+        if self.shm:
+            self.shm.all_gather_into(shard, out)
+        else:
+            dist.all_gather(list(out.view(-1).chunk(self.size)), shard, group=self.group)
         self.gathers += 1
         self.gather_bytes += out.numel() * out.element_size()
         return out
 
     def stats(self) -> dict:
         return {"tp_all_reduces": self.all_reduces, "tp_all_reduce_bytes": self.all_reduce_bytes,
-                "tp_gathers": self.gathers, "tp_gather_bytes": self.gather_bytes}  # fmt: skip
+                "tp_gathers": self.gathers, "tp_gather_bytes": self.gather_bytes,
+                "tp_wait_s": self.shm.wait_s if self.shm else 0.0}  # fmt: skip

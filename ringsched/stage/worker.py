@@ -29,6 +29,7 @@ from ringsched.kv_cache import BlockTable, KVPool, blocks_for_memory
 from ringsched.models.config import ModelConfig
 from ringsched.models.loader import load_stage_model, weights_bytes
 from ringsched.parallel.rank import RankInfo, StageInfo
+from ringsched.parallel.shm_group import SHM_DIR, ShmCollectives, shm_usable
 from ringsched.parallel.tp import TPGroup, TPShard
 from ringsched.process.affinity import stage_cpus
 from ringsched.process.heap import keep_heap
@@ -166,7 +167,23 @@ def _process_groups(cfg: EngineConfig, where: RankInfo) -> tuple:
         g = torch.distributed.new_group(ranks, timeout=timeout, backend=cfg.backend)
         if pp == where.pp:
             group = g
-    return store, TPGroup(TPShard(where.tp, cfg.tp_size), group)
+    return store, TPGroup(TPShard(where.tp, cfg.tp_size), group, _shared_memory(cfg, where, group))
+
+
+def _shared_memory(cfg: EngineConfig, where: RankInfo, group) -> ShmCollectives | None:
+    """CPU ranks of a stage (always on one node) meet in a shared segment for their collectives: the stage's
+    first rank creates it, all map it, then it is unlinked (so nothing is left behind, even after a SIGKILL)."""
+    if not shm_usable(torch.device(cfg.resolved_device)):
+        return None
+    path = os.path.join(SHM_DIR, f"{os.path.basename(cfg.ipc_dir) or os.getppid()}-stage{where.pp}")
+    if where.leads_stage:
+        ShmCollectives.create(path, cfg.tp_size)
+    torch.distributed.barrier(group=group)
+    shm = ShmCollectives(path, where.tp, cfg.tp_size, cfg.stage_timeout)
+    torch.distributed.barrier(group=group)
+    if where.leads_stage:
+        os.unlink(path)
+    return shm
 
 
 def _ready_info(cfg: EngineConfig, where: RankInfo, stage: StageInfo, cut_layers: int, model, pool: KVPool,
