@@ -3,10 +3,10 @@ its layers and seams run over the stage's group of ranks (`TPGroup`).
 
 Megatron's split: q/k/v and gate/up are column-parallel (each rank computes its heads, its slice of the
 intermediate), o_proj and down_proj row-parallel (each rank's partial sum, then one all-reduce: two per layer).
-KV heads are split while `num_kv_heads >= tp`; past that each rank stores one whole KV head, the one its query
-heads read (replicated: `tp / num_kv_heads` ranks hold each). The embedding and the lm_head are split by
-vocabulary rows: a token's embedding comes from the rank holding its row (an all-reduce of zeros elsewhere);
-each rank computes its slice of the logits.
+Attention is split by whole GQA groups while `tp <= num_kv_heads` (as evenly as they go); past that each rank
+stores one whole KV head, the one its query heads read (replicated: `tp / num_kv_heads` ranks hold each). The
+embedding and the lm_head are split by vocabulary rows: a token's embedding comes from the rank holding its row
+(an all-reduce of zeros elsewhere); each rank computes its slice of the logits.
 """
 
 from __future__ import annotations
