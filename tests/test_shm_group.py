@@ -1,12 +1,14 @@
 """The shared-memory collectives of a stage's CPU ranks, across real processes: sums and gathers equal the
 arithmetic done in one place (the same bits on every rank), tensors larger than a slot go through in chunks,
-hundreds of collectives in a row reuse the two banks safely, and a rank that never arrives is an error naming
-it within the deadline, not a hang."""
+collectives in a row reuse the two banks safely, inside and outside inference mode alike, and a rank that
+never arrives is an error naming it within the deadline, not a hang."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
+import queue
 import uuid
 
 import pytest
@@ -31,9 +33,12 @@ def _rank(path: str, rank: int, size: int, steps: int, q) -> None:
     out = []
     for step in range(steps):
         dtype = torch.bfloat16 if step % 2 else torch.float32
-        t = _inputs(rank, step, dtype)
-        summed = shm.all_reduce(t.clone())
-        gathered = shm.all_gather_into(t, t.new_empty(size * t.numel()))
+        # Inside and outside inference mode in turn, shapes repeating across both (a stage's forward runs in it,
+        # its seam's gather does not).
+        with torch.inference_mode() if step % 4 < 2 else contextlib.nullcontext():
+            t = _inputs(rank, step, dtype)
+            summed = shm.all_reduce(t.clone())
+            gathered = shm.all_gather_into(t, t.new_empty(size * t.numel()))
         out.append((summed.float().tolist(), gathered.float().tolist()))  # exact: bfloat16 widens losslessly
     q.put((rank, out))
 
@@ -53,7 +58,14 @@ def test_sums_and_gathers_match_one_place_arithmetic_on_every_rank(size):
     try:
         for p in procs:
             p.start()
-        results = dict(q.get(timeout=120) for _ in procs)
+        results = {}
+        while len(results) < size:  # a rank that raised exits non-zero: fail on it rather than wait
+            try:
+                rank, out = q.get(timeout=1)
+                results[rank] = out
+            except queue.Empty:
+                failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                assert not failed, f"a rank exited with {failed}"
     finally:
         for p in procs:
             p.join(10)

@@ -97,7 +97,10 @@ class ShmCollectives:
         views = self._views.get(key)
         if views is None:  # decode steps repeat a handful of shapes: their views are made once
             nbytes = part.numel() * part.element_size()
-            views = self._views[key] = [s[:nbytes].view(part.dtype) for s in self._slots[k % 2]]
+            # Plain tensors, even when first made inside the forward's inference mode: the same views serve
+            # collectives outside it (the seam's all-gather), where writing an inference tensor is refused.
+            with torch.inference_mode(False):
+                views = self._views[key] = [s[:nbytes].view(part.dtype) for s in self._slots[k % 2]]
         views[self.rank].copy_(part)
         self._seq[self.rank] = k
         self._wait(k)
