@@ -110,6 +110,20 @@ def wait_gone(procs: list[NsProcess], timeout: float) -> float | None:
     return None
 
 
+def open_streams(net: NetHosts, nodes: list[NsProcess], n: int = 3) -> NsProcess:
+    """`n` streaming completions from inside node 0's host, once each has its first chunk; every stage process
+    is remembered then, so "all gone" sees them."""
+    streams = net.spawn(0, [sys.executable, CLIENT, "streams", base_url(net), "--n", str(n), "--timeout", "60"],
+                        "streams")  # fmt: skip
+    deadline = time.monotonic() + 60
+    while "STARTED" not in streams.log():
+        assert streams.poll() is None and time.monotonic() < deadline, f"{streams.log()}\n{logs(net)}"
+        time.sleep(0.1)
+    for node in nodes:
+        node.descendants()
+    return streams
+
+
 def lines_with(text: str, *words: str) -> list[str]:
     return [ln for ln in text.splitlines() if all(w.lower() in ln.lower() for w in words)]
 
@@ -136,13 +150,7 @@ def test_two_hosts_match_single_node_greedy(net, reference, pp, extra):
 def test_lost_node_ends_every_process_and_stream(net, fault):
     nodes = [launch(net, 0, 2), launch(net, 1, 2)]
     wait_ready(net, nodes)
-    streams = net.spawn(0, [sys.executable, CLIENT, "streams", base_url(net), "--n", "3", "--timeout", "60"], "streams")
-    deadline = time.monotonic() + 60
-    while "STARTED" not in streams.log():
-        assert streams.poll() is None and time.monotonic() < deadline, f"{streams.log()}\n{logs(net)}"
-        time.sleep(0.1)
-    for n in nodes:
-        n.descendants()
+    streams = open_streams(net, nodes)
 
     if fault == "kill-node-1":
         net.kill_host(1)  # node 1's launcher and stages, SIGKILL: the machine is gone
@@ -173,13 +181,7 @@ def test_killed_rank_of_a_tensor_parallel_stage_ends_every_process_naming_it(net
     """PP=2 x TP=2: SIGKILL of node 1's second rank (global rank 3) while streams are open."""
     nodes = [launch(net, r, 2, *TP2) for r in (0, 1)]
     wait_ready(net, nodes)
-    streams = net.spawn(0, [sys.executable, CLIENT, "streams", base_url(net), "--n", "3", "--timeout", "60"], "streams")
-    deadline = time.monotonic() + 60
-    while "STARTED" not in streams.log():
-        assert streams.poll() is None and time.monotonic() < deadline, f"{streams.log()}\n{logs(net)}"
-        time.sleep(0.1)
-    for n in nodes:
-        n.descendants()
+    streams = open_streams(net, nodes)
     victims = [p for p in nodes[1].descendants() if p.name() == "ringsched-pp1t1"]
     assert len(victims) == 1, (nodes[1].descendants(), logs(net))
     victims[0].kill()
