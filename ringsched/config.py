@@ -69,6 +69,9 @@ class EngineConfig:
                                                 "pp-size, so every slot gets its share)", type=int)  # fmt: skip
     chunked_prefill_size: int = _flag(512, "prefill tokens per micro-batch; smaller chunks keep decodes flowing "
                                       "beside long prompts and shorten the ring's fill")  # fmt: skip
+    enable_dynamic_chunking: bool = _flag(False, "size each later chunk of a long prompt to take as long as its first "
+                                          "(a start-up probe models a chunk's time against its context), so a "
+                                          "pipeline's stages stay in step and its drain is short")  # fmt: skip
     kv_cache_memory: str | int | float = _flag("1G", "KV pool per stage: bytes (2G, 512MiB) or a fraction of free "
                                                "memory (0.3: of the GPU's, or on CPU of the node's shared by its "
                                                "stages)")  # fmt: skip
@@ -159,6 +162,10 @@ class EngineConfig:
                 self.pp_max_micro_batch_size >= 1,
                 f"--pp-max-micro-batch-size must be >= 1, got {self.pp_max_micro_batch_size}",
             )
+        _require(
+            isinstance(self.enable_dynamic_chunking, bool),
+            f"enable_dynamic_chunking must be True or False, got {self.enable_dynamic_chunking!r}",
+        )
         _require(
             self.chunked_prefill_size >= 1,
             f"--chunked-prefill-size must be >= 1, got {self.chunked_prefill_size}",

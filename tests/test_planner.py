@@ -1,9 +1,10 @@
-"""Stage 0's scheduler as a plain data structure: admission, chunking, one in-flight batch per request,
-preemption, aborts and frees."""
+"""Stage 0's scheduler as a plain data structure: admission, chunking, prefill chunks pipelined over several
+in-flight micro-batches (a decode in at most one), preemption, aborts and frees."""
 
 from ringsched.comm.messages import NewRequest
 from ringsched.kv_cache import BlockTable
 from ringsched.sampling import SamplingParams
+from ringsched.scheduler.chunking import ChunkCost, ChunkSizer
 from ringsched.scheduler.planner import Planner
 
 
@@ -27,9 +28,11 @@ def test_micro_batch_cap_and_chunked_prefill():
         ("r1", 0, 10, False),
     ]  # budget 40: r1 gets a 10-token chunk
     assert [a.rid for a in plan.announce] == ["r0", "r1"]
-    plan1 = p.plan(1, 1)  # r0, r1 are in flight: the next slot takes others
-    assert [e.rid for e in plan1.entries] == ["r2", "r3"]
-    assert not set(e.rid for e in plan.entries) & set(e.rid for e in plan1.entries)
+    plan1 = p.plan(1, 1)  # r0 waits for its token; r1's next chunk needs none and goes on at once
+    assert [(e.rid, e.start, len(e.token_ids), e.samples) for e in plan1.entries] == [
+        ("r1", 10, 20, True),
+        ("r2", 0, 20, False),
+    ]
 
 
 def test_decode_after_output_and_finish_frees_in_next_plan():
@@ -143,3 +146,73 @@ def test_prefill_tokens_count_as_they_are_planned():
     p.on_output(0, [])
     p.plan(1, 1)
     assert p.stats()["prefill_tokens"] == 20
+
+
+def test_a_long_prompt_fills_the_ring_and_only_its_first_decode_waits():
+    p = planner(blocks=64, budget=100)
+    p.add(req("long", 350))
+    chunks = [p.plan(seq % 3, seq).entries for seq in range(5)]  # three slots, nothing has come back yet
+    assert [[(e.start, len(e.token_ids), e.samples) for e in c] for c in chunks] == [
+        [(0, 100, False)], [(100, 100, False)], [(200, 100, False)], [(300, 50, True)], []
+    ]  # fmt: skip
+    assert p.requests["long"].in_flight == {0, 1, 2, 3}
+    for seq in range(3):
+        assert p.on_output(seq, []) == []
+    assert p.plan(0, 5).entries == []  # the sampling chunk is still out: nothing to compute
+    assert p.on_output(3, [7])[0].token_ids == [7]
+    decode = p.plan(1, 6).entries
+    assert [(e.start, e.token_ids) for e in decode] == [(350, [7])]
+    assert p.plan(2, 7).entries == []  # a decode is in one micro-batch at a time
+
+
+def test_a_flexible_cut_keeps_one_chunk_in_flight():
+    p = Planner(BlockTable(64, 16), 4, 8, 100, eos_ids=(2,), max_len=4096, pipeline_prefill=False)
+    p.add(req("long", 250))
+    assert len(p.plan(0, 0).entries) == 1
+    assert p.plan(1, 1).entries == []
+    p.on_output(0, [])
+    assert [e.start for e in p.plan(0, 2).entries] == [100]
+
+
+def test_aborting_a_prompt_with_three_chunks_in_flight_frees_after_the_last():
+    p = planner(blocks=64, budget=64)
+    p.add(req("long", 300))
+    for seq in range(3):
+        p.plan(seq, seq)
+    used = p.blocks.used_blocks
+    assert used == 12 and p.abort("long").finish_reason == "abort"
+    assert p.plan(0, 3).entries == [] and p.blocks.used_blocks == used  # aborted: nothing new, nothing freed
+    p.on_output(0, [])
+    p.on_output(1, [])
+    assert p.plan(1, 4).frees == [] and p.blocks.used_blocks == used  # one chunk still on the ring
+    p.on_output(2, [])
+    plan = p.plan(2, 5)
+    assert plan.frees == ["long"] and plan.drops == ["long"] and p.blocks.used_blocks == 0
+    for seq in (3, 4, 5):
+        p.on_output(seq, [])
+    assert not p.has_work
+
+
+def test_a_request_with_chunks_in_flight_is_never_preempted():
+    p = planner(blocks=6, mbs=4, running=4, budget=32)  # 96 tokens of KV
+    p.add(req("old", 16, max_tokens=4))
+    p.add(req("long", 80, max_tokens=4))
+    p.plan(0, 0)  # old's prompt and long's first 16 tokens
+    p.plan(1, 1)
+    p.plan(2, 2)  # long's last 64 tokens in two more chunks: the pool is full
+    assert p.blocks.used_blocks == 6 and p.requests["long"].in_flight == {0, 1, 2}
+    p.on_output(0, [5])
+    plan = p.plan(0, 3)  # old's decode needs a block; the newest request has chunks out, so old gives way
+    assert plan.frees == ["old"] and plan.entries == [] and p.waiting[0].rid == "old"
+    assert p.requests["long"].in_flight == {1, 2} and p.blocks.used_blocks == 5
+
+
+def test_dynamic_chunks_come_from_the_sizer():
+    sizer = ChunkSizer(ChunkCost(per_token=1.0, per_pair=0.01), first=100)
+    p = Planner(BlockTable(64, 16), 4, 8, 100, eos_ids=(2,), max_len=4096, chunker=sizer)
+    p.add(req("long", 600))
+    sizes = []
+    for seq in range(20):
+        sizes += [len(e.token_ids) for e in p.plan(seq % 4, seq).entries]
+    assert sizes == sizer.plan(600) and sum(sizes) == 600
+    assert sizes[0] == 100 and sizes[-1] < sizes[0]

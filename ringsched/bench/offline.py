@@ -11,6 +11,7 @@ import random
 import statistics
 import time
 
+from ringsched.bench import long_prompt
 from ringsched.bench.efficiency import FlopModel, efficiency, matmul_gflops, mean_context, stage_flops
 from ringsched.bench.memory import format_memory, stage_memory
 from ringsched.bench.stage_metrics import settled
@@ -33,6 +34,11 @@ def add_offline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, default=1, help="measured runs in one engine; medians are reported")
     p.add_argument("--efficiency", action=argparse.BooleanOptionalAction, default=True,
                    help="after the run, time a plain matmul of the model's shapes to compare FLOP/s (~3 s)")
+    p.add_argument("--long-prompt", type=int, default=None, metavar="N",
+                   help="instead: time the first token of one N-token prompt (--repeat times, one at a time)")
+    p.add_argument("--decoding-streams", type=int, default=0, metavar="K",
+                   help="with --long-prompt: K streams of --input-len tokens decode first; report their TPOT "
+                        "before and while the long prompt prefills")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--log-level", default="warning")
 
@@ -124,6 +130,8 @@ def run_offline(args: argparse.Namespace) -> dict:
 
     mcfg = ModelConfig.from_dir(cfg.model)
     rng = random.Random(cfg.seed)
+    if args.long_prompt is not None:
+        return _run_long_prompt(args, cfg, mcfg, rng)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     with Engine(model=cfg.model, **engine_kwargs(cfg)) as llm:
         if args.warmup_prompts:
@@ -156,6 +164,29 @@ def run_offline(args: argparse.Namespace) -> dict:
     elif args.efficiency:
         result |= _efficiency(cfg, mcfg, runs, partition, args.input_len, args.output_len)
     _print_report(result, len(runs))
+    if args.json:
+        print(json.dumps(result))
+    return result
+
+
+def _run_long_prompt(args, cfg, mcfg, rng: random.Random) -> dict:
+    from ringsched.engine import Engine
+
+    if args.long_prompt < 1 or args.decoding_streams < 0:
+        raise SystemExit("error: --long-prompt must be >= 1 and --decoding-streams >= 0")
+    with Engine(model=cfg.model, **engine_kwargs(cfg)) as llm:
+        if args.warmup_prompts:
+            long_prompt.time_long_prompts(llm, min(args.long_prompt, 256), 1, mcfg.vocab_size, rng)
+        if args.decoding_streams:
+            result = long_prompt.decodes_beside_a_long_prompt(
+                llm, args.long_prompt, args.decoding_streams, args.input_len, mcfg.vocab_size, rng
+            )
+        else:
+            result = long_prompt.time_long_prompts(llm, args.long_prompt, args.repeat, mcfg.vocab_size, rng)
+    result |= {"pp_size": cfg.pp_size, "tp_size": cfg.tp_size, "threads_per_stage": cfg.threads,
+               "chunked_prefill_size": cfg.chunked_prefill_size, "dynamic_chunking": cfg.enable_dynamic_chunking,
+               "dtype": cfg.dtype}  # fmt: skip
+    long_prompt.print_long_prompt(result, cfg)
     if args.json:
         print(json.dumps(result))
     return result

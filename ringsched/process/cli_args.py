@@ -39,6 +39,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     for f in _engine_fields():
         meta = f.metadata
         kind = meta["type"] or type(f.default)
+        if kind is bool:  # --enable-x / --no-enable-x
+            groups[meta["group"]].add_argument(
+                "--" + f.name.replace("_", "-"), default=f.default, action=argparse.BooleanOptionalAction,
+                help=f"{meta['help']} (default: {'on' if f.default else 'off'})",
+            )  # fmt: skip
+            continue
         groups[meta["group"]].add_argument(
             "--" + f.name.replace("_", "-"), default=f.default, type=kind, choices=meta["choices"], help=meta["help"]
         )

@@ -1,28 +1,35 @@
 """Stage 0's scheduler: it alone decides what each micro-batch holds.
 
-`plan(slot, seq)` composes a micro-batch: first the running requests that are not in flight (oldest first:
-a decode costs one token, a prefill chunk up to the token budget), then new requests admitted in arrival
-order. It allocates KV blocks and writes the block numbers into the plan, so the other stages never run an
-allocator of their own. When the pool is short, the newest running request that is not in flight is
-preempted: its KV is freed and it is recomputed later (nothing is lost).
+`plan(slot, seq)` composes a micro-batch: first the running requests with tokens to compute (oldest first: a
+decode costs one token, a prefill chunk up to the token budget), then new requests admitted in arrival
+order. A request's prefill chunks may sit in several in-flight micro-batches at once (chunked pipeline
+prefill): each stage runs micro-batches in order, so chunk k's KV is written on every stage before chunk k+1
+reaches it. Only a step that needs the previous sampled token waits for it: a request whose sampling step is
+in flight has nothing left to compute until the token comes back. It allocates KV blocks and writes the block
+numbers into the plan, so the other stages never run an allocator of their own. When the pool is short, the
+newest running request with nothing in flight is preempted: its KV is freed and it is recomputed later
+(nothing is lost).
 
 `on_output(seq, tokens)` takes the sampled tokens of a micro-batch when they come back around the ring,
 decides finishes, and returns what the front end should see. KV of a finished or aborted request is freed
 in the next plan, which every stage applies before that plan's batch: no in-flight batch still holds it,
-because a request is freed only when it is not in flight.
+because a request is freed only when none of its micro-batches is in flight.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
 from collections import OrderedDict, deque
 
 from ringsched.comm.messages import BatchPlan, NewRequest, PlanEntry, TokenOutput
 from ringsched.kv_cache import BlockTable
 from ringsched.sampling import SamplingParams
+from ringsched.scheduler.chunking import ChunkSizer
 from ringsched.scheduler.request import Request, Status
 
+logger = logging.getLogger(__name__)
 
 class Planner:
     def __init__(
@@ -35,6 +42,8 @@ class Planner:
         max_len: int,
         rng: random.Random | None = None,
         vocab_size: int | None = None,
+        pipeline_prefill: bool = True,
+        chunker: ChunkSizer | None = None,
     ) -> None:
         self.blocks = blocks
         self.micro_batch_size, self.max_running, self.token_budget = (
@@ -43,6 +52,9 @@ class Planner:
             token_budget,
         )
         self.eos_ids, self.max_len, self.vocab_size = eos_ids, max_len, vocab_size
+        # False (a flexible cut): a request's chunks go around one at a time, since a shared layer's KV of one
+        # chunk reaches stage 0 only with that micro-batch's output.
+        self.pipeline_prefill, self.chunker = pipeline_prefill, chunker
         self.waiting: deque[Request] = deque()
         self.running: OrderedDict[str, Request] = OrderedDict()  # admission order
         self.requests: dict[str, Request] = {}
@@ -101,9 +113,10 @@ class Planner:
         if r.status is Status.WAITING:
             self.waiting.remove(r)
             self._finish(r, free_now=True)
-        elif r.in_flight is None:
+        elif not r.in_flight:
             self._finish(r, free_now=True)
-        # else: freed when its micro-batch comes back (on_output)
+        else:  # planned no more; freed when its last micro-batch comes back (on_output)
+            self.running.pop(rid, None)
         return TokenOutput(rid, [], "abort", None, len(r.prompt_ids), len(r.output_ids))
 
     # -- planning --------------------------------------------------------------------------------------
@@ -119,9 +132,9 @@ class Planner:
         for r in list(self.running.values()):
             if len(plan.entries) >= self.micro_batch_size:
                 break
-            if r.in_flight is not None or r.status is not Status.RUNNING:
+            if r.status is not Status.RUNNING or (r.in_flight and not self.pipeline_prefill):
                 continue
-            n = 1 if r.remaining == 1 else min(r.remaining, budget)
+            n = 1 if r.remaining == 1 else min(self._chunk(r), budget)
             if n <= 0 or not self._grow(r, n, plan):
                 continue
             self._schedule(r, n, seq, plan)
@@ -130,7 +143,7 @@ class Planner:
             if len(self.running) >= self.max_running:
                 break
             r = self.waiting[0]
-            n = min(r.remaining, budget)
+            n = min(self._chunk(r), budget)
             if not self.blocks.can_hold(r.rid, r.num_computed + n):
                 break
             self.waiting.popleft()
@@ -141,6 +154,12 @@ class Planner:
         if plan.entries:
             self.flight[seq] = plan.entries
         return plan
+
+    def _chunk(self, r: Request) -> int:
+        """Tokens `r` would compute next with no budget limit: all it has left, or its dynamic chunk."""
+        if self.chunker is None or r.remaining <= 1:
+            return r.remaining
+        return self.chunker.size(r.num_computed, r.remaining)
 
     def _schedule(self, r: Request, n: int, seq: int, plan: BatchPlan) -> None:
         start = r.num_computed
@@ -155,16 +174,22 @@ class Planner:
         samples = start + n == r.num_tokens
         plan.entries.append(PlanEntry(r.rid, start, r.all_ids[start : start + n], samples, list(new_blocks)))
         r.num_computed = start + n
-        r.in_flight = seq
+        r.in_flight.add(seq)
+        decode = n == 1 and start == len(r.all_ids) - 1 and bool(r.output_ids)
+        if not decode and logger.isEnabledFor(logging.DEBUG):
+            r.chunks.append(n)
+            if samples:
+                logger.debug("request %s: prefill of %d tokens in chunks %s", r.rid, r.num_tokens, r.chunks)
+                r.chunks = []
 
     def _grow(self, r: Request, n: int, plan: BatchPlan) -> bool:
         """Make room for `n` more tokens of `r`, preempting newer idle requests; False if `r` must wait."""
         while not self.blocks.can_hold(r.rid, r.num_computed + n):
             victim = next(
-                (v for v in reversed(self.running.values()) if v.in_flight is None and v is not r), None
+                (v for v in reversed(self.running.values()) if not v.in_flight and v is not r), None
             )
             if victim is None:
-                if len(self.running) > 1:
+                if len(self.running) > 1 and not r.in_flight:
                     self._preempt(r, plan)  # give way to the older in-flight ones
                 return False
             self._preempt(victim, plan)
@@ -174,7 +199,7 @@ class Planner:
         self.blocks.free(r.rid)
         plan.frees.append(r.rid)
         del self.running[r.rid]
-        r.status, r.num_computed = Status.WAITING, 0
+        r.status, r.num_computed, r.chunks = Status.WAITING, 0, []
         r.num_preemptions += 1
         self.num_preemptions += 1
         # Back to the front: it was admitted before everything still waiting.
@@ -192,10 +217,11 @@ class Planner:
         it = iter(tokens)
         for e in entries:
             r = self.requests[e.rid]
-            r.in_flight = None
+            r.in_flight.discard(seq)
             tok = next(it) if e.samples else None
             if r.aborted:
-                self._finish(r, free_now=True)
+                if not r.in_flight:  # its last micro-batch passed every stage
+                    self._finish(r, free_now=True)
                 continue
             if tok is None:
                 continue
@@ -235,4 +261,6 @@ class Planner:
             "kv_usage": self.blocks.usage,
             "preemptions": self.num_preemptions,
             "prefill_tokens": self.prefill_tokens,
+            # the most in-flight micro-batches one request is in now (> 1: its prefill chunks fill the ring)
+            "request_in_flight_max": max((len(r.in_flight) for r in self.requests.values()), default=0),
         }

@@ -22,12 +22,14 @@ class Request:
     arrival: int  # admission order
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose KV is in the cache (planned, possibly still in flight)
-    in_flight: int | None = None  # seq of the micro-batch holding it, None when it is free to schedule
+    # seqs of the in-flight micro-batches holding it: several prefill chunks at once, or one decode
+    in_flight: set[int] = field(default_factory=set)
     status: Status = Status.WAITING
     announced: bool = False  # the other stages know its parameters
     finish_reason: str | None = None
     aborted: bool = False
     num_preemptions: int = 0
+    chunks: list[int] = field(default_factory=list)  # this prefill's chunk lengths so far (debug log)
 
     @property
     def all_ids(self) -> list[int]:

@@ -34,6 +34,7 @@ from ringsched.parallel.tp import TPGroup, TPShard
 from ringsched.process.affinity import stage_cpus
 from ringsched.process.heap import keep_heap
 from ringsched.process.rendezvous import connect_store, interface_of
+from ringsched.scheduler import chunking
 from ringsched.scheduler.planner import Planner
 from ringsched.spec import ModelSpec
 from ringsched.stage.loop import StageIO, StageLoop
@@ -117,8 +118,13 @@ def _setup(cfg, spec: ModelSpec, where: RankInfo, addrs, ctx, ctl) -> tuple[Stag
     info = _ready_info(cfg, where, stage, counts[stage.rank], model, pool, blocks)
     planner = None
     if where.decides:
+        chunker = None
+        if cfg.enable_dynamic_chunking:
+            cost = chunking.probe(local, cfg.torch_dtype, device, cfg.chunked_prefill_size, spec.context_len)
+            chunker = chunking.ChunkSizer(cost, cfg.chunked_prefill_size)
         planner = Planner(blocks, cfg.micro_batch_size, cfg.max_running_requests, cfg.chunked_prefill_size,
-                          spec.eos_ids, spec.context_len, random.Random(cfg.seed), mcfg.vocab_size)  # fmt: skip
+                          spec.eos_ids, spec.context_len, random.Random(cfg.seed), mcfg.vocab_size,
+                          pipeline_prefill=flex is None, chunker=chunker)  # fmt: skip
     plan_in, plan_out = _plan_channels(cfg, where, addrs, ctx, store)
     progress_in, progress_out = _progress_channels(cfg, stage, addrs, ctx, store)
     io = StageIO(

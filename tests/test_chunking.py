@@ -1,0 +1,56 @@
+"""Dynamic chunk sizes: the chunk-time model, its inversion, the floor and the tail rule, and the start-up probe
+on a tiny model."""
+
+import pytest
+import torch
+
+from ringsched.models.config import ModelConfig
+from ringsched.scheduler.chunking import ChunkCost, ChunkSizer, probe
+
+SMOL_LIKE = ChunkCost(per_token=36.4 / 512, per_pair=(102.5 - 36.4) / (512 * 4096))  # ms, as probed on SmolLM2
+
+
+def test_fit_recovers_the_model():
+    cost = ChunkCost(per_token=0.07, per_pair=3e-5)
+    n, ctx = 512, 4096
+    fitted = ChunkCost.fit(n, cost.time(n, 0), ctx, cost.time(n, ctx))
+    assert fitted.per_token == pytest.approx(cost.per_token) and fitted.per_pair == pytest.approx(cost.per_pair)
+    assert ChunkCost.fit(n, 10.0, ctx, 9.0).per_pair == 0.0  # a noisy probe never models attention as free time
+
+
+def test_every_chunk_takes_about_the_first_ones_time():
+    sizer = ChunkSizer(SMOL_LIKE, first=512)
+    sizes = sizer.plan(6000)
+    assert sum(sizes) == 6000 and sizes[0] == 512
+    assert all(a >= b for a, b in zip(sizes[:-2], sizes[1:-1], strict=True))  # shrinking as context grows
+    done, target = 0, SMOL_LIKE.time(512, 0)
+    for n in sizes[:-1]:
+        assert SMOL_LIKE.time(n, done) <= target * 1.001
+        assert n == sizer.floor or SMOL_LIKE.time(n + 1, done) > target  # the longest that fits
+        done += n
+    assert min(sizes) >= sizer.floor == 128
+
+
+def test_floor_and_no_sliver_at_the_end():
+    steep = ChunkCost(per_token=1.0, per_pair=1.0)  # attention dominates: the fit falls below the floor at once
+    sizer = ChunkSizer(steep, first=100)
+    sizes = sizer.plan(1030)
+    assert sizes[0] == 100 and all(s >= 25 for s in sizes) and sum(sizes) == 1030
+    flat = ChunkSizer(ChunkCost(per_token=1.0, per_pair=0.0), first=100)
+    assert flat.plan(1010) == [100] * 9 + [85, 25]  # the 10-token tail folded: the last chunk is the floor
+    assert flat.plan(120) == [95, 25]
+    assert flat.plan(60) == [60]
+
+
+@pytest.mark.parametrize("bad", [dict(per_token=0.0, per_pair=1.0), dict(per_token=1.0, per_pair=-1.0)])
+def test_nonsense_costs_are_refused(bad):
+    with pytest.raises(ValueError):
+        ChunkCost(**bad)
+
+
+def test_probe_on_a_tiny_model(tiny_llama_dir):
+    mcfg = ModelConfig.from_dir(tiny_llama_dir)
+    cost = probe(mcfg, torch.float32, torch.device("cpu"), first=64, max_len=1024, repeat=1)
+    assert cost.per_token > 0 and cost.per_pair >= 0
+    sizes = ChunkSizer(cost, 64).plan(900)
+    assert sum(sizes) == 900 and max(sizes) == 64 and min(sizes) >= 16
