@@ -4,8 +4,12 @@ on a tiny model."""
 import pytest
 import torch
 
+from ringsched.comm.messages import NewRequest
+from ringsched.kv_cache import BlockTable
 from ringsched.models.config import ModelConfig
-from ringsched.scheduler.chunking import ChunkCost, ChunkSizer, probe
+from ringsched.sampling import SamplingParams
+from ringsched.scheduler.chunking import ChunkCost, ChunkSizer, DecodeCost, probe
+from ringsched.scheduler.planner import Planner
 
 SMOL_LIKE = ChunkCost(per_token=36.4 / 512, per_pair=(102.5 - 36.4) / (512 * 4096))  # ms, as probed on SmolLM2
 
@@ -50,7 +54,33 @@ def test_nonsense_costs_are_refused(bad):
 
 def test_probe_on_a_tiny_model(tiny_llama_dir):
     mcfg = ModelConfig.from_dir(tiny_llama_dir)
-    cost = probe(mcfg, torch.float32, torch.device("cpu"), first=64, max_len=1024, repeat=1)
-    assert cost.per_token > 0 and cost.per_pair >= 0
+    cost, decode = probe(mcfg, torch.float32, torch.device("cpu"), first=64, max_len=1024, repeat=1)
+    assert cost.per_token > 0 and cost.per_pair >= 0 and decode.time(16) > 0
     sizes = ChunkSizer(cost, 64).plan(900)
     assert sum(sizes) == 900 and max(sizes) == 64 and min(sizes) >= 16
+
+
+def test_beside_decodes_a_chunk_takes_one_decode_step():
+    decode = DecodeCost.fit(16, t_one=20.0 / 30, t_rows=35.0 / 30)  # ms per layer
+    sizer = ChunkSizer(SMOL_LIKE, first=512, decode=decode)
+    alone = sizer.size(0, 6000)
+    beside = sizer.size(0, 6000, decoding=16)
+    assert alone == 512 and beside < 512
+    assert SMOL_LIKE.time(beside, 0) <= decode.time(16) < SMOL_LIKE.time(beside + 1, 0)
+    late = sizer.size(5500, 500, decoding=16)
+    assert late == sizer.shared_floor == 16  # attention at 5,500 tokens: the floor holds
+    assert ChunkSizer(SMOL_LIKE, first=512).size(0, 6000, decoding=16) == 512  # no decode model: as alone
+
+
+def test_planner_counts_decoding_requests_for_the_sizer():
+    decode = DecodeCost(fixed=5.0, per_row=0.5)
+    sizer = ChunkSizer(ChunkCost(per_token=1.0, per_pair=0.0), first=64, decode=decode)
+    p = Planner(BlockTable(256, 16), 8, 8, 512, eos_ids=(2,), max_len=4096, chunker=sizer)
+    for i in range(4):
+        p.add(NewRequest(f"s{i}", [10, 11, 12], SamplingParams(max_tokens=50, temperature=0).to_dict()))
+    p.plan(0, 0)
+    p.on_output(0, [5, 5, 5, 5])  # four streams decoding
+    p.add(NewRequest("long", list(range(10, 1010)), SamplingParams(max_tokens=1, temperature=0).to_dict()))
+    plan = p.plan(0, 1)
+    chunk = [len(e.token_ids) for e in plan.entries if e.rid == "long"]
+    assert chunk == [7]  # 5 + 0.5 * 4 = 7 ms of decode step: 7 one-ms tokens

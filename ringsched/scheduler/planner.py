@@ -55,6 +55,7 @@ class Planner:
         # False (a flexible cut): a request's chunks go around one at a time, since a shared layer's KV of one
         # chunk reaches stage 0 only with that micro-batch's output.
         self.pipeline_prefill, self.chunker = pipeline_prefill, chunker
+        self._decoding = 0  # decoding requests as this plan began (sizes chunks beside them)
         self.waiting: deque[Request] = deque()
         self.running: OrderedDict[str, Request] = OrderedDict()  # admission order
         self.requests: dict[str, Request] = {}
@@ -129,6 +130,7 @@ class Planner:
                 plan.drops.append(rid)
         self._frees.clear()
         budget = self.token_budget
+        self._decoding = self._count_decoding() if self.chunker is not None else 0
         for r in list(self.running.values()):
             if len(plan.entries) >= self.micro_batch_size:
                 break
@@ -159,7 +161,11 @@ class Planner:
         """Tokens `r` would compute next with no budget limit: all it has left, or its dynamic chunk."""
         if self.chunker is None or r.remaining <= 1:
             return r.remaining
-        return self.chunker.size(r.num_computed, r.remaining)
+        return self.chunker.size(r.num_computed, r.remaining, self._decoding)
+
+    def _count_decoding(self) -> int:
+        """Running requests past their prefill (decoding here or in flight): the steps a chunk would delay."""
+        return sum(1 for r in self.running.values() if r.output_ids and r.num_computed >= r.num_tokens - 1)
 
     def _schedule(self, r: Request, n: int, seq: int, plan: BatchPlan) -> None:
         start = r.num_computed

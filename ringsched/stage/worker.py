@@ -120,8 +120,8 @@ def _setup(cfg, spec: ModelSpec, where: RankInfo, addrs, ctx, ctl) -> tuple[Stag
     if where.decides:
         chunker = None
         if cfg.enable_dynamic_chunking:
-            cost = chunking.probe(local, cfg.torch_dtype, device, cfg.chunked_prefill_size, spec.context_len)
-            chunker = chunking.ChunkSizer(cost, cfg.chunked_prefill_size)
+            cost, decode = chunking.probe(local, cfg.torch_dtype, device, cfg.chunked_prefill_size, spec.context_len)
+            chunker = chunking.ChunkSizer(cost, cfg.chunked_prefill_size, decode=decode)
         planner = Planner(blocks, cfg.micro_batch_size, cfg.max_running_requests, cfg.chunked_prefill_size,
                           spec.eos_ids, spec.context_len, random.Random(cfg.seed), mcfg.vocab_size,
                           pipeline_prefill=flex is None, chunker=chunker)  # fmt: skip
