@@ -114,3 +114,22 @@ def test_offline_reports_each_ranks_seam_and_all_reduces_at_tp(tiny_llama_dir, c
     assert [wire[k]["tp_all_reduces_per_batch"] for k in range(4)] == [7, 7, 6, 6]
     assert [wire[k]["tp_all_reduce_bytes_per_token"] for k in range(4)] == [7 * 256, 7 * 256, 6 * 256, 6 * 256]
     assert "rank 3 (stage 1, tp 1): seam 0 B/token, 6 all-reduces/batch" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(120)
+def test_long_prompt_ttft_and_decodes_beside_it(tiny_llama_dir, capsys):
+    """`--long-prompt`: the TTFT of single prompts (median of the repeats), and with `--decoding-streams` the
+    streams' TPOT before and while the prompt prefills; with dynamic chunking on, the probe runs at start-up."""
+    p = argparse.ArgumentParser()
+    add_offline_args(p)
+    base = ["--model", str(tiny_llama_dir), "--pp-size", "2", "--threads-per-stage", "1", "--kv-cache-memory", "16M",
+            "--long-prompt", "400", "--chunked-prefill-size", "64", "--warmup-prompts", "1"]  # fmt: skip
+    r = run_offline(p.parse_args([*base, "--repeat", "3"]))
+    assert r["long_prompt"] == 400 and len(r["ttft_runs_s"]) == 3 and r["ttft_s"] == sorted(r["ttft_runs_s"])[1]
+    assert "a 400-token prompt: TTFT" in capsys.readouterr().out
+    r = run_offline(p.parse_args([*base, "--decoding-streams", "4", "--input-len", "8",
+                                  "--enable-dynamic-chunking"]))  # fmt: skip
+    assert r["decoding_streams"] == 4 and r["dynamic_chunking"] and r["ttft_s"] > 0
+    assert r["tpot_before_s"] > 0 and r["tpot_during_s"] > 0
+    assert r["tpot_ratio"] == pytest.approx(r["tpot_during_s"] / r["tpot_before_s"])
+    assert "beside 4 decoding streams" in capsys.readouterr().out

@@ -90,7 +90,8 @@ class ChunkSizer:
         target = self.target if target is None else target
         floor = self.floor if floor is None else floor
         lin = a + b * (context + 0.5)  # time(n) = b/2 n^2 + lin n
-        n = int(target / lin) if b == 0 else int((-lin + math.sqrt(lin * lin + 2 * b * target)) / b)
+        x = target / lin if b == 0 else (-lin + math.sqrt(lin * lin + 2 * b * target)) / b
+        n = int(x * (1 + 1e-9))  # the first chunk's own length, not one less by rounding
         return max(floor, min(self.first, n))
 
     def size(self, context: int, remaining: int, decoding: int = 0) -> int:

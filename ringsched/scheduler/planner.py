@@ -31,6 +31,7 @@ from ringsched.scheduler.request import Request, Status
 
 logger = logging.getLogger(__name__)
 
+
 class Planner:
     def __init__(
         self,
