@@ -70,8 +70,9 @@ class EngineConfig:
     chunked_prefill_size: int = _flag(512, "prefill tokens per micro-batch; smaller chunks keep decodes flowing "
                                       "beside long prompts and shorten the ring's fill")  # fmt: skip
     enable_dynamic_chunking: bool = _flag(False, "size each later chunk of a long prompt to take as long as its first "
-                                          "(a start-up probe models a chunk's time against its context), so a "
-                                          "pipeline's stages stay in step and its drain is short")  # fmt: skip
+                                          "and, beside decoding requests, as long as one of their steps (a start-up "
+                                          "probe models both), so their TPOT stays within ~2x while it prefills; "
+                                          "alone a long prompt gets no faster")  # fmt: skip
     kv_cache_memory: str | int | float = _flag("1G", "KV pool per stage: bytes (2G, 512MiB) or a fraction of free "
                                                "memory (0.3: of the GPU's, or on CPU of the node's shared by its "
                                                "stages)")  # fmt: skip

@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--in-flight", type=int, default=None, help="M micro-batches in flight (default: PP)")
     p.add_argument("--tp", type=int, nargs="+", help="plan only these TP sizes (paired with --pp if given)")
     p.add_argument("--pp", type=int, nargs="+", help="plan only these PP sizes (paired with --tp if given)")
+    p.add_argument("--cp", type=int, nargs="+",
+                   help="context-parallel sizes to plan as well (TP x PP x CP = --gpus; default 1): each stage's "
+                        "ranks replicate its weights and split every sequence's KV")  # fmt: skip
     p.add_argument("--pp-layer-partition", help="layers per stage, e.g. 48,32 (as the server's flag)")
     p.add_argument("--json", action="store_true", help="print the rows as a JSON list")
     p.add_argument("--print-launch", action="store_true",
@@ -115,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             batch_tokens=args.batch_tokens,
             in_flight=args.in_flight,
         )
-        plan = make_layouts(model, cluster, args.tp, args.pp, args.pp_layer_partition)
+        plan = make_layouts(model, cluster, args.tp, args.pp, args.pp_layer_partition, args.cp)
         launch = []
         if args.print_launch and plan.recommendation.row is not None:
             launch = launch_commands(plan.recommendation.row, args.model, args.gpus_per_node, model.dtype_bytes,

@@ -317,3 +317,38 @@ def test_print_launch_refuses_a_tensor_parallel_group_wider_than_a_node(capsys):
             "--tp", "16", "--pp", "1", "--print-launch"]  # fmt: skip
     assert main(argv) == 2
     assert "TP=16 is wider than a node's 8 GPUs" in capsys.readouterr().err
+
+
+def test_context_parallelism_splits_each_sequences_kv_over_a_stages_ranks(cluster):
+    """CP=2: each stage's weights on both of its CP ranks, each rank storing half of every sequence's tokens, so
+    a stage holds twice what one of its GPUs does. A 2M-token sequence that TP=8 on one node cannot hold fits at
+    TP=8 x CP=2, but PP=2 splits the weights as well and holds more still: the planner says so."""
+    model = load_model("llama-3-70b")
+    cp2 = layout_row(model, cluster, 8, 1, cp=2)
+    tp8 = layout_row(model, dataclasses.replace(cluster, gpus=8), 8, 1)
+    assert cp2.weights_per_gpu_gib == approx(tp8.weights_per_gpu_gib)  # replicated, not split
+    assert cp2.token_capacity == 2 * tp8.token_capacity
+    # decode: each layer all-gathers 64 rows x 8 heads x (128 + 1) float32 from the other rank
+    assert cp2.cp_bytes_per_rank_per_step == 80 * 64 * 8 * 129 * 4
+    # prefill: half of each chunk's K/V (1 KV head per TP rank, bf16) passed on once, every layer
+    assert cp2.cp_prefill_bytes_per_token == 80 * 0.5 * 2 * 1 * 128 * 2
+    assert cp2.cp_link == "inter-node" and cp2.tp_link == "nvlink"  # CP rank 1's TP group is node 1
+    long = dataclasses.replace(cluster, max_model_len=2_000_000)
+    assert not layout_row(model, dataclasses.replace(long, gpus=8), 8, 1).fits
+    plan = make_layouts(model, long, cp=[1, 2])
+    fitting = {(r.tp, r.pp, r.cp): r.token_capacity for r in plan.rows if r.fits}
+    assert (8, 1, 2) in fitting and fitting[(8, 2, 1)] > fitting[(8, 1, 2)]
+    assert plan.recommendation.reason.startswith("TP=8 x PP=2:")
+
+
+def test_cp_in_the_report_and_the_cli(capsys):
+    base = ["--model", "llama-3-70b", "--gpu", "h100-sxm-80gb", "--gpus", "16", "--gpus-per-node", "8"]
+    assert main(base) == 0
+    assert " CP " not in capsys.readouterr().out  # no CP asked for: the table as before
+    assert main([*base, "--cp", "1", "2"]) == 0
+    out = capsys.readouterr().out
+    assert " TP   PP   CP " in out and "TP=4 x PP=2 x CP=2: ring attention sends" in out
+    assert main([*base, "--cp", "3"]) == 2
+    assert "--cp 3 does not divide --gpus 16" in capsys.readouterr().err
+    assert main([*base, "--cp", "2", "--tp", "8", "--pp", "1", "--print-launch"]) == 2
+    assert "context parallelism is not served yet" in capsys.readouterr().err

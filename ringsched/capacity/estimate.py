@@ -11,6 +11,12 @@ A stage stores KV only for its own layers, so its KV per token shrinks with PP; 
 TP = h_kv.
 Every token's KV lives on every stage, so the engine's token capacity is the minimum over stages, and the
 per-GPU figures of a row are those of that binding stage.
+
+Context parallelism (`cp` > 1, TP x PP x CP = N): each stage's weights are replicated on its CP ranks, and
+each of them stores the KV of 1/CP of every sequence's tokens, so a stage holds CP times the tokens one of
+its GPUs does: the layout that lets one sequence's KV exceed one GPU's memory. Its traffic per decode step is
+the all-gather of the partial attention outputs, one per layer (`traffic.cp_decode_bytes`); ring attention's
+K/V passing in prefill is reported per prompt token.
 """
 
 from __future__ import annotations
@@ -81,7 +87,7 @@ class StageFigures:
 
 @dataclass(frozen=True)
 class LayoutRow:
-    """What the planner says of one (TP, PP) layout; per-GPU memory figures are the binding stage's."""
+    """What the planner says of one (TP, PP, CP) layout; per-GPU memory figures are the binding stage's."""
 
     tp: int
     pp: int
@@ -107,6 +113,10 @@ class LayoutRow:
     binding_stage: int
     stages: list[StageFigures] = field(default_factory=list)
     concurrency_vs_one_node: float | None = None
+    cp: int = 1
+    cp_bytes_per_rank_per_step: float = 0.0  # decode: the partial outputs' all-gather, every layer
+    cp_prefill_bytes_per_token: float = 0.0  # prefill: ring attention's K/V, every layer, per prompt token
+    cp_link: str | None = None
 
 
 def bubble_fraction(stages: int, in_flight: int) -> float:
@@ -114,11 +124,16 @@ def bubble_fraction(stages: int, in_flight: int) -> float:
     return (stages - 1) / (stages + in_flight - 1)
 
 
-def check_layout(model: ModelSpec, cluster: ClusterSpec, tp: int, pp: int) -> None:
-    """Raise `CapacityError` unless TP x PP = --gpus and the model can be cut that way."""
-    if tp < 1 or pp < 1:
-        raise CapacityError(f"--tp and --pp must be >= 1, got --tp {tp} --pp {pp}")
-    if tp * pp != cluster.gpus:
+def check_layout(model: ModelSpec, cluster: ClusterSpec, tp: int, pp: int, cp: int = 1) -> None:
+    """Raise `CapacityError` unless TP x PP (x CP) = --gpus and the model can be cut that way."""
+    if tp < 1 or pp < 1 or cp < 1:
+        raise CapacityError(f"--tp, --pp and --cp must be >= 1, got --tp {tp} --pp {pp} --cp {cp}")
+    if cp > 1 and tp * pp * cp != cluster.gpus:
+        raise CapacityError(
+            f"--tp {tp} x --pp {pp} x --cp {cp} = {tp * pp * cp} GPUs but --gpus is {cluster.gpus}; make TP x PP "
+            "x CP equal --gpus"
+        )
+    if cp == 1 and tp * pp != cluster.gpus:
         shapes = ", ".join(
             f"{t}x{cluster.gpus // t}" for t in range(1, cluster.gpus + 1) if cluster.gpus % t == 0
         )
@@ -143,19 +158,20 @@ def check_layout(model: ModelSpec, cluster: ClusterSpec, tp: int, pp: int) -> No
 
 
 def layout_row(
-    model: ModelSpec, cluster: ClusterSpec, tp: int, pp: int, partition: str | list[int] | None = None
+    model: ModelSpec, cluster: ClusterSpec, tp: int, pp: int, partition: str | list[int] | None = None,
+    cp: int = 1,
 ) -> LayoutRow:
-    """All figures of TP x PP; `partition` overrides the layer split as --pp-layer-partition does."""
-    check_layout(model, cluster, tp, pp)
+    """All figures of TP x PP (x CP); `partition` overrides the layer split as --pp-layer-partition does."""
+    check_layout(model, cluster, tp, pp, cp)
     try:
         counts = resolve_partition(model.num_layers, pp, partition)
     except PartitionError as err:
         raise CapacityError(str(err)) from None
-    stages = [_stage(model, cluster, tp, layers, s == 0, s == pp - 1) for s, layers in enumerate(counts)]
+    stages = [_stage(model, cluster, tp, layers, s == 0, s == pp - 1, cp) for s, layers in enumerate(counts)]
     binding = min(range(pp), key=lambda s: stages[s].token_capacity)
     capacity = stages[binding].token_capacity
 
-    t = _step_traffic(model, cluster, tp, counts)
+    t = _step_traffic(model, cluster, tp, counts, cp)
 
     # Ideal latency of one token: the stages run in turn and each GPU reads its weights at HBM speed, so the
     # sum is W / (TP x B_HBM) whatever PP is: S cancels, as the document derives.
@@ -176,8 +192,8 @@ def layout_row(
         allreduce_bytes=t.allreduce_bytes,
         tp_bytes_per_rank_per_step=t.tp_bytes,
         seam_bytes_per_rank_per_step=t.seam_bytes,
-        comm_bytes_per_rank_per_step=t.tp_bytes + t.seam_bytes,
-        comm_bytes_per_rank_per_token=(t.tp_bytes + t.seam_bytes) / cluster.batch_tokens,
+        comm_bytes_per_rank_per_step=t.tp_bytes + t.seam_bytes + t.cp_bytes,
+        comm_bytes_per_rank_per_token=(t.tp_bytes + t.seam_bytes + t.cp_bytes) / cluster.batch_tokens,
         tp_link=t.tp_link,
         seam_link=t.seam_link,
         comm_ms_per_step=t.ms,
@@ -188,6 +204,10 @@ def layout_row(
         bubble=bubble_fraction(pp, in_flight),
         binding_stage=binding,
         stages=stages,
+        cp=cp,
+        cp_bytes_per_rank_per_step=t.cp_bytes,
+        cp_prefill_bytes_per_token=t.cp_prefill_per_token,
+        cp_link=t.cp_link,
     )
 
 
@@ -199,30 +219,39 @@ class _StepTraffic:
     tp_link: str | None
     seam_link: str | None
     ms: float
+    cp_bytes: float = 0.0
+    cp_prefill_per_token: float = 0.0
+    cp_link: str | None = None
 
 
-def _step_traffic(model: ModelSpec, cluster: ClusterSpec, tp: int, counts: list[int]) -> _StepTraffic:
+def _step_traffic(model: ModelSpec, cluster: ClusterSpec, tp: int, counts: list[int], cp: int = 1) -> _StepTraffic:
     """What the busiest rank sends in one decode step of T tokens, and how long its links take.
 
     A rank's TP traffic is its stage's 2 all-reduces per layer; every stage but the last also sends its shard
-    of the seam. A step waits for each stage's slowest rank in turn, so the row reports the busiest one.
+    of the seam; with CP every layer also all-gathers the partial attention outputs. A step waits for each
+    stage's slowest rank in turn, so the row reports the busiest one.
     """
     pp, gpn = len(counts), cluster.gpus_per_node
     intra, inter = cluster.gpu.intra_node_gb_per_s, cluster.inter_node_gb_per_s
     ar = traffic.allreduce_bytes(tp, cluster.batch_tokens, model.hidden_size, model.dtype_bytes)
     seam = traffic.seam_bytes(cluster.batch_tokens, model.hidden_size, model.dtype_bytes, tp)
-    tp_cross = traffic.tp_crosses_nodes(tp, pp, gpn)
-    seam_cross = [traffic.seam_crosses_nodes(s, tp, gpn) for s in range(pp - 1)]
-    per_stage = []  # (ms, tp bytes, seam bytes)
+    heads = max(1, model.num_heads // tp)
+    cp_layer = traffic.cp_decode_bytes(cp, cluster.batch_tokens, heads, model.head_dim)
+    cp_prefill = traffic.cp_prefill_bytes_per_token(
+        cp, memory.kv_heads_per_rank(model, tp), model.head_dim, model.dtype_bytes
+    )
+    tp_cross = traffic.tp_crosses_nodes(tp, pp, gpn, cp)
+    cp_cross = traffic.cp_crosses_nodes(tp, pp, cp, gpn)
+    seam_cross = [traffic.seam_crosses_nodes(s, tp, gpn, cp) for s in range(pp - 1)]
+    per_stage = []  # (ms, tp bytes, seam bytes, cp bytes)
     for s, layers in enumerate(counts):
-        tp_bytes = 2 * layers * ar
+        tp_bytes, cp_bytes = 2 * layers * ar, layers * cp_layer
         seam_s = seam if s < pp - 1 else 0.0
         seam_bw = inter if s < pp - 1 and seam_cross[s] else intra
-        ms = traffic.transfer_ms(tp_bytes, inter if tp_cross else intra) + traffic.transfer_ms(
-            seam_s, seam_bw
-        )
-        per_stage.append((ms, tp_bytes, seam_s))
-    ms, tp_bytes, seam_bytes = max(per_stage)
+        ms = (traffic.transfer_ms(tp_bytes, inter if tp_cross else intra) + traffic.transfer_ms(seam_s, seam_bw)
+              + traffic.transfer_ms(cp_bytes, inter if cp_cross else intra))  # fmt: skip
+        per_stage.append((ms, tp_bytes, seam_s, cp_bytes))
+    ms, tp_bytes, seam_bytes, cp_bytes = max(per_stage)
     return _StepTraffic(
         allreduce_bytes=ar,
         tp_bytes=tp_bytes,
@@ -230,37 +259,45 @@ def _step_traffic(model: ModelSpec, cluster: ClusterSpec, tp: int, counts: list[
         tp_link=(traffic.INTER if tp_cross else traffic.INTRA) if tp > 1 else None,
         seam_link=(traffic.INTER if any(seam_cross) else traffic.INTRA) if pp > 1 else None,
         ms=ms,
+        cp_bytes=cp_bytes,
+        cp_prefill_per_token=cp_prefill * max(counts),
+        cp_link=(traffic.INTER if cp_cross else traffic.INTRA) if cp > 1 else None,
     )
 
 
 def _stage(
-    model: ModelSpec, cluster: ClusterSpec, tp: int, layers: int, first: bool, last: bool
+    model: ModelSpec, cluster: ClusterSpec, tp: int, layers: int, first: bool, last: bool, cp: int = 1
 ) -> StageFigures:
+    """One GPU of a stage. `kv_bytes_per_token` is the KV of a token it stores; with CP a stage's CP ranks each
+    store 1/CP of the tokens, so the stage's token capacity is CP times one GPU's."""
     weights = memory.stage_weight_bytes(model, tp, layers, first=first, last=last) / GIB
     kv_per_token = memory.kv_bytes_per_token(model, tp, layers)
     kv_space = cluster.usable_gib - cluster.reserve_gib - weights
-    capacity = max(0, int(kv_space * GIB // kv_per_token))
+    capacity = cp * max(0, int(kv_space * GIB // kv_per_token))
     return StageFigures(layers, weights, kv_per_token, kv_space, capacity)
 
 
 def candidate_layouts(
-    model: ModelSpec, cluster: ClusterSpec, partition: str | list[int] | None = None
-) -> tuple[list[LayoutRow], list[tuple[int, int, str]]]:
-    """Every TP x PP = --gpus that the model allows and that fits, and (tp, pp, why) for the rest."""
+    model: ModelSpec, cluster: ClusterSpec, partition: str | list[int] | None = None, cp: int = 1
+) -> tuple[list[LayoutRow], list[tuple[int, int, int, str]]]:
+    """Every TP x PP (x CP) = --gpus that the model allows and that fits, and (tp, pp, cp, why) for the rest."""
     rows, skipped = [], []
-    for tp in range(1, cluster.gpus + 1):
-        if cluster.gpus % tp:
+    if cluster.gpus % cp:
+        return rows, [(0, 0, cp, f"--cp {cp} does not divide --gpus {cluster.gpus}")]
+    group = cluster.gpus // cp
+    for tp in range(1, group + 1):
+        if group % tp:
             continue
-        pp = cluster.gpus // tp
+        pp = group // tp
         try:
-            row = layout_row(model, cluster, tp, pp, partition)
+            row = layout_row(model, cluster, tp, pp, partition, cp)
         except CapacityError as err:
-            skipped.append((tp, pp, str(err)))
+            skipped.append((tp, pp, cp, str(err)))
             continue
         if row.fits:
             rows.append(row)
         else:
-            skipped.append((tp, pp, _why_not(row, cluster)))
+            skipped.append((tp, pp, cp, _why_not(row, cluster)))
     return rows, skipped
 
 

@@ -16,6 +16,11 @@ from ringsched.parallel.partition import default_partition
 
 def launch_commands(row: LayoutRow, model: str, gpus_per_node: int, dtype_bytes: int, max_model_len: int,
                     head_addr: str = "$HEAD_ADDR:29500") -> list[str]:  # fmt: skip
+    if row.cp > 1:
+        raise CapacityError(
+            f"--print-launch: the engine runs TP x PP layouts; TP={row.tp} x PP={row.pp} x CP={row.cp} is planned "
+            "only (context parallelism is not served yet): plan with --cp 1 for a command to run"
+        )
     world = row.tp * row.pp
     nnodes = max(1, -(-world // gpus_per_node))
     if row.tp > gpus_per_node:

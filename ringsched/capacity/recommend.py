@@ -55,4 +55,7 @@ def _reason(row: LayoutRow, cluster: ClusterSpec, baseline: LayoutRow | None, lo
         parts.append(
             f"the seams carry {seam_kib:g} KiB per token per rank; keep at least {row.pp} batches in flight"
         )
-    return f"TP={row.tp} x PP={row.pp}: " + "; ".join(parts)
+    if row.cp > 1:
+        parts.append(f"each of a stage's {row.cp} CP ranks holds 1/{row.cp} of every sequence's KV")
+    name = f"TP={row.tp} x PP={row.pp}" + (f" x CP={row.cp}" if row.cp > 1 else "")
+    return f"{name}: " + "; ".join(parts)

@@ -38,15 +38,16 @@ def text_report(
     cluster: ClusterSpec,
     deriv: Derivation,
     rows: list[LayoutRow],
-    skipped: list[tuple[int, int, str]],
+    skipped: list[tuple[int, int, int, str]],
     baseline: LayoutRow | None,
     rec: Recommendation,
 ) -> str:
     lines = _header(model, cluster, deriv)
     lines.append("")
     lines += _table(rows, baseline, cluster)
-    for tp, pp, why in skipped:
-        lines.append(f"  skipped TP={tp} x PP={pp}: {why}")
+    for tp, pp, cp, why in skipped:
+        name = f"TP={tp} x PP={pp}" + (f" x CP={cp}" if cp > 1 else "") if tp else f"CP={cp}"
+        lines.append(f"  skipped {name}: {why}")
     stage_counts = sorted({r.pp for r in rows if r.pp > 1})
     if stage_counts:
         lines.append("")
@@ -104,20 +105,30 @@ _COLUMNS = (
 
 
 def _table(rows: list[LayoutRow], baseline: LayoutRow | None, cluster: ClusterSpec) -> list[str]:
-    head = "  ".join(f"{name:>{width}}" if width else name for name, width in _COLUMNS)
+    with_cp = any(r.cp > 1 for r in rows)
+    columns = _COLUMNS[:2] + (("CP", 3),) + _COLUMNS[2:] if with_cp else _COLUMNS
+    head = "  ".join(f"{name:>{width}}" if width else name for name, width in columns)
     lines = [
         f"per GPU of the binding stage; comm = bytes the busiest rank sends; bubble at M = --in-flight "
         f"({cluster.in_flight if cluster.in_flight is not None else 'PP'})",
-        head,
     ]
+    if with_cp:
+        lines.append("CP: tokens = a stage's CP ranks together (each stores 1/CP of every sequence); comm adds the "
+                     "partial outputs' all-gather per layer")  # fmt: skip
+    lines.append(head)
     for row in rows:
-        lines.append(_line(row))
+        lines.append(_line(row, with_cp))
     if baseline is not None:
-        lines.append(_line(baseline) + f"   <- baseline: TP={baseline.tp} alone on one node")
+        lines.append(_line(baseline, with_cp) + f"   <- baseline: TP={baseline.tp} alone on one node")
+    for row in rows:
+        if row.cp > 1:
+            lines.append(f"  TP={row.tp} x PP={row.pp} x CP={row.cp}: ring attention sends "
+                         f"{row.cp_prefill_bytes_per_token / KIB:.1f} KiB per prompt token per rank in prefill, "
+                         f"over {row.cp_link}")  # fmt: skip
     return lines
 
 
-def _line(r: LayoutRow) -> str:
+def _line(r: LayoutRow, with_cp: bool = False) -> str:
     vs = f"{r.concurrency_vs_one_node:+.0%}" if r.concurrency_vs_one_node is not None else "-"
     cells = (
         r.tp,
@@ -137,7 +148,10 @@ def _line(r: LayoutRow) -> str:
         f"{r.bubble:.1%}",
         _compact(r.partition),
     )
-    line = "  ".join(f"{c:>{w}}" if w else str(c) for c, (_, w) in zip(cells, _COLUMNS, strict=True))
+    columns = _COLUMNS
+    if with_cp:
+        cells, columns = cells[:2] + (r.cp,) + cells[2:], _COLUMNS[:2] + (("CP", 3),) + _COLUMNS[2:]
+    line = "  ".join(f"{c:>{w}}" if w else str(c) for c, (_, w) in zip(cells, columns, strict=True))
     return line if r.fits else line + "   <- does not fit"
 
 

@@ -1,8 +1,9 @@
 """One planning run: the layouts asked for (or all of them), the baseline, the derivation, the pick.
 
-Contract: `make_layouts(model, cluster, tp, pp, partition)` returns a `Plan`. With neither `tp` nor `pp` it
-sweeps every TP x PP = --gpus and keeps those that fit; with either or both it plans exactly those layouts (a
-layout that does not fit is kept, with `fits` false) and raises `CapacityError` on one that cannot exist.
+Contract: `make_layouts(model, cluster, tp, pp, partition, cp)` returns a `Plan`. With neither `tp` nor `pp` it
+sweeps every TP x PP = --gpus / CP (for each CP asked for, default 1) and keeps those that fit; with either or
+both it plans exactly those layouts (a layout that does not fit is kept, with `fits` false) and raises
+`CapacityError` on one that cannot exist.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class Plan:
     cluster: ClusterSpec
     derivation: Derivation
     rows: list[LayoutRow]
-    skipped: list[tuple[int, int, str]]  # (tp, pp, why) of swept layouts left out
+    skipped: list[tuple[int, int, int, str]]  # (tp, pp, cp, why) of swept layouts left out
     baseline: LayoutRow | None  # TP = gpus-per-node alone on one node
     recommendation: Recommendation
 
@@ -39,13 +40,19 @@ def make_layouts(
     tp: list[int] | None = None,
     pp: list[int] | None = None,
     partition: str | list[int] | None = None,
+    cp: list[int] | None = None,
 ) -> Plan:
     baseline = one_node_baseline(model, cluster)
-    if tp is None and pp is None:
-        rows, skipped = candidate_layouts(model, cluster, partition)
-    else:
-        rows = [layout_row(model, cluster, t, p, partition) for t, p in explicit_layouts(cluster.gpus, tp, pp)]
-        skipped = []
+    rows, skipped = [], []
+    for c in cp or [1]:
+        if c < 1 or cluster.gpus % c:
+            raise CapacityError(f"--cp {c} does not divide --gpus {cluster.gpus}; TP x PP x CP must equal --gpus")
+        if tp is None and pp is None:
+            more, left_out = candidate_layouts(model, cluster, partition, c)
+            rows, skipped = rows + more, skipped + left_out
+        else:
+            pairs = explicit_layouts(cluster.gpus // c, tp, pp)
+            rows += [layout_row(model, cluster, t, p, partition, c) for t, p in pairs]
     rows = with_baseline(rows, baseline)
     rec = recommend(rows, cluster, baseline)
     return Plan(model, cluster, derive(model, cluster), rows, skipped, baseline, rec)
