@@ -17,8 +17,10 @@ from ringsched.parallel.cp import (
     causal_pairs,
     contiguous_split,
     merge,
+    merge_all,
     ring_attention,
     ring_attention_sim,
+    split_kv_decode,
     zigzag_split,
 )
 
@@ -91,6 +93,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def test_merge_all_is_pairwise_merge():
+    q, k, v = qkv(9)
+    pos = torch.arange(9)
+    parts = [attend_block(q, k[i::3], v[i::3], pos, pos[i::3], 0.25) for i in range(3)]
+    pairwise = merge(*merge(*parts[0], *parts[1]), *parts[2])
+    together = merge_all([o for o, _ in parts], [lse for _, lse in parts])
+    assert torch.allclose(together[0], pairwise[0], atol=1e-6) and torch.allclose(together[1], pairwise[1], atol=1e-6)
+    assert torch.allclose(together[0], reference(q, k, v, 0.25), atol=1e-6)
+
+
 def _rank_main(rank: int, size: int, port: int, n: int, split_name: str, results) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
@@ -98,6 +110,12 @@ def _rank_main(rank: int, size: int, port: int, n: int, split_name: str, results
     dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
     try:
         q, k, v = qkv(n, seed=3)
+        if split_name == "decode":  # the last token's query over KV spread by 16-token blocks, round robin
+            held = torch.arange(n)[(torch.arange(n) // 16) % size == rank]
+            last = torch.tensor([n - 1])
+            out, _ = split_kv_decode(q[last], last, k[held], v[held], held, 16**-0.5)
+            results[rank] = (last, out)
+            return
         mine = {"zigzag": zigzag_split, "contiguous": contiguous_split}[split_name](n, size)[rank]
         out, _ = ring_attention(q[mine], k[mine], v[mine], mine, mine, 16**-0.5)
         results[rank] = (mine, out)
@@ -107,8 +125,10 @@ def _rank_main(rank: int, size: int, port: int, n: int, split_name: str, results
 
 @pytest.mark.slow
 @pytest.mark.parametrize("size", [2, 4])
-@pytest.mark.parametrize("split_name", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("split_name", ["zigzag", "contiguous", "decode"])
 def test_ring_attention_across_gloo_processes(size, split_name):
+    """Prefill: each rank's queries over every rank's K/V as it comes round; decode: one query over the KV
+    spread across the ranks, merged on every rank."""
     n = 61  # uneven blocks: each transfer carries its own length
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:

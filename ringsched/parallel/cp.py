@@ -8,6 +8,9 @@ rank the most work; the zigzag split cuts the sequence into 2N chunks and gives 
 one early and one late, whose work adds up to the same on every rank (`causal_pairs`: 64 tokens on 4 ranks
 give [136, 392, 648, 904] contiguous and [520, 520, 520, 520] zigzag).
 
+Decode over a split KV (`split_kv_decode`): each rank attends the same queries over its own share of the KV,
+and the partial outputs merge the same way, so each rank reads 1/N of a request's KV.
+
 Ring attention: every rank starts with its own K/V block; at each of N steps it attends its queries to the
 block it holds while passing that block on to the next rank and receiving one from the previous, so after N
 steps it has seen every block once. The partial results merge by log-sum-exp: a block's output is a softmax
@@ -107,6 +110,31 @@ def ring_attention(
         if pending is not None:
             block = pending()
     return o, lse
+
+
+def merge_all(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`merge` of any number of partial attentions of the same queries over disjoint keys, in one pass:
+    weights e^(LSE_i - LSE) with LSE = logsumexp_i LSE_i (rows seen by no part stay 0 and -inf)."""
+    lse = torch.logsumexp(torch.stack(lses), dim=0)
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    out = sum(o.float() * torch.exp(part - safe).unsqueeze(-1) for o, part in zip(outs, lses, strict=True))
+    return out.to(outs[0].dtype), lse
+
+
+def split_kv_decode(
+    q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor, scale: float,
+    group: dist.ProcessGroup | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode over a KV split across the CP `group`: every rank holds the same queries (one per decoding
+    request; here one request's) and its own share of the keys; each attends over its share, the partial
+    outputs and LSEs are all-gathered and merged, so every rank ends with the full attention (each rank reads
+    1/N of the KV). Returns the output and LSE."""
+    o, lse = attend_block(q, k, v, q_pos, k_pos, scale)
+    size = dist.get_world_size(group)
+    outs, lses = [torch.empty_like(o) for _ in range(size)], [torch.empty_like(lse) for _ in range(size)]
+    dist.all_gather(outs, o.contiguous(), group=group)
+    dist.all_gather(lses, lse.contiguous(), group=group)
+    return merge_all(outs, lses)
 
 
 def _global(group: dist.ProcessGroup | None, group_rank: int) -> int:
