@@ -54,6 +54,8 @@ def test_nonsense_costs_are_refused(bad):
 
 def test_probe_on_a_tiny_model(tiny_llama_dir):
     mcfg = ModelConfig.from_dir(tiny_llama_dir)
+    cost, decode = probe(mcfg, torch.float32, torch.device("cpu"), first=600, max_len=1024, repeat=1)  # > vocab
+    assert cost.per_token > 0
     cost, decode = probe(mcfg, torch.float32, torch.device("cpu"), first=64, max_len=1024, repeat=1)
     assert cost.per_token > 0 and cost.per_pair >= 0 and decode.time(16) > 0
     sizes = ChunkSizer(cost, 64).plan(900)

@@ -143,9 +143,9 @@ def probe(mcfg, dtype: torch.dtype, device: torch.device, first: int, max_len: i
 
     def timed(start: int, decodes: int = 0) -> float:
         if decodes:
-            entries = [PlanEntry(f"d{i}", dctx - 1, [100 + i], True) for i in range(decodes)]
+            entries = [PlanEntry(f"d{i}", dctx - 1, [i % mcfg.vocab_size], True) for i in range(decodes)]
         else:
-            entries = [PlanEntry(f"p{start}", start, [100 + i % 1000 for i in range(first)], True)]
+            entries = [PlanEntry(f"p{start}", start, [i % mcfg.vocab_size for i in range(first)], True)]
         for e in entries:
             blocks.ensure(e.rid, e.start + len(e.token_ids))
         batch, ids = build_forward_batch(BatchPlan(slot=0, seq=0, entries=entries), blocks, device, use_native)
