@@ -1,8 +1,8 @@
 """`python -m ringsched.bench offline --long-prompt N`: the time to first token of one N-token prompt, and with
 `--decoding-streams K` what it does to K streams that are already decoding.
 
-Alone, the prompt is sent `--repeat` times (each a fresh random prompt, one at a time) and its TTFT and the
-chunks' share of the prefill are reported as medians. With streams, K requests of `--input-len` tokens start
+Alone, the prompt is sent `--repeat` times (each a fresh random prompt, one at a time) and the median of its
+TTFTs is reported. With streams, K requests of `--input-len` tokens start
 first and decode without end (`ignore_eos`); once every one has produced tokens for a while, their gaps between
 tokens are the TPOT *before*; then the long prompt arrives and every gap until its first token is the TPOT
 *during*; the streams are aborted after it.

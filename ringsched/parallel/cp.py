@@ -69,10 +69,7 @@ def merge(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Te
           ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Two partial attentions of the same queries over disjoint keys, as one: LSE = log(e^LSE1 + e^LSE2),
     O = O1 e^(LSE1 - LSE) + O2 e^(LSE2 - LSE). A side with LSE -inf weighs 0; both -inf stay 0 and -inf."""
-    lse = torch.logaddexp(lse1, lse2)
-    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)  # no -inf - -inf
-    w1, w2 = torch.exp(lse1 - safe).unsqueeze(-1), torch.exp(lse2 - safe).unsqueeze(-1)
-    return (o1.float() * w1 + o2.float() * w2).to(o1.dtype), lse
+    return merge_all([o1, o2], [lse1, lse2])
 
 
 def ring_attention_sim(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: list[torch.Tensor],
