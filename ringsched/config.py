@@ -61,6 +61,10 @@ class EngineConfig:
     tp_size: int = _flag(1, "tensor-parallel ranks per stage, one process each: every layer's matrices are split "
                          "across them at two all-reduces per layer; lowers the time per token where the ranks share a "
                          "fast link (one node)")  # fmt: skip
+    cp_size: int = _flag(1, "context-parallel ranks per stage, one process each: a stage's weights are replicated on "
+                         "them and every request's tokens and KV are split across them (long prefills by ring "
+                         "attention with the zigzag split, decodes over the split KV); lowers a long prompt's time to "
+                         "first token and lets one request's KV exceed one rank's pool")  # fmt: skip
     pp_async_batch_depth: int = _flag(0, "micro-batches in flight beyond --pp-size; 1 lets stage 0 plan one ahead, "
                                       "which absorbs a slow micro-batch at some latency per token")  # fmt: skip
     max_running_requests: int = _flag(128, "requests running at once (decoding or prefilling); more raises "
@@ -132,6 +136,17 @@ class EngineConfig:
             object.__setattr__(self, "pp_layer_partition", ",".join(map(str, self.pp_layer_partition)))
         _require(self.pp_size >= 1, f"--pp-size must be >= 1, got {self.pp_size}")
         _require(self.tp_size >= 1, f"--tp-size must be >= 1, got {self.tp_size}")
+        _require(self.cp_size >= 1, f"--cp-size must be >= 1, got {self.cp_size}")
+        _require(
+            self.cp_size == 1 or self.tp_size == 1,
+            f"--cp-size {self.cp_size} with --tp-size {self.tp_size}: a stage is either tensor-parallel or "
+            "context-parallel for now; pick one of them (and keep the other at 1)",
+        )
+        _require(
+            self.pp_flex_layers == 0 or self.cp_size == 1,
+            f"--pp-flex-layers runs with --cp-size 1 only (got --cp-size {self.cp_size}): a moving cut's mirrored KV "
+            "rows are not split over context-parallel ranks; leave --pp-flex-layers at 0",
+        )
         _require(
             self.pp_async_batch_depth >= 0,
             f"--pp-async-batch-depth must be >= 0 (0 = exactly pp_size micro-batches), got "
@@ -231,8 +246,12 @@ class EngineConfig:
         return self.pp_size // self.nnodes
 
     @property
+    def ranks_per_stage(self) -> int:
+        return self.tp_size * self.cp_size
+
+    @property
     def world_size(self) -> int:
-        return self.pp_size * self.tp_size
+        return self.pp_size * self.ranks_per_stage
 
     @property
     def ranks_per_node(self) -> int:
@@ -240,7 +259,7 @@ class EngineConfig:
 
     @property
     def layout(self) -> Layout:
-        return Layout(pp_size=self.pp_size, tp_size=self.tp_size, nnodes=self.nnodes)
+        return Layout(pp_size=self.pp_size, tp_size=self.tp_size, cp_size=self.cp_size, nnodes=self.nnodes)
 
     @property
     def local_ranks(self) -> range:
@@ -251,12 +270,13 @@ class EngineConfig:
         return rank // self.ranks_per_node
 
     def describe_rank(self, rank: int) -> str:
-        """How messages name a rank: `stage 1` with one rank per stage, else `rank 3 (stage 1, tp 1)`; with several
-        nodes, the node too."""
+        """How messages name a rank: `stage 1` with one rank per stage, else `rank 3 (stage 1, tp 1)` (or `cp 1`);
+        with several nodes, the node too."""
         where = []
-        if self.tp_size > 1:
-            stage, tp = divmod(rank, self.tp_size)
-            text, where = f"rank {rank}", [f"stage {stage}", f"tp {tp}"]
+        if self.ranks_per_stage > 1:
+            stage, index = divmod(rank, self.ranks_per_stage)
+            cp, tp = divmod(index, self.tp_size)
+            text, where = f"rank {rank}", [f"stage {stage}", f"tp {tp}" if self.tp_size > 1 else f"cp {cp}"]
         else:
             text = f"stage {rank}"
         if self.nnodes > 1:

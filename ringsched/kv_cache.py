@@ -59,6 +59,13 @@ class BlockTable:
         self._used += need
         return True
 
+    def grow(self, rid: str, num_tokens: int) -> dict:
+        """`ensure`, for the planner: the plan entry's `new_blocks` (raises when the pool is short: check first)."""
+        before = len(self.tables.get(rid, ()))
+        if not self.ensure(rid, num_tokens):
+            raise RuntimeError(f"request {rid}: the pool cannot hold {num_tokens} tokens (caller checks first)")
+        return {"new_blocks": self.tables[rid][before:]}
+
     def assign(self, rid: str, blocks: list[int]) -> None:
         """Follow stage 0's allocation (non-first stages)."""
         self.tables.setdefault(rid, []).extend(blocks)

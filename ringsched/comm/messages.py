@@ -35,6 +35,10 @@ class PlanEntry:
     token_ids: list[int]  # the tokens this micro-batch computes for the request
     samples: bool  # the entry ends at the last known token: the last stage samples the next one
     new_blocks: list[int] = field(default_factory=list)  # KV blocks stage 0 allocated for this entry
+    # --cp-size > 1 (parallel/cp_blocks.py): the tokens each CP rank of a stage computes and stores, and each
+    # rank's new blocks (`new_blocks` then stays empty)
+    cp_counts: list[int] = field(default_factory=list)
+    cp_blocks: list[list[int]] = field(default_factory=list)
 
 
 @dataclass

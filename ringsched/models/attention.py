@@ -11,6 +11,7 @@ reference path tests compare against.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +45,9 @@ class ForwardBatch:
     decodes: list[DecodeGroup] = field(default_factory=list)
     native_decode: NativeDecode | None = None  # the decodes, for the CPU kernel (then `decodes` is empty)
     prefills: list[PrefillSeq] = field(default_factory=list)
+    # --cp-size > 1: this CP rank's rows of the micro-batch, and the attention over the group's split KV
+    # (`parallel/cp_attention.CPForward`); None otherwise
+    cp: Any = None
 
     @property
     def num_tokens(self) -> int:
@@ -73,6 +77,8 @@ def paged_attention(
     if not batch.uses_cache:
         return _sdpa(q, k, v, scale, causal=True)
     assert k_cache is not None and v_cache is not None
+    if batch.cp is not None:
+        return batch.cp.attend(q, k, v, batch.slot_mapping, (k_cache, v_cache), scale)
     k_cache.index_copy_(0, batch.slot_mapping, k)
     v_cache.index_copy_(0, batch.slot_mapping, v)
     out = torch.empty_like(q)

@@ -44,6 +44,21 @@ def zigzag_split(n: int, size: int) -> list[torch.Tensor]:
     return [torch.cat([chunks[r], chunks[2 * size - 1 - r]]) for r in range(size)]
 
 
+def zigzag_pieces(shares: list[int]) -> list[torch.Tensor]:
+    """Offsets (within a chunk of `sum(shares)` tokens) of each rank's tokens when rank r holds exactly
+    `shares[r]` of them, zigzag: the chunk is laid out as every rank's front piece in rank order, then every
+    rank's back piece in reverse order, rank r's front piece being `shares[r] // 2` tokens and its back piece
+    the rest. With equal even shares this is `zigzag_split`; unequal shares let the placement keep every rank's
+    total within a token of the others'. A rank with a share of 0 holds nothing."""
+    fronts = [s // 2 for s in shares]
+    backs = [s - f for s, f in zip(shares, fronts, strict=True)]
+    n, size = sum(shares), len(shares)
+    front_at = [sum(fronts[:r]) for r in range(size)]
+    back_at = [n - sum(backs[: r + 1]) for r in range(size)]
+    return [torch.cat([torch.arange(front_at[r], front_at[r] + fronts[r]),
+                       torch.arange(back_at[r], back_at[r] + backs[r])]) for r in range(size)]  # fmt: skip
+
+
 def causal_pairs(split: list[torch.Tensor]) -> list[int]:
     """Each rank's causal attention work: the (query, key) pairs with key <= query its queries attend over."""
     return [int((positions + 1).sum()) for positions in split]

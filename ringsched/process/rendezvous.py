@@ -73,7 +73,7 @@ class Rendezvous:
         self.meta = {
             "node": cfg.node_rank, "host_ip": self.host_ip, "version": __version__, "model": model_name,
             "model_config": model_fingerprint(model_dir), "partition": partition, "pp_size": cfg.pp_size,
-            "tp_size": cfg.tp_size, "nnodes": cfg.nnodes,
+            "tp_size": cfg.tp_size, "cp_size": cfg.cp_size, "nnodes": cfg.nnodes,
         }  # fmt: skip
         try:
             self.store = connect_store(cfg, is_master=cfg.node_rank == 0)
@@ -123,8 +123,8 @@ class Rendezvous:
 
     def _compare(self, other: dict) -> None:
         me = self.meta
-        for key, flag in (("pp_size", "--pp-size"), ("tp_size", "--tp-size"), ("nnodes", "--nnodes"),
-                          ("partition", "--pp-layer-partition"),
+        for key, flag in (("pp_size", "--pp-size"), ("tp_size", "--tp-size"), ("cp_size", "--cp-size"),
+                          ("nnodes", "--nnodes"), ("partition", "--pp-layer-partition"),
                           ("model", "--model"), ("model_config", "--model (config.json)"), ("version", "ringsched")):
             if key == "partition" and None in (other[key], me[key]):
                 continue  # a node started with `auto` below node 0 takes node 0's split

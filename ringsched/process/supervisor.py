@@ -62,7 +62,7 @@ class Supervisor:
             plans=tuple(ipc_addr(ipc_dir, f"plan-{k}") for k in range(cfg.pp_size)) if cfg.nnodes == 1 else (),
             progress=ipc_addr(ipc_dir, "progress") if cfg.nnodes == 1 else "",
             group_plans=tuple(ipc_addr(ipc_dir, f"group-plan-{r}") for r in range(cfg.world_size))
-            if cfg.tp_size > 1 else (),
+            if cfg.ranks_per_stage > 1 else (),
         )
         self.ctx = zmq.Context()
         self.ctl = Puller(self.ctx, self.addrs.ctl)
@@ -113,7 +113,8 @@ class Supervisor:
         """One process per rank of this node (spawned, not forked)."""
         spawn = mp.get_context("spawn")
         for info in node_rank_infos(self.cfg.layout, self.rendezvous.partition, self.cfg.node_rank):
-            name = process_name(info.pp, info.tp if self.cfg.tp_size > 1 else None)
+            name = process_name(info.pp, info.tp if self.cfg.tp_size > 1 else None,
+                                info.cp if self.cfg.cp_size > 1 else None)
             p = spawn.Process(
                 target=stage_main, args=(self.cfg, self.spec, info, self.addrs), name=name, daemon=True
             )
@@ -150,7 +151,7 @@ class Supervisor:
         )  # fmt: skip
         device = torch.device("cuda", 0) if c.resolved_device == "cuda" else torch.device("cpu")
         # Node 0 knows only its own cores: with several nodes, its first stage's stand in for every stage's.
-        here = [stage_cpus(c.threads, c.ranks_per_node, i * c.tp_size, c.resolved_device)
+        here = [stage_cpus(c.threads, c.ranks_per_node, i * c.ranks_per_stage, c.resolved_device)
                 for i in range(c.stages_per_node)]  # fmt: skip
         cpus = here if c.nnodes == 1 else [here[0]] * c.pp_size
         counts, _ = choose_partition(mcfg, c.pp_size, shape, c.torch_dtype, device, c.threads, cpus)
@@ -248,7 +249,7 @@ class Supervisor:
         r = causes[0]
         first, _, details = errors[r].partition("\n")
         then = [k for k in errors if k != r]
-        noun = ("rank" if self.cfg.tp_size > 1 else "stage") + ("s" if len(then) > 1 else "")
+        noun = ("rank" if self.cfg.ranks_per_stage > 1 else "stage") + ("s" if len(then) > 1 else "")
         after = f"; then {noun} {', '.join(map(str, then))} stopped too" if then else ""
         return f"{self.cfg.describe_rank(r)} failed: {without_source_paths(first)}{after}\n{details}"
 

@@ -25,6 +25,7 @@ from collections import OrderedDict, deque
 
 from ringsched.comm.messages import BatchPlan, NewRequest, PlanEntry, TokenOutput
 from ringsched.kv_cache import BlockTable
+from ringsched.parallel.cp_blocks import CPBlocks
 from ringsched.sampling import SamplingParams
 from ringsched.scheduler.chunking import ChunkSizer
 from ringsched.scheduler.request import Request, Status
@@ -35,7 +36,7 @@ logger = logging.getLogger(__name__)
 class Planner:
     def __init__(
         self,
-        blocks: BlockTable,
+        blocks: BlockTable | CPBlocks,
         micro_batch_size: int,
         max_running: int,
         token_budget: int,
@@ -95,7 +96,8 @@ class Planner:
         if len(ids) >= self.max_len:
             return f"the prompt has {len(ids)} tokens; the maximum context length is {self.max_len}"
         if min(need, self.max_len) > self.blocks.capacity_tokens:
-            return f"the request needs {need} tokens of KV but the pool holds {self.blocks.capacity_tokens}"
+            return (f"the request needs {need} tokens of KV but the pool holds {self.blocks.capacity_tokens}; raise "
+                    "--kv-cache-memory, or spread a request's KV over more ranks with --cp-size")
         if new.rid in self.requests:
             return f"request id {new.rid!r} is already in use"
         if vocab is not None:
@@ -170,16 +172,13 @@ class Planner:
 
     def _schedule(self, r: Request, n: int, seq: int, plan: BatchPlan) -> None:
         start = r.num_computed
-        before = len(self.blocks.tables.get(r.rid, ()))
-        ok = self.blocks.ensure(r.rid, start + n)
-        assert ok, "caller checked the pool"
-        new_blocks = self.blocks.tables[r.rid][before:]
+        blocks = self.blocks.grow(r.rid, start + n)  # the entry's new blocks (per CP rank with CPBlocks)
         if not r.announced:
             plan.announce.append(NewRequest(r.rid, [], r.params.to_dict(), len(r.prompt_ids)))
             r.announced = True
         self.prefill_tokens += max(min(start + n, len(r.prompt_ids)) - start, 0)
         samples = start + n == r.num_tokens
-        plan.entries.append(PlanEntry(r.rid, start, r.all_ids[start : start + n], samples, list(new_blocks)))
+        plan.entries.append(PlanEntry(r.rid, start, r.all_ids[start : start + n], samples, **blocks))
         r.num_computed = start + n
         r.in_flight.add(seq)
         decode = n == 1 and start == len(r.all_ids) - 1 and bool(r.output_ids)

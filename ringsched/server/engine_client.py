@@ -225,8 +225,9 @@ class EngineClient:
         return dict(self.supervisor.stats)
 
     def kv_capacity_tokens(self) -> int:
-        """KV tokens a request can use: every stage allocates the smallest pool."""
-        return min(i["kv_tokens"] for i in self.supervisor.info.values())
+        """KV tokens a request can use: every stage allocates the smallest pool (with --cp-size, a request's KV is
+        spread over its stage's CP ranks: `request_kv_tokens`)."""
+        return min(i.get("request_kv_tokens", i["kv_tokens"]) for i in self.supervisor.info.values())
 
     # -- lifecycle ----------------------------------------------------------------------------------------
     async def drain(self, timeout: float) -> None:

@@ -34,6 +34,9 @@ from ringsched.kv_cache import BlockTable, KVPool
 from ringsched.models import native
 from ringsched.models.batch import build_forward_batch
 from ringsched.models.llama import StageModel
+from ringsched.parallel.cp_attention import build_cp_batch
+from ringsched.parallel.cp_blocks import CPPlacement
+from ringsched.parallel.cp_group import CPGroup
 from ringsched.parallel.flex import FlexBoundary
 from ringsched.parallel.flex_ring import FixedCut, FlexRing
 from ringsched.parallel.rank import Layout, RankInfo, StageInfo, rank_infos
@@ -89,10 +92,12 @@ class StageLoop:
         flex: FlexBoundary | None = None,
         where: RankInfo | None = None,
         tp: TPGroup | None = None,
+        cp: CPGroup | None = None,
     ) -> None:
         self.cfg, self.stage, self.model, self.blocks, self.pool, self.io = cfg, stage, model, blocks, pool, io
         self.where = where or rank_infos(Layout(stage.size), [1] * stage.size)[stage.rank]
-        self.tp = tp
+        self.tp, self.cp = tp, cp
+        self.placement = CPPlacement(cp.size) if cp else None  # where each request's tokens are, per CP rank
         self.planner, self.device = planner, device
         # Decode attention through the CPU kernel where it applies (float32 or bfloat16 KV on CPU, a C compiler
         # at hand).
@@ -125,7 +130,9 @@ class StageLoop:
             hidden = self.model.cfg.hidden_size
             self.inbound = ReceiveProxy(prev, io.chan, times, self.peer, self.tp, hidden)
         if stage.is_last:
-            self.head = SamplingHead(self.model, SamplerState(self.device, eos_ids), times, self.cut)
+            # Under CP the group's first rank samples every row (the others send it theirs).
+            self.head = SamplingHead(self.model, SamplerState(self.device, eos_ids), times, self.cut,
+                                     active=self.cp is None or self.cp.leads)  # fmt: skip
             self.outbound = HoldTokens(self.cut, self.outputs, times)
         else:
             self.head, self.outbound = PassOn(), SendProxy(next_, io.chan, times, self.peer, self.tp)
@@ -172,6 +179,8 @@ class StageLoop:
     def apply(self, plan: BatchPlan) -> None:
         with self.times.measure("sched"):
             self.plans.apply(plan)
+            if self.placement is not None:
+                self.placement.apply(plan)
             self.head.apply(plan)
 
     def peer(self, peer: int, fn, *args):
@@ -191,16 +200,21 @@ class StageLoop:
         if not plan.entries:
             return self.head.empty()
         with self.times.measure("compute") as took:
-            batch, ids = build_forward_batch(plan, self.blocks, self.device, self.use_native_decode)
+            if self.cp is not None:  # this rank's rows only
+                batch, ids = build_cp_batch(plan, self.placement, self.blocks, self.cp, self.device)
+            else:
+                batch, ids = build_forward_batch(plan, self.blocks, self.device, self.use_native_decode)
             self.cut.before_layers(plan, proxy, batch.slot_mapping)
             out = self.model(
                 batch, input_ids=ids if proxy is None else None, proxy=proxy, kv_caches=self.pool.caches,
                 layers=self.cut.layers(plan),  # policy ready: sets plan.cut as it runs
             )  # fmt: skip
+            if batch.cp is not None and self.stage.is_last:
+                out = batch.cp.gather_samples(out)
             rows = self.cut.after_layers(plan, batch.slot_mapping)
             out = self.head(plan, out, rows)
         self.cut.computed(plan, took.seconds, batch.slot_mapping, rows)
-        self.times.count(plan.num_tokens, self.cut.layers_run(plan))
+        self.times.count(batch.num_tokens, self.cut.layers_run(plan))
         return out
 
     def stage_stats(self) -> dict:
@@ -209,6 +223,7 @@ class StageLoop:
             "rank": self.where.rank,
             "stage": self.stage.rank,
             "tp": self.where.tp,
+            "cp": self.where.cp,
             "kv_usage": self.blocks.usage,
             "kv_used_blocks": self.blocks.used_blocks,
             "peak_rss_bytes": peak_rss_bytes(),
@@ -218,6 +233,7 @@ class StageLoop:
             **self.io.chan.stats(),
             "seam_tokens_sent": getattr(self.outbound, "tokens", 0),
             **(self.tp.stats() if self.tp else {}),
+            **(self.cp.stats() if self.cp else {}),
         }
 
     def maybe_report(self, period: float = 0.5) -> None:

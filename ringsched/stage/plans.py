@@ -102,5 +102,7 @@ class FollowPlans:
         for rid in plan.frees:
             self.blocks.free(rid)
         for e in plan.entries:
-            if e.new_blocks:
+            if e.cp_counts:  # --cp-size: this rank's own blocks (assigned even when none, so the request is known)
+                self.blocks.assign(e.rid, e.cp_blocks[self.where.cp])
+            elif e.new_blocks:
                 self.blocks.assign(e.rid, e.new_blocks)

@@ -70,13 +70,17 @@ class PassOn:
 class SamplingHead:
     """The last stage: the final norm, lm_head and sampling of the rows that sample; tokens to the CPU."""
 
-    def __init__(self, model: StageModel, sampler: SamplerState, times: StageTimes, cut: FixedCut | FlexRing) -> None:
+    def __init__(self, model: StageModel, sampler: SamplerState, times: StageTimes, cut: FixedCut | FlexRing,
+                 active: bool = True) -> None:  # fmt: skip
         self.model, self.sampler, self.times, self.cut = model, sampler, times, cut
+        self.active = active  # False: a CP rank other than the group's first (that one samples every row)
 
     def apply(self, plan: BatchPlan) -> None:
         self.sampler.apply(plan)
 
     def __call__(self, plan: BatchPlan, out: dict, rows: list[torch.Tensor]) -> torch.Tensor:
+        if not self.active:
+            return self.empty()
         with self.times.measure("head") as took:
             if self.sampler.greedy_only(plan):
                 tokens = self.model.greedy_tokens(out).cpu()

@@ -28,6 +28,8 @@ from ringsched.config import EngineConfig, parse_memory
 from ringsched.kv_cache import BlockTable, KVPool, blocks_for_memory
 from ringsched.models.config import ModelConfig
 from ringsched.models.loader import load_stage_model, weights_bytes
+from ringsched.parallel.cp_blocks import CPBlocks, request_capacity
+from ringsched.parallel.cp_group import CPGroup
 from ringsched.parallel.rank import RankInfo, StageInfo
 from ringsched.parallel.shm_group import SHM_DIR, ShmCollectives, shm_usable
 from ringsched.parallel.tp import TPGroup, TPShard
@@ -63,7 +65,8 @@ def stage_main(cfg: EngineConfig, spec: ModelSpec, where: RankInfo, addrs: Stage
         format=f"[{cfg.describe_rank(rank)}] %(asctime)s %(levelname)s %(message)s",
         force=True,
     )
-    _set_process_name(process_name(where.pp, where.tp if cfg.tp_size > 1 else None))
+    _set_process_name(process_name(where.pp, where.tp if cfg.tp_size > 1 else None,
+                                   where.cp if cfg.cp_size > 1 else None))
     # Ctrl-C in a terminal, and scancel or systemd's SIGTERM, reach the whole process group; the launcher owns
     # shutdown, so a stage ignores them and stops when told to (Shutdown plan), when its parent is gone, or by
     # the launcher's SIGKILL.
@@ -101,7 +104,7 @@ def _setup(cfg, spec: ModelSpec, where: RankInfo, addrs, ctx, ctl) -> tuple[Stag
             raise ParentGone("the launcher is gone")
 
     device = _threads_and_device(cfg, where.local_rank)
-    store, tp = _process_groups(cfg, where)
+    store, tp, cp = _process_groups(cfg, where)
     mcfg, counts = spec.config, list(spec.partition)
     flex = cfg.flex_boundary(mcfg.num_layers, counts)
     stage = where.stage  # with a flexible cut, the stage also holds the shared layers around the cut
@@ -118,11 +121,14 @@ def _setup(cfg, spec: ModelSpec, where: RankInfo, addrs, ctx, ctl) -> tuple[Stag
     info = _ready_info(cfg, where, stage, counts[stage.rank], model, pool, blocks)
     planner = None
     if where.decides:
+        # With --cp-size, stage 0 allocates every CP rank's pool (its own is the first) and places each token.
+        tables = [blocks] + [BlockTable(num_blocks, cfg.block_size) for _ in range(cfg.cp_size - 1)]
+        allocator = CPBlocks(tables) if cp else blocks
         chunker = None
         if cfg.enable_dynamic_chunking:
             cost, decode = chunking.probe(local, cfg.torch_dtype, device, cfg.chunked_prefill_size, spec.context_len)
             chunker = chunking.ChunkSizer(cost, cfg.chunked_prefill_size, decode=decode)
-        planner = Planner(blocks, cfg.micro_batch_size, cfg.max_running_requests, cfg.chunked_prefill_size,
+        planner = Planner(allocator, cfg.micro_batch_size, cfg.max_running_requests, cfg.chunked_prefill_size,
                           spec.eos_ids, spec.context_len, random.Random(cfg.seed), mcfg.vocab_size,
                           pipeline_prefill=flex is None, chunker=chunker)  # fmt: skip
     plan_in, plan_out = _plan_channels(cfg, where, addrs, ctx, store)
@@ -134,7 +140,8 @@ def _setup(cfg, spec: ModelSpec, where: RankInfo, addrs, ctx, ctl) -> tuple[Stag
         alive=alive, report=lambda stats: ctl.send(StageStatus(rank, "stats", stats)),
         progress_in=progress_in, progress_out=progress_out,
     )  # fmt: skip
-    loop = StageLoop(cfg, stage, model, blocks, pool, io, planner, device, spec.eos_ids, flex, where=where, tp=tp)
+    loop = StageLoop(cfg, stage, model, blocks, pool, io, planner, device, spec.eos_ids, flex, where=where, tp=tp,
+                     cp=cp)
     return loop, info
 
 
@@ -151,10 +158,11 @@ def _threads_and_device(cfg: EngineConfig, local_rank: int) -> torch.device:
 
 
 def _process_groups(cfg: EngineConfig, where: RankInfo) -> tuple:
-    """Join the ranks' process group (none with one rank) and, with --tp-size > 1, this stage's tensor-parallel
-    group: the store node 0's launcher hosts (or None), and this rank's `TPGroup` (or None)."""
+    """Join the ranks' process group (none with one rank) and, with --tp-size or --cp-size > 1, this stage's
+    tensor- or context-parallel group: the store node 0's launcher hosts (or None), this rank's `TPGroup` (or
+    None) and its `CPGroup` (or None)."""
     if cfg.world_size == 1:
-        return None, None
+        return None, None, None
     if cfg.nnodes > 1:  # gloo and NCCL pick their interface by name: the one carrying our address
         iface = interface_of(cfg.host_ip)
         if iface:
@@ -165,27 +173,32 @@ def _process_groups(cfg: EngineConfig, where: RankInfo) -> tuple:
     torch.distributed.init_process_group(
         cfg.backend, store=PrefixStore("pg", store), rank=where.rank, world_size=cfg.world_size, timeout=timeout
     )
-    if cfg.tp_size == 1:
-        return store, None
+    if cfg.ranks_per_stage == 1:
+        return store, None, None
     group = None
     for pp in range(cfg.pp_size):  # every rank creates every stage's group, in the same order
-        ranks = [cfg.layout.rank_of(pp, t) for t in range(cfg.tp_size)]
+        ranks = [cfg.layout.rank_of(pp, t, c) for c in range(cfg.cp_size) for t in range(cfg.tp_size)]
         g = torch.distributed.new_group(ranks, timeout=timeout, backend=cfg.backend)
         if pp == where.pp:
             group = g
-    return store, TPGroup(TPShard(where.tp, cfg.tp_size), group, _shared_memory(cfg, where, group))
+    if cfg.cp_size > 1:  # (--cp-size and --tp-size are not combined: the stage's group is its CP group)
+        shm = _shared_memory(cfg, where, group, where.cp, cfg.cp_size)
+        return store, None, CPGroup(where.cp, where.cp_group, group, shm)
+    shm = _shared_memory(cfg, where, group, where.tp, cfg.tp_size)
+    return store, TPGroup(TPShard(where.tp, cfg.tp_size), group, shm), None
 
 
-def _shared_memory(cfg: EngineConfig, where: RankInfo, group) -> ShmCollectives | None:
+def _shared_memory(cfg: EngineConfig, where: RankInfo, group, index: int, size: int) -> ShmCollectives | None:
     """CPU ranks of a stage (always on one node) meet in a shared segment for their collectives: the stage's
-    first rank creates it, all map it, then it is unlinked (so nothing is left behind, even after a SIGKILL)."""
+    first rank creates it, all map it, then it is unlinked (so nothing is left behind, even after a SIGKILL).
+    `index` of `size`: this rank's place in the stage's group."""
     if not shm_usable(torch.device(cfg.resolved_device)):
         return None
     path = os.path.join(SHM_DIR, f"{os.path.basename(cfg.ipc_dir) or os.getppid()}-stage{where.pp}")
     if where.leads_stage:
-        ShmCollectives.create(path, cfg.tp_size)
+        ShmCollectives.create(path, size)
     torch.distributed.barrier(group=group)
-    shm = ShmCollectives(path, where.tp, cfg.tp_size, cfg.stage_timeout)
+    shm = ShmCollectives(path, index, size, cfg.stage_timeout)
     torch.distributed.barrier(group=group)
     if where.leads_stage:
         os.unlink(path)
@@ -197,12 +210,14 @@ def _ready_info(cfg: EngineConfig, where: RankInfo, stage: StageInfo, cut_layers
     info = {
         "stage": where.pp,
         "tp": where.tp,
+        "cp": where.cp,
         "node": where.node,
         "layers": [stage.start_layer, stage.end_layer],
         "cut_layers": cut_layers,  # without --pp-flex-layers, the layer count
         "weights_bytes": weights_bytes(model),
         "kv_bytes": pool.nbytes,
         "kv_tokens": blocks.capacity_tokens,
+        "request_kv_tokens": request_capacity(blocks.capacity_tokens, cfg.cp_size),  # spread over the CP ranks
         "pid": os.getpid(),
     }
     logger.info(
@@ -232,10 +247,10 @@ def _start_heartbeat(ctx: zmq.Context, addr: str, rank: int, loop: StageLoop) ->
     threading.Thread(target=beat, name=f"heartbeat-{rank}", daemon=True).start()
 
 
-def process_name(stage: int, tp: int | None = None) -> str:
+def process_name(stage: int, tp: int | None = None, cp: int | None = None) -> str:
     """What `ps`, `top` and `pgrep` show for a rank: `ringsched-pp1`, or `ringsched-pp1t0` for tensor-parallel
-    rank 0 of stage 1; at most 15 characters, the kernel's limit."""
-    return f"ringsched-pp{stage}" + (f"t{tp}" if tp is not None else "")
+    rank 0 of stage 1 (`ringsched-pp1c0`: context-parallel); at most 15 characters, the kernel's limit."""
+    return f"ringsched-pp{stage}" + (f"t{tp}" if tp is not None else "") + (f"c{cp}" if cp is not None else "")
 
 
 def _plan_channels(cfg: EngineConfig, where: RankInfo, addrs: StageAddrs, ctx, store) -> tuple:
@@ -249,7 +264,7 @@ def _plan_channels(cfg: EngineConfig, where: RankInfo, addrs: StageAddrs, ctx, s
         return Puller(ctx, addrs.group_plans[where.rank]), None
     plan_in = None if k == 0 else _receiver(ctx, zstore, cfg.host_ip, ipc[k], f"plan/{k}")
     outs = [] if k == cfg.pp_size - 1 else [_sender(ctx, zstore, ipc[k + 1], f"plan/{k + 1}")]
-    outs += [Pusher(ctx, addrs.group_plans[r]) for r in where.tp_group if r != where.rank]
+    outs += [Pusher(ctx, addrs.group_plans[r]) for r in where.stage_group if r != where.rank]
     return plan_in, Fanout(outs) if outs else None
 
 

@@ -1,0 +1,69 @@
+"""One rank's context-parallel group inside its stage: the collectives its attention runs (through shared
+memory between CPU ranks of a node, else the process group's) and the ring's point-to-point exchange (always
+the process group's `isend`/`irecv`, posted before the attention it overlaps)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from ringsched.parallel.shm_group import ShmCollectives
+
+
+class CPGroup:
+    """`rank` of `size` CP ranks of a stage; `ranks` their global ranks in CP order; `group` their process group;
+    `shm`, where given, carries the collectives."""
+
+    def __init__(self, rank: int, ranks: tuple[int, ...], group, shm: ShmCollectives | None = None) -> None:
+        self.rank, self.size, self.ranks, self.group, self.shm = rank, len(ranks), ranks, group, shm
+        self.collectives = 0
+        self.ring_bytes = 0  # K/V bytes this rank sent round the ring
+        self.wait_s = 0.0
+
+    @property
+    def leads(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum `t` (contiguous) over the group, in place."""
+        if self.shm:
+            self.shm.all_reduce(t)
+        else:
+            dist.all_reduce(t, group=self.group)
+        self.collectives += 1
+        return t
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """`[size, *t.shape]`: every rank's `t` (the same shape on all), in rank order."""
+        out = t.new_empty(self.size, *t.shape)
+        t = t.contiguous()
+        if self.shm:
+            self.shm.all_gather_into(t, out)
+        else:
+            dist.all_gather(list(out.unbind(0)), t, group=self.group)
+        self.collectives += 1
+        return out
+
+    def exchange(self, send: torch.Tensor, recv_shape: tuple[int, ...]) -> Callable[[], torch.Tensor]:
+        """Post the ring step: `send` to the next rank, a tensor of `recv_shape` from the previous one. Returns a
+        function that waits for both and gives the received tensor (`send` stays referenced until then)."""
+        nxt, prev = self.ranks[(self.rank + 1) % self.size], self.ranks[(self.rank - 1) % self.size]
+        send = send.contiguous()
+        recv = send.new_empty(recv_shape)
+        works = [dist.isend(send, nxt, group=self.group), dist.irecv(recv, prev, group=self.group)]
+        self.ring_bytes += send.numel() * send.element_size()
+
+        def wait() -> torch.Tensor:
+            for w in works:
+                w.wait()
+            del send_alive[:]
+            return recv
+
+        send_alive = [send]
+        return wait
+
+    def stats(self) -> dict:
+        return {"cp_collectives": self.collectives, "cp_ring_bytes": self.ring_bytes,
+                "cp_wait_s": self.shm.wait_s if self.shm else 0.0}  # fmt: skip
