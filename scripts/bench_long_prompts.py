@@ -3,7 +3,7 @@ configuration and round (configurations in rotated order each round), every leng
 over the rounds. Writes JSON, a Markdown table (with each configuration's ratio to the first) and a plot.
 
     python scripts/bench_long_prompts.py --lengths 1000,2000,4000,6000,8000 --rounds 1 \\
-        --config pp=1 --config pp=2 --config pp=2,dynamic --out docs/long_prompt_ttft
+        --config pp=1 --config pp=2 --config pp=2,dynamic --config pp=1,cp=2 --out docs/long_prompt_ttft
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ def parse_config(text: str) -> dict:
         key, _, value = part.partition("=")
         if key == "pp":
             kw["pp_size"] = int(value)
+        elif key == "cp":
+            kw["cp_size"] = int(value)
         elif key == "dynamic":
             kw["enable_dynamic_chunking"] = True
         elif key == "chunk":
@@ -32,12 +34,13 @@ def parse_config(text: str) -> dict:
         elif key == "threads":
             kw["threads_per_stage"] = int(value)
         else:
-            raise SystemExit(f"error: --config {text!r}: unknown key {key!r} (pp=N, dynamic, chunk=N, threads=N)")
+            raise SystemExit(f"error: --config {text!r}: unknown key {key!r} (pp=N, cp=N, dynamic, chunk=N, threads=N)")
     return kw
 
 
 def label(kw: dict) -> str:
-    parts = [f"PP={kw.get('pp_size', 1)}", "dynamic" if kw.get("enable_dynamic_chunking") else "fixed"]
+    parts = [f"PP={kw.get('pp_size', 1)}"] + ([f"CP={kw['cp_size']}"] if kw.get("cp_size", 1) > 1 else [])
+    parts += ["dynamic" if kw.get("enable_dynamic_chunking") else "fixed"]
     if "chunked_prefill_size" in kw:
         parts.append(f"chunk {kw['chunked_prefill_size']}")
     if kw.get("threads_per_stage", 1) != 1:
@@ -48,7 +51,7 @@ def label(kw: dict) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--lengths", default="1000,2000,4000,6000,8000")
-    p.add_argument("--config", action="append", required=True, help="pp=N[,dynamic][,chunk=N][,threads=N]")
+    p.add_argument("--config", action="append", required=True, help="pp=N[,cp=N][,dynamic][,chunk=N][,threads=N]")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--out", default=None, help="write OUT.json, OUT.md and OUT.png")

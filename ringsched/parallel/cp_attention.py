@@ -33,36 +33,53 @@ from ringsched.parallel.cp_blocks import CPPlacement, is_split
 from ringsched.parallel.cp_group import CPGroup
 
 
+@dataclass
+class Visibility:
+    """Which keys at `k_pos` the queries at `q_pos` see (causal), as the flash kernel takes it: `none` (no key
+    is visible: no attention to run), or an additive mask `[g * n, m]` for `g` query heads per KV head (None:
+    every key is visible) and the rows that see no key. The same for every layer of a micro-batch."""
+
+    none: bool = False
+    mask: torch.Tensor | None = None
+    dead: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, q_pos: torch.Tensor, k_pos: torch.Tensor, group: int, dtype: torch.dtype) -> Visibility:
+        if q_pos.numel() == 0 or k_pos.numel() == 0 or int(k_pos.min()) > int(q_pos.max()):
+            return cls(none=True)
+        if int(k_pos.max()) <= int(q_pos.min()):
+            return cls()
+        visible = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)  # [n, m]
+        mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf")).repeat(group, 1)
+        dead = ~visible.any(dim=1)
+        return cls(mask=mask.to(q_pos.device), dead=dead if bool(dead.any()) else None)
+
+
 def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-                      k_pos: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                      k_pos: torch.Tensor, scale: float, vis: Visibility | None = None,
+                      ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Causal attention of `q` `[n, H, D]` at `q_pos` over keys `[m, KVH, D]` at `k_pos`: the output over these
-    keys alone `[n, H, D]` and each row's LSE `[n, H]` (float32; -inf, with output 0, where no key is visible)."""
+    keys alone `[n, H, D]` and each row's LSE `[n, H]` (float32; -inf, with output 0, where no key is visible).
+    `vis`: their `Visibility`, when the caller keeps it between layers."""
     n, h, d = q.shape
-    m = k.shape[0]
-    if m == 0 or n == 0 or int(k_pos.min()) > int(q_pos.max()):
+    kvh = k.shape[1]
+    g = h // kvh
+    vis = vis or Visibility.of(q_pos, k_pos, g, q.dtype)
+    if vis.none:
         return q.new_zeros(n, h, d), torch.full((n, h), float("-inf"), device=q.device)
     if q.device.type != "cpu":
         return attend_block(q, k, v, q_pos, k_pos, scale)
-    kvh = k.shape[1]
-    g = h // kvh
-    visible = None
-    mask = None
-    if int(k_pos.max()) > int(q_pos.min()):  # some key lies after some query
-        visible = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)  # [n, m]
-        mask = torch.zeros(n, m, dtype=q.dtype).masked_fill_(~visible, float("-inf")).repeat(g, 1)
     # Grouped-query heads folded into the query length: [1, KVH, g * n, D] against [1, KVH, m, D].
     qf = q.view(n, kvh, g, d).permute(1, 2, 0, 3).reshape(1, kvh, g * n, d)
     kf, vf = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        qf, kf, vf, 0.0, False, attn_mask=mask, scale=scale
+        qf, kf, vf, 0.0, False, attn_mask=vis.mask, scale=scale
     )
     out = out.view(kvh, g, n, d).permute(2, 0, 1, 3).reshape(n, h, d)
     lse = lse.view(kvh, g, n).permute(2, 0, 1).reshape(n, h)
-    if visible is not None:
-        dead = ~visible.any(dim=1)
-        if bool(dead.any()):
-            lse[dead] = float("-inf")
-            out[dead] = 0
+    if vis.dead is not None:  # the kernel gives those rows LSE 0
+        lse[vis.dead] = float("-inf")
+        out[vis.dead] = 0
     return out, lse
 
 
@@ -70,9 +87,18 @@ def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
 class RingEntry:
     rows: slice  # this rank's rows of the entry in the local batch
     q_pos: torch.Tensor  # their positions
-    own_slots: torch.Tensor  # this rank's cache slots of every token it stores for the request (this chunk's too)
     k_pos: list[torch.Tensor]  # per CP rank: the positions it stores for the request
     new: list[int]  # per CP rank: how many of those are this chunk's (the last ones)
+    # per CP rank: the visibility of its earlier and of its new keys to this rank's queries (the first layer's)
+    seen: dict[int, tuple[Visibility, Visibility]] = field(default_factory=dict)
+
+    def visibility(self, src: int, group: int, dtype: torch.dtype) -> tuple[Visibility, Visibility]:
+        if src not in self.seen:
+            kpos = self.k_pos[src]
+            past = kpos.numel() - self.new[src]
+            self.seen[src] = (Visibility.of(self.q_pos, kpos[:past], group, dtype),
+                              Visibility.of(self.q_pos, kpos[past:], group, dtype))  # fmt: skip
+        return self.seen[src]
 
 
 @dataclass
@@ -90,6 +116,7 @@ class CPForward:
 
     group: CPGroup
     ring: list[RingEntry] = field(default_factory=list)
+    ring_slots: torch.Tensor | None = None  # this rank's slots of every ring entry's tokens, entry after entry
     travel: list[TravelEntry] = field(default_factory=list)
     travel_rows: int = 0  # queries in the group-wide buffer
     num_samples: int = 0  # sampling rows of the whole micro-batch
@@ -127,8 +154,9 @@ class CPForward:
 
     def _ring(self, q, k_cache, v_cache, scale: float, out: torch.Tensor) -> None:
         g, size = self.group, self.group.size
-        # This rank's K/V of every ring entry, one `[m, 2, KVH, D]` block: what it sends first.
-        held = torch.cat([torch.stack((k_cache[e.own_slots], v_cache[e.own_slots]), dim=1) for e in self.ring])
+        heads_per_kv = q.shape[1] // k_cache.shape[1]
+        # This rank's K and V of every ring entry: what it sends first.
+        held = [k_cache.index_select(0, self.ring_slots), v_cache.index_select(0, self.ring_slots)]
         parts: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in self.ring]
         for step in range(size):
             src = (g.rank - step) % size  # whose K/V this rank holds at this step
@@ -136,17 +164,17 @@ class CPForward:
             if step < size - 1:
                 incoming = (g.rank - step - 1) % size
                 m = sum(int(e.k_pos[incoming].numel()) for e in self.ring)
-                pending = g.exchange(held, (m, *held.shape[1:]))
+                pending = g.exchange(held, (m, *held[0].shape[1:]))
             at = 0
             for e, acc in zip(self.ring, parts, strict=True):
-                kpos = e.k_pos[src]
-                block = held[at : at + kpos.numel()]
-                at += kpos.numel()
-                past = kpos.numel() - e.new[src]  # earlier chunks' keys: all before every query here
-                qe = q[e.rows]
-                for sl in (slice(0, past), slice(past, kpos.numel())):
-                    if sl.stop > sl.start:
-                        acc.append(partial_attention(qe, block[sl, 0], block[sl, 1], e.q_pos, kpos[sl], scale))
+                m = e.k_pos[src].numel()
+                k, v, kpos = held[0][at : at + m], held[1][at : at + m], e.k_pos[src]
+                at += m
+                past = m - e.new[src]  # earlier chunks' keys come first, then this chunk's
+                for sl, vis in zip((slice(0, past), slice(past, m)), e.visibility(src, heads_per_kv, q.dtype),
+                                   strict=True):  # fmt: skip
+                    if not vis.none:
+                        acc.append(partial_attention(q[e.rows], k[sl], v[sl], e.q_pos, kpos[sl], scale, vis))
             if pending is not None:
                 held = pending()
         for e, acc in zip(self.ring, parts, strict=True):
@@ -169,7 +197,7 @@ def build_cp_batch(plan: BatchPlan, placement: CPPlacement, blocks: BlockTable, 
     r, size = group.rank, group.size
     cp = CPForward(group)
     ids: list[int] = []
-    positions, slot_parts, logit_rows = [], [], []
+    positions, slot_parts, logit_rows, ring_slots = [], [], [], []
     row = 0
     for e in plan.entries:
         n = len(e.token_ids)
@@ -183,8 +211,10 @@ def build_cp_batch(plan: BatchPlan, placement: CPPlacement, blocks: BlockTable, 
             slot_parts.append(blocks.slots(e.rid, have - k, have))
         own_slots = blocks.slots(e.rid, 0, have) if have else torch.empty(0, dtype=torch.long)
         if is_split(e.cp_counts):
-            cp.ring.append(RingEntry(slice(row, row + k), mine + e.start, own_slots.to(device),
-                                     [placement.positions(e.rid, j) for j in range(size)], list(e.cp_counts)))
+            cp.ring.append(RingEntry(slice(row, row + k), (mine + e.start).to(device),
+                                     [placement.positions(e.rid, j).to(device) for j in range(size)],
+                                     list(e.cp_counts)))  # fmt: skip
+            ring_slots.append(own_slots)
         else:
             cp.travel.append(TravelEntry(slice(cp.travel_rows, cp.travel_rows + n), slice(row, row + k) if k else None,
                                          torch.arange(e.start, e.start + n), own_slots.to(device),
@@ -197,6 +227,8 @@ def build_cp_batch(plan: BatchPlan, placement: CPPlacement, blocks: BlockTable, 
                 cp.sample_index.append(cp.num_samples)
             cp.num_samples += 1
         row += k
+    if ring_slots:
+        cp.ring_slots = torch.cat(ring_slots).to(device)
     batch = ForwardBatch(
         positions=torch.cat(positions).to(device) if positions else torch.empty(0, dtype=torch.long, device=device),
         logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=device),

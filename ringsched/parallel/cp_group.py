@@ -20,7 +20,6 @@ class CPGroup:
         self.rank, self.size, self.ranks, self.group, self.shm = rank, len(ranks), ranks, group, shm
         self.collectives = 0
         self.ring_bytes = 0  # K/V bytes this rank sent round the ring
-        self.wait_s = 0.0
 
     @property
     def leads(self) -> bool:
@@ -46,22 +45,23 @@ class CPGroup:
         self.collectives += 1
         return out
 
-    def exchange(self, send: torch.Tensor, recv_shape: tuple[int, ...]) -> Callable[[], torch.Tensor]:
-        """Post the ring step: `send` to the next rank, a tensor of `recv_shape` from the previous one. Returns a
-        function that waits for both and gives the received tensor (`send` stays referenced until then)."""
+    def exchange(self, send: list[torch.Tensor], recv_shape: tuple[int, ...]) -> Callable[[], list[torch.Tensor]]:
+        """Post the ring step: the tensors `send` to the next rank, as many tensors of `recv_shape` (and dtype) from
+        the previous one. Returns a function that waits for all and gives the received tensors (`send` stays
+        referenced until then)."""
         nxt, prev = self.ranks[(self.rank + 1) % self.size], self.ranks[(self.rank - 1) % self.size]
-        send = send.contiguous()
-        recv = send.new_empty(recv_shape)
-        works = [dist.isend(send, nxt, group=self.group), dist.irecv(recv, prev, group=self.group)]
-        self.ring_bytes += send.numel() * send.element_size()
+        send = [t.contiguous() for t in send]
+        recv = [t.new_empty(recv_shape) for t in send]
+        works = [dist.isend(t, nxt, group=self.group) for t in send]
+        works += [dist.irecv(t, prev, group=self.group) for t in recv]
+        self.ring_bytes += sum(t.numel() * t.element_size() for t in send)
 
-        def wait() -> torch.Tensor:
+        def wait() -> list[torch.Tensor]:
             for w in works:
                 w.wait()
-            del send_alive[:]
+            send.clear()
             return recv
 
-        send_alive = [send]
         return wait
 
     def stats(self) -> dict:
