@@ -77,5 +77,5 @@ def stage_kv_usage(llm: Engine, timeout: float = 10.0) -> dict[int, float]:
     while True:
         llm.poll(0.1)
         usage = {r: s["kv_usage"] for r, s in llm.supervisor.stats.items()}
-        if (len(usage) == llm.cfg.pp_size and all(u == 0 for u in usage.values())) or time.monotonic() > deadline:
+        if (len(usage) == llm.cfg.world_size and all(u == 0 for u in usage.values())) or time.monotonic() > deadline:
             return usage
