@@ -27,6 +27,9 @@ from ringsched.config import ConfigError, EngineConfig, parse_memory
         ({"nnodes": 2, "pp_size": 2}, "--dist-init-addr HEAD:PORT"),
         ({"stage_timeout": 0}, "--stage-timeout"),
         ({"heartbeat_timeout": 0.5}, "--heartbeat-timeout"),
+        ({"cp_size": 0}, "--cp-size must be >= 1"),
+        ({"cp_size": 2, "tp_size": 2}, "--cp-size 2 with --tp-size 2: a stage is either tensor-parallel or context"),
+        ({"cp_size": 2, "pp_size": 2, "pp_flex_layers": 2}, "--pp-flex-layers runs with --cp-size 1 only"),
     ],
 )
 def test_bad_flags_name_the_flag(kw, needle):
@@ -41,6 +44,9 @@ def test_derived_values():
     assert list(cfg.local_ranks) == [2, 3] and cfg.node_of(3) == 1
     assert EngineConfig(max_running_requests=1, pp_size=3).micro_batch_size == 1
     assert EngineConfig(pp_max_micro_batch_size=7).micro_batch_size == 7
+    cp = EngineConfig(pp_size=2, cp_size=2)
+    assert cp.world_size == 4 and cp.layout.rank_of(1, 0, 1) == 3
+    assert [cp.describe_rank(r) for r in (0, 3)] == ["rank 0 (stage 0, cp 0)", "rank 3 (stage 1, cp 1)"]
     with pytest.raises(ConfigError, match="sums to 31"):
         EngineConfig(pp_size=2, pp_layer_partition="16,15").partition(30)
     with pytest.raises(ConfigError, match="more stages than"):

@@ -23,27 +23,34 @@ def _ids(n: int, vocab: int, rng: random.Random) -> list[int]:
 
 
 def time_long_prompts(llm, length: int, repeat: int, vocab: int, rng: random.Random, output_len: int = 1) -> dict:
-    """TTFT of `repeat` single `length`-token prompts, one after another."""
+    """TTFT of `repeat` single `length`-token prompts, one after another; with `output_len > 1` also the time
+    per output token after the first (decodes at a context of `length` tokens)."""
     from ringsched.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    ttfts = []
+    ttfts, tpots = [], []
     for _ in range(repeat):
         time.sleep(0.3)  # the previous prompt's free reaches every stage
         start = time.perf_counter()
         rid = llm.submit(_ids(length, vocab, rng), params)
-        first = None
+        first = last = None
         while True:
-            outs = [o for o in llm.poll(0.05) if o.rid == rid]
+            outs = [o for o in llm.poll(0.01) if o.rid == rid]
             for o in outs:
                 if o.finish_reason == "error":
                     raise RuntimeError(f"the long prompt failed: {o.error}")
-                if first is None and o.token_ids:
-                    first = time.perf_counter() - start
+                if o.token_ids:
+                    last = time.perf_counter() - start
+                    first = last if first is None else first
             if any(o.finish_reason for o in outs):
                 break
         ttfts.append(first)
-    return {"long_prompt": length, "ttft_s": statistics.median(ttfts), "ttft_runs_s": ttfts}
+        if output_len > 1:
+            tpots.append((last - first) / (output_len - 1))
+    out = {"long_prompt": length, "ttft_s": statistics.median(ttfts), "ttft_runs_s": ttfts}
+    if tpots:
+        out |= {"tpot_s": statistics.median(tpots), "tpot_runs_s": tpots, "output_len": output_len}
+    return out
 
 
 def decodes_beside_a_long_prompt(llm, length: int, streams: int, input_len: int, vocab: int,
@@ -90,7 +97,8 @@ def decodes_beside_a_long_prompt(llm, length: int, streams: int, input_len: int,
 
 
 def print_long_prompt(r: dict, cfg) -> None:
-    head = (f"pp={cfg.pp_size} tp={cfg.tp_size} threads/rank={cfg.threads} chunk={cfg.chunked_prefill_size}"
+    head = (f"pp={cfg.pp_size} tp={cfg.tp_size} cp={cfg.cp_size} threads/rank={cfg.threads} "
+            f"chunk={cfg.chunked_prefill_size}"
             f"{' dynamic' if cfg.enable_dynamic_chunking else ''}: a {r['long_prompt']}-token prompt")  # fmt: skip
     if "decoding_streams" in r:
         print(f"{head} beside {r['decoding_streams']} decoding streams: TTFT {r['ttft_s']:.2f}s; their median TPOT "
@@ -99,3 +107,6 @@ def print_long_prompt(r: dict, cfg) -> None:
     else:
         runs = ", ".join(f"{t:.2f}" for t in r["ttft_runs_s"])
         print(f"{head}: TTFT {r['ttft_s']:.2f}s (median of {len(r['ttft_runs_s'])}: {runs})")
+        if "tpot_s" in r:
+            runs = ", ".join(f"{t * 1e3:.1f}" for t in r["tpot_runs_s"])
+            print(f"  then {r['output_len']} tokens at that context: TPOT {r['tpot_s'] * 1e3:.1f} ms ({runs})")

@@ -36,6 +36,9 @@ def add_offline_args(p: argparse.ArgumentParser) -> None:
                    help="after the run, time a plain matmul of the model's shapes to compare FLOP/s (~3 s)")
     p.add_argument("--long-prompt", type=int, default=None, metavar="N",
                    help="instead: time the first token of one N-token prompt (--repeat times, one at a time)")
+    p.add_argument("--long-output", type=int, default=1, metavar="M",
+                   help="with --long-prompt: generate M tokens after it and report their TPOT (decodes at that "
+                        "context)")
     p.add_argument("--decoding-streams", type=int, default=0, metavar="K",
                    help="with --long-prompt: K streams of --input-len tokens decode first; report their TPOT "
                         "before and while the long prompt prefills")
@@ -182,8 +185,9 @@ def _run_long_prompt(args, cfg, mcfg, rng: random.Random) -> dict:
                 llm, args.long_prompt, args.decoding_streams, args.input_len, mcfg.vocab_size, rng
             )
         else:
-            result = long_prompt.time_long_prompts(llm, args.long_prompt, args.repeat, mcfg.vocab_size, rng)
-    result |= {"pp_size": cfg.pp_size, "tp_size": cfg.tp_size, "threads_per_stage": cfg.threads,
+            result = long_prompt.time_long_prompts(llm, args.long_prompt, args.repeat, mcfg.vocab_size, rng,
+                                                   output_len=max(args.long_output, 1))  # fmt: skip
+    result |= {"pp_size": cfg.pp_size, "tp_size": cfg.tp_size, "cp_size": cfg.cp_size, "threads_per_stage": cfg.threads,
                "chunked_prefill_size": cfg.chunked_prefill_size, "dynamic_chunking": cfg.enable_dynamic_chunking,
                "dtype": cfg.dtype}  # fmt: skip
     long_prompt.print_long_prompt(result, cfg)

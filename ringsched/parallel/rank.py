@@ -48,7 +48,7 @@ class StageInfo:
 @dataclass(frozen=True)
 class Layout:
     """How the ranks are arranged: `pp_size` stages, each a group of `tp_size x cp_size` ranks (tensor and
-    context parallel inside a stage), over `nnodes` nodes. `cp_size` is 1 today."""
+    context parallel inside a stage), over `nnodes` nodes."""
 
     pp_size: int
     tp_size: int = 1

@@ -1,0 +1,113 @@
+"""Context parallelism end to end (real stage processes, ZMQ, gloo, shared-memory collectives, SmolLM2): CP=2 and
+CP=2 x PP=2 give CP=1's and transformers' greedy tokens on short and long prompts (split chunks by ring attention,
+short ones and decodes by travelling queries), each CP rank computing its half of the tokens and every rank
+freeing its KV; a request larger than one rank's pool is served at CP=2 and refused at CP=1; an abort while a
+long prompt's chunks are in flight frees the KV on all four ranks of CP=2 x PP=2."""
+
+import random
+import time
+
+import pytest
+import torch
+from ring_utils import stage_kv_usage
+from test_model_reference import hf_greedy, prompt_ids
+
+from ringsched.engine import Engine
+from ringsched.kv_cache import kv_bytes_per_token
+from ringsched.models.config import ModelConfig
+from ringsched.parallel.cp_blocks import request_capacity
+from ringsched.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+KW = dict(kv_cache_memory="128M", log_level="warning", chunked_prefill_size=256, threads_per_stage=1)
+
+
+def _random_prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000, 49152) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def cases(hf_smol):
+    """Prompts of 3 (one rank), a chat turn, 100 and 1,100 tokens (five chunks of 256: the ring with earlier
+    chunks' KV), and transformers' greedy continuations."""
+    hf, tok = hf_smol
+    prompts = [prompt_ids(tok, 0)[:3], prompt_ids(tok, 4), _random_prompt(100, 1), _random_prompt(1100, 2)]
+    with torch.no_grad():
+        return prompts, [hf_greedy(hf, ids, GREEDY.max_tokens) for ids in prompts]
+
+
+def _run(prompts, **kw) -> tuple[list[list[int]], dict, dict]:
+    with Engine(**{**KW, **kw}) as llm:
+        outs = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+        usage = stage_kv_usage(llm)
+        stats = {r: dict(s) for r, s in llm.supervisor.stats.items()}
+    return outs, usage, stats
+
+
+@pytest.fixture(scope="module")
+def cp1(cases):
+    return _run(cases[0])[0]
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_cp2_matches_cp1_and_transformers(cases, cp1, pp):
+    prompts, want = cases
+    outs, usage, stats = _run(prompts, cp_size=2, pp_size=pp)
+    assert outs == want
+    assert outs == cp1
+    assert len(usage) == 2 * pp and set(usage.values()) == {0.0}, f"KV not freed on every rank: {usage}"
+    # Each stage computed every token once, split between its two CP ranks about evenly.
+    computed = sum(len(p) for p in prompts) + len(prompts) * (GREEDY.max_tokens - 1)
+    for stage in range(pp):
+        ranks = [s for s in stats.values() if s["stage"] == stage]
+        assert sorted(s["cp"] for s in ranks) == [0, 1]
+        assert sum(s["tokens"] for s in ranks) == computed
+        assert all(0.4 < s["tokens"] / computed < 0.6 for s in ranks), [s["tokens"] for s in ranks]
+        assert all(s["cp_ring_bytes"] > 0 for s in ranks)
+
+
+def test_a_request_larger_than_one_ranks_pool(smollm2_dir, hf_smol):
+    """A pool of ~1,100 tokens per rank: a 1,500-token prompt is refused at CP=1 and served at CP=2."""
+    mcfg = ModelConfig.from_dir(smollm2_dir)
+    per_token = kv_bytes_per_token(mcfg, mcfg.num_layers, torch.float32)
+    kw = {**KW, "kv_cache_memory": str(1100 * per_token), "max_model_len": 4096}
+    prompt = _random_prompt(1500, 3)
+    with Engine(**kw) as llm:
+        out = llm.generate([prompt], GREEDY)[0]
+        rank_tokens = llm.supervisor.info[0]["kv_tokens"]
+    assert rank_tokens < len(prompt) + GREEDY.max_tokens
+    assert out.finish_reason == "error" and "--cp-size" in out.error, out
+    with Engine(cp_size=2, **kw) as llm:
+        out = llm.generate([prompt], GREEDY)[0]
+        info = dict(llm.supervisor.info)
+        usage = stage_kv_usage(llm)
+    assert out.finish_reason == "length", out
+    assert all(i["kv_tokens"] == rank_tokens for i in info.values())
+    assert all(i["request_kv_tokens"] == request_capacity(rank_tokens, 2) for i in info.values())
+    with torch.no_grad():
+        assert out.token_ids == hf_greedy(hf_smol[0], prompt, GREEDY.max_tokens)
+    assert set(usage.values()) == {0.0}
+
+
+def test_abort_with_chunks_in_flight_frees_every_cp_rank():
+    long = _random_prompt(2000, 7)
+    after = _random_prompt(40, 8)
+    with Engine(cp_size=2, pp_size=2, pp_async_batch_depth=1, **{**KW, "chunked_prefill_size": 32}) as llm:
+        expected = llm.generate([after], GREEDY)[0].token_ids
+        rid = llm.submit(long, GREEDY)
+        deadline = time.monotonic() + 60
+        while llm.last_stats.get("request_in_flight_max", 0) < 2:  # its chunks are in the ring
+            assert time.monotonic() < deadline, f"the prompt's chunks never filled the ring: {llm.last_stats}"
+            assert not [o for o in llm.poll(0.05) if o.rid == rid], "the long prompt finished before the abort"
+        llm.abort(rid)
+        ends = []
+        while not ends:
+            assert time.monotonic() < deadline, "no answer to the abort"
+            ends = [o for o in llm.poll(0.1) if o.rid == rid and o.finish_reason]
+        assert ends[0].finish_reason == "abort" and ends[0].completion_tokens == 0
+        usage = stage_kv_usage(llm)
+        assert usage == dict.fromkeys(range(4), 0.0), f"KV not freed on every rank: {usage}"
+        assert llm.generate([after], GREEDY)[0].token_ids == expected
