@@ -319,6 +319,21 @@ def test_print_launch_refuses_a_tensor_parallel_group_wider_than_a_node(capsys):
     assert "TP=16 is wider than a node's 8 GPUs" in capsys.readouterr().err
 
 
+def test_print_launch_runs_context_parallel_stages_and_refuses_them_with_tp(capsys):
+    base = ["--model", "llama-3-8b", "--gpu", "h100-sxm-80gb", "--gpus", "4", "--gpus-per-node", "2", "--print-launch"]
+    assert main([*base, "--tp", "1", "--pp", "2", "--cp", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    cmds = [ln for ln in lines if ln.startswith("python -m ringsched.launch")]
+    assert len(cmds) == 2 and all("--tp-size 1 --pp-size 2 --cp-size 2" in c for c in cmds)
+    assert "# node 1: stage 1, 2 GPUs" in lines
+    from ringsched.launch import build_parser
+
+    args = build_parser().parse_args(cmds[0].split()[3:])
+    assert (args.cp_size, args.pp_size, args.nnodes) == (2, 2, 2)
+    assert main([*base, "--tp", "2", "--pp", "1", "--cp", "2"]) == 2
+    assert "either tensor- or context-parallel" in capsys.readouterr().err
+
+
 def test_context_parallelism_splits_each_sequences_kv_over_a_stages_ranks(cluster):
     """CP=2: each stage's weights on both of its CP ranks, each rank storing half of every sequence's tokens, so
     a stage holds twice what one of its GPUs does. A 2M-token sequence that TP=8 on one node cannot hold fits at
@@ -351,4 +366,4 @@ def test_cp_in_the_report_and_the_cli(capsys):
     assert main([*base, "--cp", "3"]) == 2
     assert "--cp 3 does not divide --gpus 16" in capsys.readouterr().err
     assert main([*base, "--cp", "2", "--tp", "8", "--pp", "1", "--print-launch"]) == 2
-    assert "context parallelism is not served yet" in capsys.readouterr().err
+    assert "either tensor- or context-parallel" in capsys.readouterr().err

@@ -1,8 +1,9 @@
 """`python -m ringsched.plan ... --print-launch`: the `ringsched.launch` command for each node of a layout.
 
 Contract: `launch_commands(row, model, gpus_per_node, ...)` returns the lines to print (one comment and one
-command per node), or raises `CapacityError` when ringsched cannot run the layout as planned: a tensor-parallel
-group wider than a node (its all-reduces stay inside one), or stages that do not split evenly over the nodes.
+command per node), or raises `CapacityError` when ringsched cannot run the layout as planned: a stage's
+tensor- or context-parallel group wider than a node (its collectives stay inside one), tensor and context
+parallelism in one stage, or stages that do not split evenly over the nodes.
 """
 
 from __future__ import annotations
@@ -16,17 +17,19 @@ from ringsched.parallel.partition import default_partition
 
 def launch_commands(row: LayoutRow, model: str, gpus_per_node: int, dtype_bytes: int, max_model_len: int,
                     head_addr: str = "$HEAD_ADDR:29500") -> list[str]:  # fmt: skip
-    if row.cp > 1:
+    if row.cp > 1 and row.tp > 1:
         raise CapacityError(
-            f"--print-launch: the engine runs TP x PP layouts; TP={row.tp} x PP={row.pp} x CP={row.cp} is planned "
-            "only (context parallelism is not served yet): plan with --cp 1 for a command to run"
+            f"--print-launch: TP={row.tp} x PP={row.pp} x CP={row.cp} is planned only: the engine runs a stage either "
+            "tensor- or context-parallel for now; plan with --tp 1 or --cp 1 for a command to run"
         )
-    world = row.tp * row.pp
+    stage = row.tp * row.cp  # ranks per stage, on one node
+    world = stage * row.pp
     nnodes = max(1, -(-world // gpus_per_node))
-    if row.tp > gpus_per_node:
+    if stage > gpus_per_node:
+        what = "tensor-parallel" if row.cp == 1 else "context-parallel"
         raise CapacityError(
-            f"TP={row.tp} is wider than a node's {gpus_per_node} GPUs: ringsched keeps a stage's tensor-parallel "
-            "ranks on one node; plan with --tp at most --gpus-per-node"
+            f"{'TP' if row.cp == 1 else 'CP'}={stage} is wider than a node's {gpus_per_node} GPUs: ringsched keeps a "
+            f"stage's {what} ranks on one node; plan with --{'tp' if row.cp == 1 else 'cp'} at most --gpus-per-node"
         )
     if row.pp % nnodes or world % nnodes:
         raise CapacityError(
@@ -34,6 +37,8 @@ def launch_commands(row: LayoutRow, model: str, gpus_per_node: int, dtype_bytes:
             f"that is a multiple of {nnodes}"
         )
     flags = ["--model", model, "--tp-size", str(row.tp), "--pp-size", str(row.pp)]
+    if row.cp > 1:
+        flags += ["--cp-size", str(row.cp)]
     if dtype_bytes == 2:
         flags += ["--dtype", "bfloat16"]
     if list(row.partition) != default_partition(sum(row.partition), row.pp):
@@ -46,7 +51,7 @@ def launch_commands(row: LayoutRow, model: str, gpus_per_node: int, dtype_bytes:
     per = row.pp // nnodes
     for node in range(nnodes):
         stages = f"stages {node * per}-{(node + 1) * per - 1}" if per > 1 else f"stage {node * per}"
-        what = f"{stages}, {per * row.tp} GPUs" + (" and the OpenAI API" if node == 0 else "")
+        what = f"{stages}, {per * stage} GPUs" + (" and the OpenAI API" if node == 0 else "")
         lines.append(f"# node {node}: {what}")
         lines.append(f"{base} --nnodes {nnodes} --node-rank {node} --dist-init-addr {head_addr}")
     return lines
