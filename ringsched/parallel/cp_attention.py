@@ -50,9 +50,10 @@ class Visibility:
         if int(k_pos.max()) <= int(q_pos.min()):
             return cls()
         visible = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)  # [n, m]
-        mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf")).repeat(group, 1)
+        mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+        mask = mask.masked_fill_(~visible, float("-inf")).repeat(group, 1)
         dead = ~visible.any(dim=1)
-        return cls(mask=mask.to(q_pos.device), dead=dead if bool(dead.any()) else None)
+        return cls(mask=mask, dead=dead if bool(dead.any()) else None)
 
 
 def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
@@ -217,8 +218,8 @@ def build_cp_batch(plan: BatchPlan, placement: CPPlacement, blocks: BlockTable, 
             ring_slots.append(own_slots)
         else:
             cp.travel.append(TravelEntry(slice(cp.travel_rows, cp.travel_rows + n), slice(row, row + k) if k else None,
-                                         torch.arange(e.start, e.start + n), own_slots.to(device),
-                                         placement.positions(e.rid, r)))  # fmt: skip
+                                         torch.arange(e.start, e.start + n, device=device), own_slots.to(device),
+                                         placement.positions(e.rid, r).to(device)))  # fmt: skip
             cp.travel_rows += n
         if e.samples:
             last = next(j for j, p in enumerate(pieces) if p.numel() and int(p[-1]) == n - 1)
