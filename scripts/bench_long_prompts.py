@@ -98,7 +98,7 @@ def main() -> int:
             ax.plot(lengths, [med[i][n] for n in lengths], marker="o", label=label(c))
         ax.set_xlabel("prompt tokens")
         ax.set_ylabel(f"TTFT, s (median of {args.rounds})")
-        ax.set_title("One long prompt, SmolLM2, 1 thread per stage")
+        ax.set_title("One long prompt, SmolLM2, 1 thread per rank")
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from ringsched.comm.messages import BatchPlan, PlanEntry
 from ringsched.kv_cache import BlockTable
+from ringsched.models import native
 from ringsched.parallel.cp import attend_block
 from ringsched.parallel.cp_attention import Visibility, build_cp_batch, partial_attention
 from ringsched.parallel.cp_blocks import CPBlocks, CPPlacement
@@ -64,7 +65,7 @@ def plans(size: int) -> list[BatchPlan]:
     return out
 
 
-def _rank_main(rank: int, size: int, port: int, results) -> None:
+def _rank_main(rank: int, size: int, port: int, use_kernel: bool, results) -> None:
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, size, is_master=rank == 0, timeout=datetime.timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
@@ -78,7 +79,7 @@ def _rank_main(rank: int, size: int, port: int, results) -> None:
             for e in plan.entries:
                 table.assign(e.rid, e.cp_blocks[rank])
             placement.apply(plan)
-            batch, ids = build_cp_batch(plan, placement, table, group, torch.device("cpu"))
+            batch, ids = build_cp_batch(plan, placement, table, group, torch.device("cpu"), use_kernel)
             rows = []  # the request of each of this rank's rows (the plan's token ids are the positions here)
             for e in plan.entries:
                 rows += [e.rid] * int(e.cp_counts[rank])
@@ -94,13 +95,16 @@ def _rank_main(rank: int, size: int, port: int, results) -> None:
 
 
 @pytest.mark.slow  # spawned processes: ~8 s each
-@pytest.mark.parametrize("size", [2, 3])
-def test_split_kv_attention_across_gloo_processes_equals_causal_attention(size):
+@pytest.mark.parametrize(("size", "use_kernel"), [(2, True), (3, False)])
+def test_split_kv_attention_across_gloo_processes_equals_causal_attention(size, use_kernel):
+    """Decodes through the CPU decode kernel (each rank's share read in place) or by partial attention."""
+    if use_kernel and not native.usable_for(torch.float32, "cpu"):
+        pytest.skip("no C compiler: the kernel is not built (the torch path runs with size 3)")
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         results = manager.dict()
-        mp.start_processes(_rank_main, args=(size, _free_port(), results), nprocs=size, start_method="spawn",
-                           join=True)  # fmt: skip
+        mp.start_processes(_rank_main, args=(size, _free_port(), use_kernel, results), nprocs=size,
+                           start_method="spawn", join=True)  # fmt: skip
         got = dict(results)
     assert sorted(got) == list(range(size))
     want = {rid: reference(rid, n) for rid, n in TOTAL.items()}

@@ -78,6 +78,26 @@ def test_native_decode_matches_contiguous_attention(threads, heads, kv_heads, di
 
 
 @pytest.mark.skipif(not HAS_CC, reason="no C compiler")
+def test_native_decode_gives_each_rows_log_sum_exp():
+    """Context parallelism merges a rank's partial attention by its LSE: logsumexp of the row's scaled scores."""
+    torch.manual_seed(2)
+    heads, kv_heads, dim, bs = 6, 2, 8, 4
+    lengths = {"a": 13, "b": 1, "c": 30}
+    blocks = _scattered(lengths, bs, 64)
+    k_cache, v_cache = (torch.randn(64 * bs, kv_heads, dim) for _ in range(2))
+    tables, _ = blocks.padded_blocks(list(lengths), list(lengths.values()))
+    nd = native.NativeDecode(torch.arange(3), tables.contiguous(), torch.tensor(list(lengths.values())), bs, 30)
+    q = torch.randn(3, heads, dim)
+    lse = torch.empty(3, heads)
+    out = native.paged_decode(q, k_cache, v_cache, nd, dim**-0.5, lse)
+    torch.testing.assert_close(out, _reference(q, k_cache, v_cache, blocks, lengths, dim**-0.5), rtol=1e-5, atol=1e-5)
+    for row, (rid, n) in enumerate(lengths.items()):
+        keys = k_cache[blocks.slots(rid, 0, n)].repeat_interleave(heads // kv_heads, dim=1)  # [n, H, D]
+        want = torch.logsumexp(torch.einsum("hd,nhd->hn", q[row], keys) * dim**-0.5, dim=-1)
+        torch.testing.assert_close(lse[row], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler")
 def test_mixed_batch_prefill_rows_untouched_by_the_kernel():
     # A prefill chunk and decodes in one batch: the kernel fills the decode rows, SDPA the chunk's.
     torch.manual_seed(1)

@@ -66,11 +66,13 @@ def usable_for(dtype: torch.dtype, device: torch.device | str) -> bool:
 
 
 def paged_decode(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, d: NativeDecode, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, d: NativeDecode, scale: float,
+    lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`q` [b, H, D] (the decode rows, rotary applied); caches [slots, KVH, D], both float32 or both bfloat16.
     Returns [b, H, D] in `q`'s dtype. The kernel works in float32: a bfloat16 `q` is widened (a few KiB per
-    layer) and the result rounded back to bfloat16."""
+    layer) and the result rounded back to bfloat16. `lse`, a contiguous float32 `[b, H]`, receives each row's
+    log-sum-exp of its scaled scores (what context parallelism merges partial attentions by)."""
     lib = _library()
     assert lib is not None, "paged_decode called although usable_for() said no"
     if k_cache.dtype not in KV_DTYPES or v_cache.dtype != k_cache.dtype:
@@ -84,6 +86,7 @@ def paged_decode(
         qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), d.tables.data_ptr(), d.lens.data_ptr(),
         b, heads, k_cache.shape[1], dim, d.block_size, d.tables.shape[1], d.max_len,
         scale, out.data_ptr(), torch.get_num_threads(), int(k_cache.dtype == torch.bfloat16),
+        None if lse is None else lse.data_ptr(),
     )  # fmt: skip
     if rc != 0:
         raise MemoryError("paged_decode: a worker thread could not allocate its score buffer")
@@ -106,7 +109,7 @@ def _load() -> ctypes.CDLL | None:
         logger.warning("decode attention: native kernel unavailable (%s); using the torch path", e)
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.paged_decode.argtypes = [ptr] * 5 + [i64] * 7 + [ctypes.c_float, ptr, i64, i64]
+    lib.paged_decode.argtypes = [ptr] * 5 + [i64] * 7 + [ctypes.c_float, ptr, i64, i64, ptr]
     lib.paged_decode.restype = ctypes.c_int
     logger.info("decode attention: native CPU kernel %s", path.name)
     return lib

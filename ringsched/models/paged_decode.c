@@ -25,6 +25,7 @@ typedef struct {
   int64_t H, KVH, D, bs, nblk, max_len;
   float scale;
   float *out; /* [b, H, D] */
+  float *lse; /* [b, H] each row's log-sum-exp of its scaled scores, or NULL (context parallelism merges by it) */
   int64_t r0, r1;
   int kv_bf16;
   int ok;
@@ -65,7 +66,7 @@ static inline float f32_of_bf16(uint16_t x) {
         sc[h * len + t] = s * j->scale;                                                                        \
       }                                                                                                        \
     }                                                                                                          \
-    softmax_rows(sc, H, len);                                                                                  \
+    softmax_rows(sc, H, len, j->lse ? j->lse + r * H : NULL);                                                  \
     for (int64_t i = 0; i < H * D; i++) o[i] = 0.f;                                                            \
     for (int64_t t = 0; t < len; t++) {                                                                        \
       if (t + PREFETCH_AHEAD < len) prefetch_row(vc, slot_of(tab, bs, t + PREFETCH_AHEAD), w * sizeof(KT));    \
@@ -79,7 +80,7 @@ static inline float f32_of_bf16(uint16_t x) {
     }                                                                                                          \
   }
 
-static void softmax_rows(float *sc, int64_t H, int64_t len) {
+static void softmax_rows(float *sc, int64_t H, int64_t len, float *lse) {
   for (int64_t h = 0; h < H; h++) {
     float *s = sc + h * len, m = s[0], sum = 0.f; /* no -inf anywhere: fast-math assumes finite values */
     for (int64_t t = 1; t < len; t++) m = s[t] > m ? s[t] : m;
@@ -89,6 +90,7 @@ static void softmax_rows(float *sc, int64_t H, int64_t len) {
       sum += s[t];
     }
     const float inv = 1.f / sum;
+    if (lse) lse[h] = m + logf(sum);
 #pragma omp simd
     for (int64_t t = 0; t < len; t++) s[t] *= inv;
   }
@@ -110,7 +112,7 @@ static void *run_job(void *arg) {
 /* Returns 0 on success, -1 if a worker could not get its scratch memory. */
 int paged_decode(const float *q, const void *kc, const void *vc, const int64_t *tables, const int64_t *lens,
                  int64_t b, int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t nblk, int64_t max_len,
-                 float scale, float *out, int64_t nthreads, int64_t kv_bf16) {
+                 float scale, float *out, int64_t nthreads, int64_t kv_bf16, float *lse) {
   if (b <= 0) return 0;
   if (nthreads > b) nthreads = b;
   if (nthreads > MAX_THREADS) nthreads = MAX_THREADS;
@@ -121,7 +123,8 @@ int paged_decode(const float *q, const void *kc, const void *vc, const int64_t *
   const int64_t per = (b + nthreads - 1) / nthreads;
   for (int64_t i = 0; i < nthreads; i++) {
     const int64_t r0 = i * per, r1 = (i + 1) * per < b ? (i + 1) * per : b;
-    const job_t j = {q, kc, vc, tables, lens, H, KVH, D, bs, nblk, max_len, scale, out, r0, r1, (int)kv_bf16, 0};
+    const job_t j = {q, kc, vc, tables, lens, H, KVH, D, bs, nblk, max_len, scale, out, lse, r0, r1, (int)kv_bf16,
+                     0};
     jobs[i] = j;
   }
   for (int64_t i = 1; i < nthreads; i++) started[i] = pthread_create(&threads[i], NULL, run_job, &jobs[i]) == 0;

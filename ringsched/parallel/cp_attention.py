@@ -27,7 +27,9 @@ import torch
 
 from ringsched.comm.messages import BatchPlan
 from ringsched.kv_cache import BlockTable
+from ringsched.models import native
 from ringsched.models.attention import ForwardBatch
+from ringsched.models.native import NativeDecode
 from ringsched.parallel.cp import attend_block, merge_all, zigzag_pieces
 from ringsched.parallel.cp_blocks import CPPlacement, is_split
 from ringsched.parallel.cp_group import CPGroup
@@ -109,6 +111,7 @@ class TravelEntry:
     q_pos: torch.Tensor
     own_slots: torch.Tensor  # this rank's slots of the request's tokens (maybe none)
     own_pos: torch.Tensor
+    by_kernel: bool = False  # a decode attended by the CPU decode kernel (`CPForward.decodes`), in place
 
 
 @dataclass
@@ -120,6 +123,7 @@ class CPForward:
     ring_slots: torch.Tensor | None = None  # this rank's slots of every ring entry's tokens, entry after entry
     travel: list[TravelEntry] = field(default_factory=list)
     travel_rows: int = 0  # queries in the group-wide buffer
+    decodes: NativeDecode | None = None  # the decodes this rank holds KV of, for the CPU kernel (rows: buffer rows)
     num_samples: int = 0  # sampling rows of the whole micro-batch
     sample_index: list[int] = field(default_factory=list)  # each local sampling row's index among them
 
@@ -142,9 +146,16 @@ class CPForward:
             if e.local is not None:
                 everyone[e.glob] = q[e.local]
         self.group.all_reduce(everyone)  # one rank's rows each, the rest zeros: the sum is exact
-        o = torch.empty_like(everyone)
-        lse = torch.empty(everyone.shape[:2], dtype=torch.float32, device=q.device)
+        o = torch.zeros_like(everyone)  # rows this rank holds no key of: output 0, LSE -inf
+        lse = torch.full(everyone.shape[:2], float("-inf"), device=q.device)
+        if self.decodes is not None:  # read in place, each request's own blocks (no gathered copy)
+            nd = self.decodes
+            part = torch.empty(nd.rows.numel(), everyone.shape[1], dtype=torch.float32)
+            o[nd.rows] = native.paged_decode(everyone.index_select(0, nd.rows), k_cache, v_cache, nd, scale, part)
+            lse[nd.rows] = part
         for e in self.travel:
+            if e.by_kernel:
+                continue
             o[e.glob], lse[e.glob] = partial_attention(everyone[e.glob], k_cache[e.own_slots], v_cache[e.own_slots],
                                                        e.q_pos, e.own_pos, scale)  # fmt: skip
         outs, lses = self.group.all_gather(o), self.group.all_gather(lse)
@@ -192,13 +203,14 @@ class CPForward:
 
 
 def build_cp_batch(plan: BatchPlan, placement: CPPlacement, blocks: BlockTable, group: CPGroup,
-                   device: torch.device) -> tuple[ForwardBatch, torch.Tensor]:  # fmt: skip
+                   device: torch.device, use_kernel: bool = False) -> tuple[ForwardBatch, torch.Tensor]:  # fmt: skip
     """This rank's `ForwardBatch` (its rows only; `cp` set) and input ids for `plan`, the placement already
-    applied."""
+    applied. `use_kernel`: decodes attend through the CPU decode kernel (`models/native.py`)."""
     r, size = group.rank, group.size
     cp = CPForward(group)
     ids: list[int] = []
     positions, slot_parts, logit_rows, ring_slots = [], [], [], []
+    kernel_rows: list[tuple[int, str, int]] = []  # (buffer row, request, tokens this rank holds) per decode
     row = 0
     for e in plan.entries:
         n = len(e.token_ids)
@@ -217,9 +229,12 @@ def build_cp_batch(plan: BatchPlan, placement: CPPlacement, blocks: BlockTable, 
                                      list(e.cp_counts)))  # fmt: skip
             ring_slots.append(own_slots)
         else:
+            by_kernel = use_kernel and n == 1  # (every key a rank holds of a decoding request is visible to it)
             cp.travel.append(TravelEntry(slice(cp.travel_rows, cp.travel_rows + n), slice(row, row + k) if k else None,
                                          torch.arange(e.start, e.start + n, device=device), own_slots.to(device),
-                                         placement.positions(e.rid, r).to(device)))  # fmt: skip
+                                         placement.positions(e.rid, r).to(device), by_kernel))  # fmt: skip
+            if by_kernel and have:
+                kernel_rows.append((cp.travel_rows, e.rid, have))
             cp.travel_rows += n
         if e.samples:
             last = next(j for j, p in enumerate(pieces) if p.numel() and int(p[-1]) == n - 1)
@@ -230,6 +245,11 @@ def build_cp_batch(plan: BatchPlan, placement: CPPlacement, blocks: BlockTable, 
         row += k
     if ring_slots:
         cp.ring_slots = torch.cat(ring_slots).to(device)
+    if kernel_rows:
+        rows, rids, lens = zip(*kernel_rows, strict=True)
+        tables, _ = blocks.padded_blocks(list(rids), list(lens))
+        cp.decodes = NativeDecode(torch.tensor(rows), tables.contiguous(), torch.tensor(lens), blocks.block_size,
+                                  max(lens))  # fmt: skip
     batch = ForwardBatch(
         positions=torch.cat(positions).to(device) if positions else torch.empty(0, dtype=torch.long, device=device),
         logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=device),

@@ -201,7 +201,8 @@ class StageLoop:
             return self.head.empty()
         with self.times.measure("compute") as took:
             if self.cp is not None:  # this rank's rows only
-                batch, ids = build_cp_batch(plan, self.placement, self.blocks, self.cp, self.device)
+                batch, ids = build_cp_batch(plan, self.placement, self.blocks, self.cp, self.device,
+                                            self.use_native_decode)  # fmt: skip
             else:
                 batch, ids = build_forward_batch(plan, self.blocks, self.device, self.use_native_decode)
             self.cut.before_layers(plan, proxy, batch.slot_mapping)
