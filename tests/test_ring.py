@@ -60,6 +60,21 @@ def test_identical_across_pp_and_depth(reference, pp, depth):
     assert not mismatched, f"requests {mismatched} differ from PP=1 at pp={pp} depth={depth}"
 
 
+def test_context_parallel_ranks_give_the_same_tokens_through_preemption(reference):
+    """`--cp-size 2` with a pool of 448 tokens per rank (the longest request, 800 tokens, fits only spread over
+    both): greedy and seeded requests give PP=1's tokens while preemption recomputes requests, and every rank
+    frees its KV."""
+    kw = {**ENGINE_KW, "kv_cache_memory": str(448 * 30 * 1536)}
+    with Engine(cp_size=2, **kw) as llm:
+        outs = run_staggered(llm, workload())
+        stats = llm.wait_idle()
+        usage = stage_kv_usage(llm)
+    assert stats["preemptions"] > 0, "the pool was big enough: the test did not exercise preemption"
+    assert usage == {0: 0.0, 1: 0.0}, f"KV not freed on every rank: {usage}"
+    mismatched = [i for i, (a, b) in enumerate(zip(outs, reference, strict=True)) if a != b]
+    assert not mismatched, f"requests {mismatched} differ from PP=1 at CP=2"
+
+
 def test_flexible_cut_gives_the_same_tokens(reference):
     """`--pp-flex-layers`: every micro-batch cut somewhere else (cycle), the shared layers' K/V mirrored both
     ways; the tokens are PP=1's and the KV is freed on both stages (checked in `run`)."""

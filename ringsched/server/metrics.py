@@ -111,8 +111,8 @@ class ServerMetrics:
             self.seam_bytes.labels(**where).set(s.get("seam_bytes_sent", 0) / max(s.get("seam_tokens_sent", 0), 1))
             self.tp_reduces.labels(**where).set(s.get("tp_all_reduces", 0) / max(s.get("batches", 0), 1))
             self.tp_reduce_bytes.labels(**where).set(s.get("tp_all_reduce_bytes", 0) / max(s.get("tokens", 0), 1))
-            if s.get("tp", 0):
-                continue  # a stage's figures: its first rank's (its ranks share the plan, the pool and the pace)
+            if s.get("tp", 0) or s.get("cp", 0):
+                continue  # a stage's figures: its first rank's (its ranks share the plan and the pace)
             stage = where["stage"]
             self.kv_usage.labels(stage=stage).set(s.get("kv_usage", 0.0))
             self.busy.labels(stage=stage).set(s.get("busy_fraction", 0.0))
@@ -136,7 +136,7 @@ async def log_throughput(client: EngineClient, period: float = 5.0) -> None:
         prefill_now, gen_now = client.sched_stats.get("prefill_tokens", 0), client.counters.generation_tokens
         running, waiting = client.sched_stats.get("running", 0), client.num_waiting()
         if gen_now > gen or prefill_now > prefill or running or waiting:
-            stages = [s for _, s in sorted(client.stage_stats().items()) if not s.get("tp", 0)]
+            stages = [s for _, s in sorted(client.stage_stats().items()) if not (s.get("tp", 0) or s.get("cp", 0))]
             kv = ", ".join(f"{s.get('kv_usage', 0.0):.1%}" for s in stages)
             logger.info(
                 "running %d, waiting %d, prompt %.1f tok/s, generation %.1f tok/s, KV usage per stage %s",
