@@ -65,13 +65,16 @@ def test_context_parallel_ranks_give_the_same_tokens_through_preemption(referenc
     both): greedy and seeded requests give PP=1's tokens while preemption recomputes requests, and every rank
     frees its KV."""
     kw = {**ENGINE_KW, "kv_cache_memory": str(448 * 30 * 1536)}
+    # A request's tokens do not depend on its companions: a third of the greedy requests and every seeded one.
+    picked = list(range(0, 48, 3)) + list(range(48, 56))
+    work = workload()
     with Engine(cp_size=2, **kw) as llm:
-        outs = run_staggered(llm, workload())
+        outs = run_staggered(llm, [work[i] for i in picked], gap=0.0)
         stats = llm.wait_idle()
         usage = stage_kv_usage(llm)
     assert stats["preemptions"] > 0, "the pool was big enough: the test did not exercise preemption"
     assert usage == {0: 0.0, 1: 0.0}, f"KV not freed on every rank: {usage}"
-    mismatched = [i for i, (a, b) in enumerate(zip(outs, reference, strict=True)) if a != b]
+    mismatched = [i for i, out in zip(picked, outs, strict=True) if out != reference[i]]
     assert not mismatched, f"requests {mismatched} differ from PP=1 at CP=2"
 
 
