@@ -65,61 +65,69 @@ def plans(size: int) -> list[BatchPlan]:
     return out
 
 
-def _rank_main(rank: int, size: int, port: int, use_kernel: bool, results) -> None:
+def _rank_main(rank: int, size: int, port: int, results) -> None:
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, size, is_master=rank == 0, timeout=datetime.timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
     try:
-        group = CPGroup(rank, tuple(range(size)), None)
-        table, placement = BlockTable(64, BLOCK, follower=True), CPPlacement(size)
-        k_cache = torch.zeros(64 * BLOCK, KV_HEADS, DIM)
-        v_cache = torch.zeros_like(k_cache)
-        got = []
-        for plan in plans(size):
-            for e in plan.entries:
-                table.assign(e.rid, e.cp_blocks[rank])
-            placement.apply(plan)
-            batch, ids = build_cp_batch(plan, placement, table, group, torch.device("cpu"), use_kernel)
-            rows = []  # the request of each of this rank's rows (the plan's token ids are the positions here)
-            for e in plan.entries:
-                rows += [e.rid] * int(e.cp_counts[rank])
-            q, k, v = (torch.stack([qkv_of(rid, TOTAL[rid])[i][p] for rid, p in zip(rows, ids.tolist(), strict=True)])
-                       if rows else torch.empty(0, h, DIM)
-                       for i, h in enumerate((HEADS, KV_HEADS, KV_HEADS)))  # fmt: skip
-            out = batch.cp.attend(q, k, v, batch.slot_mapping, (k_cache, v_cache), SCALE)
-            samples = batch.cp.gather_samples(q.reshape(q.shape[0], HEADS * DIM)[batch.logit_rows])
-            got.append((rows, ids.tolist(), out, samples))
-        results[rank] = got
+        for use_kernel in sorted({False, native.usable_for(torch.float32, "cpu")}):
+            results[(rank, use_kernel)] = _run_plans(rank, size, use_kernel)
     finally:
         dist.destroy_process_group()
 
 
+def _run_plans(rank: int, size: int, use_kernel: bool) -> list:
+    """This rank's rows, their outputs and the gathered sampling rows of each plan, its caches filled as it goes."""
+    group = CPGroup(rank, tuple(range(size)), None)
+    table, placement = BlockTable(64, BLOCK, follower=True), CPPlacement(size)
+    k_cache = torch.zeros(64 * BLOCK, KV_HEADS, DIM)
+    v_cache = torch.zeros_like(k_cache)
+    got = []
+    for plan in plans(size):
+        for e in plan.entries:
+            table.assign(e.rid, e.cp_blocks[rank])
+        placement.apply(plan)
+        batch, ids = build_cp_batch(plan, placement, table, group, torch.device("cpu"), use_kernel)
+        rows = []  # the request of each of this rank's rows (the plan's token ids are the positions here)
+        for e in plan.entries:
+            rows += [e.rid] * int(e.cp_counts[rank])
+        q, k, v = (torch.stack([qkv_of(rid, TOTAL[rid])[i][p] for rid, p in zip(rows, ids.tolist(), strict=True)])
+                   if rows else torch.empty(0, h, DIM)
+                   for i, h in enumerate((HEADS, KV_HEADS, KV_HEADS)))  # fmt: skip
+        out = batch.cp.attend(q, k, v, batch.slot_mapping, (k_cache, v_cache), SCALE)
+        samples = batch.cp.gather_samples(q.reshape(q.shape[0], HEADS * DIM)[batch.logit_rows])
+        got.append((rows, ids.tolist(), out, samples))
+    return got
+
+
 @pytest.mark.slow  # spawned processes: ~8 s each
-@pytest.mark.parametrize(("size", "use_kernel"), [(2, True), (3, False)])
-def test_split_kv_attention_across_gloo_processes_equals_causal_attention(size, use_kernel):
-    """Decodes through the CPU decode kernel (each rank's share read in place) or by partial attention."""
-    if use_kernel and not native.usable_for(torch.float32, "cpu"):
-        pytest.skip("no C compiler: the kernel is not built (the torch path runs with size 3)")
+@pytest.mark.parametrize("size", [2, 3])
+def test_split_kv_attention_across_gloo_processes_equals_causal_attention(size):
+    """Decodes by partial attention and, where a C compiler built it, through the CPU decode kernel (each rank's
+    share read in place)."""
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         results = manager.dict()
-        mp.start_processes(_rank_main, args=(size, _free_port(), use_kernel, results), nprocs=size,
-                           start_method="spawn", join=True)  # fmt: skip
+        mp.start_processes(_rank_main, args=(size, _free_port(), results), nprocs=size, start_method="spawn",
+                           join=True)  # fmt: skip
         got = dict(results)
-    assert sorted(got) == list(range(size))
+    kernel = native.usable_for(torch.float32, "cpu")
+    assert sorted(got) == sorted((r, k) for r in range(size) for k in {False, kernel})
     want = {rid: reference(rid, n) for rid, n in TOTAL.items()}
-    for seq, plan in enumerate(plans(size)):
-        seen = []
-        for rank in range(size):
-            rows, positions, out, samples = got[rank][seq]
-            for i, (rid, pos) in enumerate(zip(rows, positions, strict=True)):
-                assert (out[i] - want[rid][pos]).abs().max() < 1e-5, (seq, rank, rid, pos)
-                seen.append((rid, pos))
-            # every rank holds the sampling rows of the whole micro-batch, in plan order: each entry's last query
-            last = [qkv_of(e.rid, TOTAL[e.rid])[0][e.start + len(e.token_ids) - 1].reshape(-1) for e in plan.entries]
-            assert torch.equal(samples, torch.stack(last))
-        want_rows = sorted((e.rid, e.start + i) for e in plan.entries for i in range(len(e.token_ids)))
-        assert sorted(seen) == want_rows  # each token computed by exactly one rank
+    for use_kernel in sorted({False, kernel}):
+        for seq, plan in enumerate(plans(size)):
+            seen = []
+            for rank in range(size):
+                rows, positions, out, samples = got[(rank, use_kernel)][seq]
+                for i, (rid, pos) in enumerate(zip(rows, positions, strict=True)):
+                    assert (out[i] - want[rid][pos]).abs().max() < 1e-5, (use_kernel, seq, rank, rid, pos)
+                    seen.append((rid, pos))
+                # every rank holds the micro-batch's sampling rows, in plan order: each entry's last query
+                last = [qkv_of(e.rid, TOTAL[e.rid])[0][e.start + len(e.token_ids) - 1].reshape(-1)
+                        for e in plan.entries]  # fmt: skip
+                assert torch.equal(samples, torch.stack(last))
+            want_rows = sorted((e.rid, e.start + i) for e in plan.entries for i in range(len(e.token_ids)))
+            assert sorted(seen) == want_rows  # each token computed by exactly one rank
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -140,3 +148,16 @@ def test_partial_attention_with_its_lse(dtype):
     assert torch.isinf(some_dead[1][:5]).all() and torch.equal(some_dead[0][:5], torch.zeros_like(q[:5]))
     assert Visibility.of(torch.arange(10, 12), torch.arange(0, 10), 3, dtype).mask is None  # all visible: no mask
 
+
+def test_the_gpu_path_attends_in_key_chunks(monkeypatch):
+    """Off the CPU partial attention runs `attend_block` a bounded number of keys at a time, merged by LSE: the
+    same output and LSE as over all keys at once (run here on CPU tensors)."""
+    from ringsched.parallel import cp_attention
+
+    monkeypatch.setattr(cp_attention, "KEY_CHUNK", 5)
+    q, k, v = qkv_of("g", 23)
+    q_pos, k_pos = torch.arange(10, 23), torch.arange(23)
+    out, lse = cp_attention._attend_in_key_chunks(q[10:], k, v, q_pos, k_pos, SCALE)
+    want_out, want_lse = attend_block(q[10:], k, v, q_pos, k_pos, SCALE)
+    assert (out - want_out).abs().max() < 1e-5 and (lse - want_lse).abs().max() < 1e-5
+    assert (out - reference("g", 23)[10:]).abs().max() < 1e-5

@@ -86,7 +86,7 @@ def test_a_rank_that_never_arrives_is_named_within_the_deadline():
     path = _segment(2)
     try:
         shm = ShmCollectives(path, 0, 2, timeout=0.5, slot_bytes=SLOT)
-        with pytest.raises(RuntimeError, match=r"tensor-parallel rank 1 did not reach collective 1 within 0.5s"):
+        with pytest.raises(RuntimeError, match=r"rank 1 of the stage's group did not reach collective 1 within 0.5s"):
             shm.all_reduce(torch.ones(4))
         shm.close()
     finally:

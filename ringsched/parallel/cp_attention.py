@@ -67,11 +67,11 @@ def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
     n, h, d = q.shape
     kvh = k.shape[1]
     g = h // kvh
+    if q.device.type != "cpu":
+        return _attend_in_key_chunks(q, k, v, q_pos, k_pos, scale)
     vis = vis or Visibility.of(q_pos, k_pos, g, q.dtype)
     if vis.none:
         return q.new_zeros(n, h, d), torch.full((n, h), float("-inf"), device=q.device)
-    if q.device.type != "cpu":
-        return attend_block(q, k, v, q_pos, k_pos, scale)
     # Grouped-query heads folded into the query length: [1, KVH, g * n, D] against [1, KVH, m, D].
     qf = q.view(n, kvh, g, d).permute(1, 2, 0, 3).reshape(1, kvh, g * n, d)
     kf, vf = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
@@ -86,6 +86,18 @@ def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
     return out, lse
 
 
+KEY_CHUNK = 4096  # keys per step of the GPU path: its `[heads, n, keys]` float32 scores stay bounded
+
+
+def _attend_in_key_chunks(q, k, v, q_pos, k_pos, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Off the CPU: `cp.attend_block` over at most `KEY_CHUNK` keys at a time, merged by LSE."""
+    if k.shape[0] == 0:
+        return q.new_zeros(q.shape), torch.full(q.shape[:2], float("-inf"), device=q.device)
+    parts = [attend_block(q, k[i : i + KEY_CHUNK], v[i : i + KEY_CHUNK], q_pos, k_pos[i : i + KEY_CHUNK], scale)
+             for i in range(0, k.shape[0], KEY_CHUNK)]  # fmt: skip
+    return parts[0] if len(parts) == 1 else merge_all([o for o, _ in parts], [lse for _, lse in parts])
+
+
 @dataclass
 class RingEntry:
     rows: slice  # this rank's rows of the entry in the local batch
@@ -96,6 +108,8 @@ class RingEntry:
     seen: dict[int, tuple[Visibility, Visibility]] = field(default_factory=dict)
 
     def visibility(self, src: int, group: int, dtype: torch.dtype) -> tuple[Visibility, Visibility]:
+        if self.q_pos.device.type != "cpu":  # the GPU path masks as it goes
+            return Visibility(), Visibility()
         if src not in self.seen:
             kpos = self.k_pos[src]
             past = kpos.numel() - self.new[src]
@@ -222,17 +236,19 @@ def build_cp_batch(plan: BatchPlan, placement: CPPlacement, blocks: BlockTable, 
             ids += [e.token_ids[i] for i in mine.tolist()]
             positions.append(mine + e.start)
             slot_parts.append(blocks.slots(e.rid, have - k, have))
-        own_slots = blocks.slots(e.rid, 0, have) if have else torch.empty(0, dtype=torch.long)
+        by_kernel = use_kernel and n == 1 and not is_split(e.cp_counts)  # a decode: read in place by the kernel
+        own_slots = blocks.slots(e.rid, 0, have) if have and not by_kernel else torch.empty(0, dtype=torch.long)
         if is_split(e.cp_counts):
             cp.ring.append(RingEntry(slice(row, row + k), (mine + e.start).to(device),
                                      [placement.positions(e.rid, j).to(device) for j in range(size)],
                                      list(e.cp_counts)))  # fmt: skip
             ring_slots.append(own_slots)
         else:
-            by_kernel = use_kernel and n == 1  # (every key a rank holds of a decoding request is visible to it)
+            # (every key a rank holds of a decoding request is visible to its query: the kernel needs no positions)
+            own_pos = torch.empty(0, dtype=torch.long) if by_kernel else placement.positions(e.rid, r)
             cp.travel.append(TravelEntry(slice(cp.travel_rows, cp.travel_rows + n), slice(row, row + k) if k else None,
                                          torch.arange(e.start, e.start + n, device=device), own_slots.to(device),
-                                         placement.positions(e.rid, r).to(device), by_kernel))  # fmt: skip
+                                         own_pos.to(device), by_kernel))  # fmt: skip
             if by_kernel and have:
                 kernel_rows.append((cp.travel_rows, e.rid, have))
             cp.travel_rows += n

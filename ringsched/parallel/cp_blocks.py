@@ -133,6 +133,8 @@ class CPPlacement:
         if key not in self._cat:
             pieces = self._pieces.get(rid, [[]] * self.size)[rank]
             self._cat[key] = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.long)
+            if len(pieces) > 1:  # one piece from now on: a long generation appends one token at a time
+                pieces[:] = [self._cat[key]]
         return self._cat[key]
 
     def count(self, rid: str, rank: int) -> int:

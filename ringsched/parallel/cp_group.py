@@ -52,8 +52,11 @@ class CPGroup:
         nxt, prev = self.ranks[(self.rank + 1) % self.size], self.ranks[(self.rank - 1) % self.size]
         send = [t.contiguous() for t in send]
         recv = [t.new_empty(recv_shape) for t in send]
-        works = [dist.isend(t, nxt, group=self.group) for t in send]
-        works += [dist.irecv(t, prev, group=self.group) for t in recv]
+        # One batch: with NCCL, separate sends queued before the receives would wait on each other between the two
+        # ranks of CP=2 (each other's next and previous) once a block outgrows NCCL's buffers.
+        ops = [dist.P2POp(dist.isend, t, nxt, self.group) for t in send]
+        ops += [dist.P2POp(dist.irecv, t, prev, self.group) for t in recv]
+        works = dist.batch_isend_irecv(ops)
         self.ring_bytes += sum(t.numel() * t.element_size() for t in send)
 
         def wait() -> list[torch.Tensor]:

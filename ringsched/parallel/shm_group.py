@@ -127,7 +127,7 @@ class ShmCollectives:
                     deadline = deadline or now + self.timeout
                     if now > deadline:
                         raise RuntimeError(
-                            f"tensor-parallel rank {r} did not reach collective {k} within {self.timeout:g}s "
+                            f"rank {r} of the stage's group did not reach collective {k} within {self.timeout:g}s "
                             "(--stage-timeout)"
                         )
 

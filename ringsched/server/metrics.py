@@ -104,7 +104,12 @@ class ServerMetrics:
         self.running.set(sched.get("running", 0))
         self.open.set(client.num_open)
         self.waiting.set(client.num_waiting())
-        for rank, s in client.stage_stats().items():
+        stats = client.stage_stats()
+        kv_usage: dict[str, float] = {}  # a stage's fullest pool (its CP ranks each hold their own tokens)
+        for rank, s in stats.items():
+            stage = str(s.get("stage", rank))
+            kv_usage[stage] = max(kv_usage.get(stage, 0.0), s.get("kv_usage", 0.0))
+        for rank, s in stats.items():
             peak = s.get("peak_device_bytes") or s.get("peak_rss_bytes", 0)
             where = {"rank": str(rank), "stage": str(s.get("stage", rank)), "tp": str(s.get("tp", 0))}
             self.rank_peak_memory.labels(**where).set(peak)
@@ -114,7 +119,7 @@ class ServerMetrics:
             if s.get("tp", 0) or s.get("cp", 0):
                 continue  # a stage's figures: its first rank's (its ranks share the plan and the pace)
             stage = where["stage"]
-            self.kv_usage.labels(stage=stage).set(s.get("kv_usage", 0.0))
+            self.kv_usage.labels(stage=stage).set(kv_usage.get(stage, 0.0))
             self.busy.labels(stage=stage).set(s.get("busy_fraction", 0.0))
             self.bubble.labels(stage=stage).set(s.get("bubble_fraction", 0.0))
             for kind in ("compute", "wait", "sched", "comm"):

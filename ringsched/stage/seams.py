@@ -110,7 +110,7 @@ class SendProxy:
             seam = [self.tp.seam_shard(t) for t in seam]
         with self.times.measure("comm"):
             self.peer(self.dst, self.chan.send, self.dst, "proxy", plan.slot, plan.seq, [*seam, *out.get("kv", [])])
-        self.tokens += plan.num_tokens
+        self.tokens += out["hidden_states"].shape[0]  # this rank's rows (a CP rank holds only its own)
 
 
 class HoldTokens:
