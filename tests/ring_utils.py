@@ -79,3 +79,20 @@ def stage_kv_usage(llm: Engine, timeout: float = 10.0) -> dict[int, float]:
         usage = {r: s["kv_usage"] for r, s in llm.supervisor.stats.items()}
         if (len(usage) == llm.cfg.world_size and all(u == 0 for u in usage.values())) or time.monotonic() > deadline:
             return usage
+
+
+def abort_with_chunks_in_flight(llm: Engine, long: list[int], params: SamplingParams, in_flight: int,
+                                timeout: float = 60.0) -> None:  # fmt: skip
+    """Submit the long prompt, abort it once stage 0 reports it in at least `in_flight` in-flight micro-batches,
+    and check that the abort is its end, with no token (the KV checks are the caller's)."""
+    rid = llm.submit(long, params)
+    deadline = time.monotonic() + timeout
+    while llm.last_stats.get("request_in_flight_max", 0) < in_flight:
+        assert time.monotonic() < deadline, f"the prompt's chunks never filled the ring: {llm.last_stats}"
+        assert not [o for o in llm.poll(0.05) if o.rid == rid], "the long prompt finished before the abort"
+    llm.abort(rid)
+    ends = []
+    while not ends:
+        assert time.monotonic() < deadline, "no answer to the abort"
+        ends = [o for o in llm.poll(0.1) if o.rid == rid and o.finish_reason]
+    assert ends[0].finish_reason == "abort" and ends[0].completion_tokens == 0

@@ -5,11 +5,10 @@ request larger than one rank's pool is served at CP=2 and refused at CP=1; an ab
 are in flight frees the KV on all four ranks of CP=2 x PP=2."""
 
 import random
-import time
 
 import pytest
 import torch
-from ring_utils import stage_kv_usage
+from ring_utils import abort_with_chunks_in_flight, stage_kv_usage
 from test_model_reference import hf_greedy, prompt_ids
 
 from ringsched.engine import Engine
@@ -93,17 +92,7 @@ def test_abort_with_chunks_in_flight_frees_every_cp_rank():
     after = _random_prompt(40, 8)
     with Engine(cp_size=2, pp_size=2, pp_async_batch_depth=1, **{**KW, "chunked_prefill_size": 32}) as llm:
         expected = llm.generate([after], GREEDY)[0].token_ids
-        rid = llm.submit(long, GREEDY)
-        deadline = time.monotonic() + 60
-        while llm.last_stats.get("request_in_flight_max", 0) < 2:  # its chunks are in the ring
-            assert time.monotonic() < deadline, f"the prompt's chunks never filled the ring: {llm.last_stats}"
-            assert not [o for o in llm.poll(0.05) if o.rid == rid], "the long prompt finished before the abort"
-        llm.abort(rid)
-        ends = []
-        while not ends:
-            assert time.monotonic() < deadline, "no answer to the abort"
-            ends = [o for o in llm.poll(0.1) if o.rid == rid and o.finish_reason]
-        assert ends[0].finish_reason == "abort" and ends[0].completion_tokens == 0
+        abort_with_chunks_in_flight(llm, long, GREEDY, in_flight=2)
         usage = stage_kv_usage(llm)
         assert usage == dict.fromkeys(range(4), 0.0), f"KV not freed on every rank: {usage}"
         assert llm.generate([after], GREEDY)[0].token_ids == expected

@@ -3,11 +3,10 @@ chunks in several in-flight micro-batches at once, with fixed and dynamic chunk 
 transformers'; an abort that lands while chunks are in flight frees the KV on every stage."""
 
 import random
-import time
 
 import pytest
 import torch
-from ring_utils import stage_kv_usage
+from ring_utils import abort_with_chunks_in_flight, stage_kv_usage
 
 from ringsched.engine import Engine
 from ringsched.sampling import SamplingParams
@@ -66,17 +65,7 @@ def test_abort_with_chunks_in_flight_frees_every_stage():
     after = prompts()[0][:300]
     with Engine(pp_size=2, pp_async_batch_depth=2, threads_per_stage=1, **{**KW, "chunked_prefill_size": 32}) as llm:
         expected = llm.generate([after], GREEDY)[0].token_ids
-        rid = llm.submit(long, GREEDY)
-        deadline = time.monotonic() + 60
-        while llm.last_stats.get("request_in_flight_max", 0) < 3:  # its chunks fill the ring (4 slots)
-            assert time.monotonic() < deadline, f"the prompt's chunks never filled the ring: {llm.last_stats}"
-            assert not [o for o in llm.poll(0.05) if o.rid == rid], "the long prompt finished before the abort"
-        llm.abort(rid)
-        ends = []
-        while not ends:
-            assert time.monotonic() < deadline, "no answer to the abort"
-            ends = [o for o in llm.poll(0.1) if o.rid == rid and o.finish_reason]
-        assert ends[0].finish_reason == "abort" and ends[0].completion_tokens == 0
+        abort_with_chunks_in_flight(llm, long, GREEDY, in_flight=3)  # its chunks fill the ring (4 slots)
         usage = stage_kv_usage(llm)
         assert usage == {0: 0.0, 1: 0.0}, f"KV not freed on every stage: {usage}"
         assert llm.generate([after], GREEDY)[0].token_ids == expected
