@@ -53,6 +53,11 @@ def _flag(default: Any, help: str, *, type: Callable | None = None, choices: Seq
     return field(default=default, metadata={"help": help, "type": type, "choices": choices, "group": group})
 
 
+# Default requests running at once per pipeline stage: PP=N runs N micro-batches of this many, each as full as
+# PP=1's one batch, so adding a stage adds throughput without tuning flags (docs/design: admission).
+RUNNING_PER_STAGE = 128
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = _flag("smollm2-135m-instruct", "a model directory, or a known model name (fetched on first use)")
@@ -67,8 +72,10 @@ class EngineConfig:
                          "first token and lets one request's KV exceed one rank's pool")  # fmt: skip
     pp_async_batch_depth: int = _flag(0, "micro-batches in flight beyond --pp-size; 1 lets stage 0 plan one ahead, "
                                       "which absorbs a slow micro-batch at some latency per token")  # fmt: skip
-    max_running_requests: int = _flag(128, "requests running at once (decoding or prefilling); more raises "
-                                      "throughput until the KV pool or compute runs out")  # fmt: skip
+    max_running_requests: int | None = _flag(None, "requests running at once (decoding or prefilling; default: "
+                                             f"{RUNNING_PER_STAGE} per stage, so each micro-batch holds what one "
+                                             "stage's batch would); more raises throughput until the KV pool or "
+                                             "compute runs out", type=int)  # fmt: skip
     pp_max_micro_batch_size: int | None = _flag(None, "requests per micro-batch (default: max-running-requests // "
                                                 "pp-size, so every slot gets its share)", type=int)  # fmt: skip
     chunked_prefill_size: int = _flag(512, "prefill tokens per micro-batch; smaller chunks keep decodes flowing "
@@ -83,6 +90,10 @@ class EngineConfig:
     max_model_len: int | None = _flag(None, "context length (default: the model's)", type=int)
     dtype: str = _flag("float32", "weights and activations; bfloat16 halves memory (and on CPUs with AMX runs "
                        "faster), float16 is for GPUs", choices=("float32", "bfloat16", "float16"))  # fmt: skip
+    quantization: str = _flag("none", "int8: weight-only int8 projections and lm_head (a float32 scale per output "
+                              "row), a quarter of float32's weight bytes; decoding at a few requests per step reads "
+                              "the weights once per token, so it runs about that much faster, at a measured cost in "
+                              "accuracy (docs/performance.md)", choices=("none", "int8"))  # fmt: skip
     device: str = _flag("auto", "cuda gives each stage one GPU (NCCL between them); auto picks cuda when present",
                         choices=("auto", "cpu", "cuda"))  # fmt: skip
     threads_per_stage: int | None = _flag(None, "CPU threads per rank (default: cores // ranks on this node; a rank "
@@ -125,6 +136,8 @@ class EngineConfig:
     ipc_dir: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
+        if self.max_running_requests is None:  # frozen: the derived default is set once, here
+            object.__setattr__(self, "max_running_requests", RUNNING_PER_STAGE * max(self.pp_size, 1))
         # One check per flag, in the fields' order, each with its own message: long, but splitting it would only
         # scatter the checks away from the fields they guard.
         if isinstance(self.pp_layer_partition, (list, tuple)):
@@ -168,6 +181,10 @@ class EngineConfig:
         _require(
             self.pp_flex_policy in (*FLEX_POLICIES, CYCLE),
             f"--pp-flex-policy {self.pp_flex_policy!r}: use one of {', '.join(FLEX_POLICIES)}",
+        )
+        _require(
+            self.quantization in ("none", "int8"),
+            f"--quantization must be none or int8, got {self.quantization!r}",
         )
         _require(
             self.max_running_requests >= 1,

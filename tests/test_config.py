@@ -15,6 +15,7 @@ from ringsched.config import ConfigError, EngineConfig, parse_memory
         ({"pp_async_batch_depth": -1}, "--pp-async-batch-depth must be >= 0"),
         ({"pp_max_micro_batch_size": 0}, "--pp-max-micro-batch-size must be >= 1"),
         ({"max_running_requests": 0}, "--max-running-requests"),
+        ({"quantization": "int4"}, "--quantization"),
         ({"chunked_prefill_size": 0}, "--chunked-prefill-size"),
         ({"dtype": "float8"}, "--dtype 'float8' is not supported"),
         ({"device": "tpu"}, "--device 'tpu'"),
@@ -35,6 +36,14 @@ from ringsched.config import ConfigError, EngineConfig, parse_memory
 def test_bad_flags_name_the_flag(kw, needle):
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(")):
         EngineConfig(**kw)
+
+
+def test_running_requests_default_scales_with_the_stages():
+    """With no --max-running-requests each micro-batch of PP=N holds what PP=1's one batch holds."""
+    one, two, four = (EngineConfig(pp_size=n) for n in (1, 2, 4))
+    assert one.micro_batch_size == two.micro_batch_size == four.micro_batch_size == one.max_running_requests
+    assert two.max_running_requests == 2 * one.max_running_requests
+    assert EngineConfig(pp_size=2, max_running_requests=64).micro_batch_size == 32  # a set value is split
 
 
 def test_derived_values():

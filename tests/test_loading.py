@@ -203,7 +203,9 @@ def test_cpu_layout_keeps_names_shapes_and_results(tmp_path):
     model_dir = write_random_model(tmp_path / "m", cfg_dict, seed=0)
     model = load_stage_model(model_dir, StageInfo(0, 1, 0, 3))
     w = model.model.layers[1].mlp.gate_proj.weight
-    assert w.shape == (128, 64) and w.stride() == (1, 128)  # transposed strides, same shape
+    assert w.shape == (128, 64) and w.stride() == (1, 256)  # transposed strides, same shape: gate/up's rows
+    fused = model.model.layers[1].mlp.gate_up.weight  # one [256, 64] weight, the loaded gate and up side by side
+    assert fused.shape == (256, 64) and fused.stride() == (1, 256) and fused.data_ptr() == w.data_ptr()
     assert model.model.embed_tokens.weight.is_contiguous() and model.lm_head.weight.is_contiguous()
     reference = load_stage_model(model_dir, StageInfo(0, 1, 0, 3))
     for mod in reference.modules():

@@ -66,8 +66,8 @@ class ForwardBatch:
 
 def paged_attention(
     q: torch.Tensor,  # [T, H, D], rotary applied
-    k: torch.Tensor,  # [T, KVH, D]
-    v: torch.Tensor,  # [T, KVH, D]
+    k: torch.Tensor | None,  # [T, KVH, D]; None: already in the cache (`layer_ops.rope_store`)
+    v: torch.Tensor | None,  # [T, KVH, D]
     batch: ForwardBatch,
     k_cache: torch.Tensor | None,  # [num_slots, KVH, D]
     v_cache: torch.Tensor | None,
@@ -79,13 +79,16 @@ def paged_attention(
     assert k_cache is not None and v_cache is not None
     if batch.cp is not None:
         return batch.cp.attend(q, k, v, batch.slot_mapping, (k_cache, v_cache), scale)
-    k_cache.index_copy_(0, batch.slot_mapping, k)
-    v_cache.index_copy_(0, batch.slot_mapping, v)
+    if k is not None:
+        k_cache.index_copy_(0, batch.slot_mapping, k)
+        v_cache.index_copy_(0, batch.slot_mapping, v)
+    nd = batch.native_decode
+    if nd is not None and nd.all_rows:  # every row a decode, in order
+        return native.paged_decode(q, k_cache, v_cache, nd, scale)
     out = torch.empty_like(q)
     for g in batch.decodes:
         out.index_copy_(0, g.rows, _decode(q, k_cache, v_cache, g, scale))
-    if batch.native_decode is not None:
-        nd = batch.native_decode
+    if nd is not None:
         out.index_copy_(0, nd.rows, native.paged_decode(q.index_select(0, nd.rows), k_cache, v_cache, nd, scale))
     for p in batch.prefills:
         rows = slice(p.row, p.row + p.num_new)

@@ -60,6 +60,7 @@ def build_forward_batch(
             torch.tensor(dec_lens),
             blocks.block_size,
             max(dec_lens),
+            all_rows=len(dec_rows) == row,
         )
     elif dec_rows:
         batch.decodes = _decode_groups(dec_rows, dec_rids, dec_lens, blocks, device)

@@ -14,8 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ringsched.models import layer_ops
 from ringsched.models.attention import ForwardBatch, paged_attention
 from ringsched.models.config import ModelConfig
+from ringsched.models.small_linear import Linear
 from ringsched.parallel.rank import StageInfo
 from ringsched.parallel.tp import TPGroup
 
@@ -33,15 +35,59 @@ def cpu_layout(name: str, weight: torch.Tensor) -> torch.Tensor:
     weight, which measured (one thread, SmolLM2 shapes) 10-30% faster at 64-128 rows with the same results bit
     for bit; a whole decode step of 86 rows 13% faster, of 128 rows 7%. The lm_head keeps its layout (no gain
     measured; tied, it is the embedding's rows). Names and shapes do not change. Other tensors: unchanged."""
-    if (
-        weight.device.type == "cpu"
-        and weight.dtype == torch.float32
-        and weight.dim() == 2
-        and name.startswith("model.layers.")
-        and name.endswith("_proj.weight")
-    ):
+    if name.startswith("model.layers.") and name.endswith("_proj.weight"):
+        return _kn_storage(weight)
+    return weight
+
+
+def _kn_storage(weight: torch.Tensor) -> torch.Tensor:
+    if weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2:
         return weight.t().contiguous().t()
     return weight
+
+
+def fuse_linears(parts: list[nn.Linear]) -> Linear:
+    """One `Linear` whose output is the parts' outputs side by side (q/k/v, or gate/up): one weight stream and one
+    call instead of several. The parts' parameters become views of the fused ones (names, shapes and memory
+    unchanged); the fused layer is not a submodule, so the state dict keeps the checkpoint's names."""
+    w = _joined([p.weight for p in parts])
+    if w is None:
+        w = _kn_storage(torch.cat([p.weight.detach() for p in parts]))
+    fused = Linear(w.shape[1], w.shape[0], bias=parts[0].bias is not None, device="meta")
+    fused.weight = nn.Parameter(w, requires_grad=False)
+    if parts[0].bias is not None:
+        b = _joined([p.bias for p in parts])
+        b = b if b is not None else torch.cat([p.bias.detach() for p in parts])
+        fused.bias = nn.Parameter(b, requires_grad=False)
+    _share_rows(fused, parts)
+    return fused
+
+
+def _joined(ts: list[torch.Tensor]) -> torch.Tensor | None:
+    """The tensors as one, without a copy, when they are consecutive row ranges of one buffer (the loader puts
+    the parts of a fused projection there); else None."""
+    first = ts[0]
+    offset = first.storage_offset()
+    for t in ts:
+        same = t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() and t.stride() == first.stride()
+        if not same or t.storage_offset() != offset:
+            return None
+        offset += t.shape[0] * t.stride(0)
+    rows = sum(t.shape[0] for t in ts)
+    return first.detach().as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
+
+
+def _share_rows(fused: Linear, parts: list[nn.Linear]) -> None:
+    """Point each part's weight (bias, int8 scales) at its rows of the fused layer's."""
+    start = 0
+    for p in parts:
+        rows = slice(start, start + p.out_features)
+        p.weight = nn.Parameter(fused.weight[rows], requires_grad=False)
+        if p.bias is not None:
+            p.bias = nn.Parameter(fused.bias[rows], requires_grad=False)
+        if fused.scales is not None:
+            p.scales = fused.scales[rows]
+        start += p.out_features
 
 
 class RMSNorm(nn.Module):
@@ -64,9 +110,7 @@ class RMSNorm(nn.Module):
             out.copy_(xf.mul_(inv))
         return out.mul_(self.weight)
 
-    def add_forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """`residual += x; return norm(residual), residual` (the first layer starts the residual).
 
         Both in place: `x` (a layer's output or a stage's input) and the residual are owned by the forward pass
@@ -89,12 +133,11 @@ class Rotary(nn.Module):
         self.head_dim, self.theta = head_dim, theta
         self._cos = self._sin = torch.empty(0)
         self._rows: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
+        self._covered: torch.Tensor | None = None  # the last `positions` `tables` grew the tables for
 
     def _table(self, n: int, device: torch.device) -> None:
         size = max(n, 2 * self._cos.shape[0], 4096)
-        inv_freq = 1.0 / (
-            self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim)
-        )
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim))
         freqs = torch.outer(torch.arange(size, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self._cos, self._sin = emb.cos().to(device), emb.sin().to(device)
@@ -111,11 +154,18 @@ class Rotary(nn.Module):
         self._rows = (positions, dtype, cos, sin)
         return cos, sin
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self._cos_sin(positions, q.dtype, q.device)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole float32 cos and sin tables `[P, D]`, grown to cover `positions` (checked once per forward)."""
+        if self._covered is not positions:
+            need = int(positions.max()) + 1 if positions.numel() else 0
+            if need > self._cos.shape[0] or self._cos.device != positions.device:
+                self._table(need, positions.device)
+            self._covered = positions
+        return self._cos, self._sin
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -136,10 +186,11 @@ class Attention(nn.Module):
         self.tp = tp
         h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, kvh, d
-        self.q_proj = nn.Linear(cfg.hidden_size, h * d, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, kvh * d, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, kvh * d, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
+        self.q_proj = Linear(cfg.hidden_size, h * d, bias=cfg.attention_bias)
+        self.k_proj = Linear(cfg.hidden_size, kvh * d, bias=cfg.attention_bias)
+        self.v_proj = Linear(cfg.hidden_size, kvh * d, bias=cfg.attention_bias)
+        self.o_proj = Linear(h * d, cfg.hidden_size, bias=False)
+        self.__dict__["qkv"] = None  # `fuse_linears` of q/k/v once the weights are in (not a submodule)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -149,9 +200,14 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: tuple[torch.Tensor, torch.Tensor] | None):
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qkv is not None:
+            sizes = [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features]
+            q, k, v = self.qkv(x).split(sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(batch.positions, q, k)
@@ -165,9 +221,10 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.tp = tp
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.__dict__["gate_up"] = None  # `fuse_linears` of gate/up once the weights are in (not a submodule)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self._slices(x)
@@ -187,9 +244,12 @@ class MLP(nn.Module):
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
         # In place: one [tokens, intermediate] buffer fewer, with the same values bit for bit.
-        h = self.gate_proj(x)
+        if self.gate_up is not None:
+            h, up = self.gate_up(x).split(self.gate_proj.out_features, dim=-1)
+        else:
+            h, up = self.gate_proj(x), self.up_proj(x)
         F.silu(h, inplace=True)
-        return self.down_proj(h.mul_(self.up_proj(x)))
+        return self.down_proj(h.mul_(up))
 
 
 MLP_SLICE_BYTES = 8 * 2**20  # an MLP step's [rows, intermediate] buffers above this are cut into row slices
@@ -209,11 +269,30 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp)
 
+    small_ops = False  # `prepare_linears` turns it on where `layer_ops` can run this layer's small steps
+
     def forward(self, hidden, residual, batch: ForwardBatch, kv):
+        if self.small_ops and kv is not None and hidden.shape[0] <= layer_ops.MAX_ROWS and batch.cp is None:
+            return self._small_step(hidden, residual, batch, kv)
         h, residual = self.input_layernorm.add_forward(hidden, residual)
         h = self.self_attn(h, batch, kv)
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
         return self.mlp(h), residual
+
+    def _small_step(self, hidden, residual, batch: ForwardBatch, kv):
+        """The same layer for a step of a few rows: each elementwise stage one native call (`layer_ops`)."""
+        attn, mlp = self.self_attn, self.mlp
+        h, residual = layer_ops.add_rmsnorm(hidden, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+        q = layer_ops.rope_store(attn.qkv(h), attn.num_heads, attn.num_kv_heads, attn.head_dim, batch.positions,
+                                 attn.rotary.tables(batch.positions), kv[0], kv[1], batch.slot_mapping)  # fmt: skip
+        out = paged_attention(q, None, None, batch, kv[0], kv[1], attn.scale)  # k and v are in the cache
+        out = attn.o_proj(out.view(q.shape[0], -1))
+        if attn.tp:
+            out = attn.tp.all_reduce(out)
+        norm = self.post_attention_layernorm
+        h, residual = layer_ops.add_rmsnorm(out, residual, norm.weight, norm.eps)
+        out = mlp.down_proj(layer_ops.silu_mul(mlp.gate_up(h)))
+        return (mlp.tp.all_reduce(out) if mlp.tp else out), residual
 
 
 class MissingLayer(nn.Identity):
@@ -247,7 +326,7 @@ class StageModel(nn.Module):
         )
         if stage.is_last:
             self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-            self.lm_head = nn.Linear(cfg.hidden_size, local.vocab_size, bias=False)
+            self.lm_head = Linear(cfg.hidden_size, local.vocab_size, bias=False)
 
     def forward(
         self,
@@ -294,6 +373,46 @@ class StageModel(nn.Module):
             if laid.data_ptr() != p.data_ptr():  # a copy was made: this one is re-laid
                 owner, attr = name.rsplit(".", 1)
                 setattr(self.get_submodule(owner), attr, nn.Parameter(laid, requires_grad=False))
+        return self
+
+    def fusion_groups(self) -> list[list[tuple[str, nn.Linear]]]:
+        """(parameter prefix, module) of each group of projections `prepare_linears` fuses: q/k/v and gate/up."""
+        groups = []
+        for i, layer in enumerate(self.model.layers):
+            if not isinstance(layer, MissingLayer):
+                a, m = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+                attn, mlp = layer.self_attn, layer.mlp
+                groups.append([(f"{a}.{n}", getattr(attn, n)) for n in ("q_proj", "k_proj", "v_proj")])
+                groups.append([(f"{m}.gate_proj", mlp.gate_proj), (f"{m}.up_proj", mlp.up_proj)])
+        return groups
+
+    def prepare_linears(self, quantization: str = "none") -> StageModel:
+        """After the weights are in: fuse each layer's q/k/v and gate/up projections, quantise the projections and
+        the lm_head (`int8`: `models/quantize.py`), and let every linear layer pick its kernel."""
+        from ringsched.models.quantize import quantize_linear  # quantize imports small_linear, as this does
+
+        for layer in self.model.layers:
+            if isinstance(layer, MissingLayer):
+                continue
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.__dict__["qkv"] = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
+            mlp.__dict__["gate_up"] = fuse_linears([mlp.gate_proj, mlp.up_proj])
+            if quantization == "int8":
+                for fused, parts in ((attn.qkv, [attn.q_proj, attn.k_proj, attn.v_proj]),
+                                     (mlp.gate_up, [mlp.gate_proj, mlp.up_proj])):  # fmt: skip
+                    quantize_linear(fused)
+                    _share_rows(fused, parts)
+                quantize_linear(attn.o_proj)
+                quantize_linear(mlp.down_proj)
+            for lin in (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down_proj):
+                lin.prepare()
+            w = layer.input_layernorm.weight
+            same = layer.post_attention_layernorm.weight.dtype == w.dtype
+            layer.small_ops = not attn.qk_norm and same and layer_ops.usable(w.dtype, w.device)
+        if self.stage.is_last:
+            if quantization == "int8":
+                quantize_linear(self.lm_head)
+            self.lm_head.prepare()
         return self
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -345,7 +464,14 @@ class StageModel(nn.Module):
     def _logit_chunks(self, hidden: torch.Tensor):
         """(first word, logits `[S, chunk]`) per vocabulary chunk of the lm_head: on a GPU one launch over the
         whole vocabulary is cheapest; on CPU `HEAD_VOCAB_CHUNK` words (0.5 MiB of logits at 128 rows)."""
-        w = self.lm_head.weight
+        head = self.lm_head
+        if hidden.shape[0] <= head.max_rows:  # the native kernel: one pass over the vocabulary
+            yield 0, head(hidden)
+            return
+        w = head.weight
         chunk = HEAD_VOCAB_CHUNK if hidden.device.type == "cpu" else w.shape[0]
         for start in range(0, w.shape[0], chunk):
-            yield start, F.linear(hidden, w[start : start + chunk])
+            rows = w[start : start + chunk]
+            if head.scales is not None:  # int8: this chunk's float rows
+                rows = rows.to(hidden.dtype) * head.scales[start : start + chunk, None].to(hidden.dtype)
+            yield start, F.linear(hidden, rows)

@@ -50,7 +50,10 @@ def load_stage_model(
     device: str | torch.device = "cpu",
     stats: LoadStats | None = None,
     tp: TPGroup | None = None,
+    quantization: str = "none",
 ) -> StageModel:
+    """The stage's part of the model in `model_dir`, its linear layers prepared (`StageModel.prepare_linears`:
+    fused projections, `quantization` "int8" or "none")."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
     shard = tp.shard if tp else TPShard()
@@ -67,6 +70,7 @@ def load_stage_model(
             raise KeyError(f"{model_dir}: tensor {source!r} is missing from the weights")
         by_file.setdefault(index[source], []).append((name, source))
     state: dict[str, torch.Tensor] = {}
+    buffers = _fused_buffers(model, device, dtype)
     for path, names in by_file.items():
         for name, source in names:
             # One handle per tensor: a handle's mapping keeps every page it read resident until it closes, so
@@ -77,14 +81,39 @@ def load_stage_model(
             if stats is not None:
                 stats.tensors_read.append(source)
                 stats.bytes_read += t.numel() * t.element_size()
-            state[name] = cpu_layout(name, t.to(device=device, dtype=dtype))
+            if name in buffers:  # its rows of the layer's fused q/k/v or gate/up weight: no second copy later
+                state[name] = buffers[name]
+                state[name].copy_(t)
+            else:
+                state[name] = cpu_layout(name, t.to(device=device, dtype=dtype))
     # Tied and both on this stage (pp_size 1): one tensor, not two copies.
     if cfg.tie_word_embeddings and stage.is_first and stage.is_last:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, assign=True, strict=True)
     if cfg.tie_word_embeddings and stage.is_first and stage.is_last:
         model.lm_head.weight = model.model.embed_tokens.weight
-    return model.eval().requires_grad_(False)
+    return model.eval().requires_grad_(False).prepare_linears(quantization)
+
+
+def _fused_buffers(model: StageModel, device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """For each parameter that `StageModel.prepare_linears` fuses, its rows of one buffer per group (laid out as
+    `cpu_layout` lays out a projection), so the fused weight is the loaded tensors themselves."""
+    out: dict[str, torch.Tensor] = {}
+    for group in model.fusion_groups():
+        for kind in ("weight", "bias"):
+            parts = [(f"{name}.{kind}", mod) for name, mod in group if getattr(mod, kind) is not None]
+            if not parts:
+                continue
+            rows = sum(mod.out_features for _, mod in parts)
+            if kind == "bias":
+                buf = torch.empty(rows, device=device, dtype=dtype)
+            else:
+                buf = cpu_layout(parts[0][0], torch.empty(rows, parts[0][1].in_features, device=device, dtype=dtype))
+            start = 0
+            for name, mod in parts:
+                out[name] = buf[start : start + mod.out_features]
+                start += mod.out_features
+    return out
 
 
 def _read(f, name: str, part: tuple[int, int, int] | None) -> torch.Tensor:

@@ -6,28 +6,22 @@ decode layer in attention, 5.1 ms gathering each request's K/V blocks into a pad
 `scaled_dot_product_attention` over it. Reading the blocks in place takes 3.3 ms for the same work (2.0 ms on
 two threads): the copy, its write and the padding were memory traffic, the one thing a CPU decode is short of.
 
-The build is keyed by the source, the compiler's version and the CPU's flags (it is built for this CPU with
-`-march=native`, and a cache directory may be shared by the nodes of a cluster), and lands in
-`$RINGSCHED_CACHE/native/`. `RINGSCHED_NATIVE_ATTENTION=0` turns it off.
+Built by `native_build` into `$RINGSCHED_CACHE/native/`. `RINGSCHED_NATIVE_ATTENTION=0` turns it off.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import platform
-import shutil
 import subprocess
-import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ringsched.models.fetch import cache_dir
+from ringsched.models import native_build
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +45,7 @@ class NativeDecode:
     lens: torch.Tensor  # [b] int64 context length of each decode, its own new token included
     block_size: int
     max_len: int  # the longest of `lens` (sizes the kernel's score buffer)
+    all_rows: bool = False  # the decodes are every row of the batch, in order (no gather or scatter needed)
 
 
 def enabled() -> bool:
@@ -66,7 +61,11 @@ def usable_for(dtype: torch.dtype, device: torch.device | str) -> bool:
 
 
 def paged_decode(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, d: NativeDecode, scale: float,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    d: NativeDecode,
+    scale: float,
     lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`q` [b, H, D] (the decode rows, rotary applied); caches [slots, KVH, D], both float32 or both bfloat16.
@@ -116,33 +115,4 @@ def _load() -> ctypes.CDLL | None:
 
 
 def _build() -> Path:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        raise RuntimeError("no C compiler (cc or gcc) on PATH")
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
-    key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), version.encode(), " ".join(COMPILE_FLAGS + LINK_FLAGS).encode(),
-                 _cpu_flags().encode(), platform.machine().encode()):  # fmt: skip
-        key.update(part)
-    out_dir = cache_dir() / "native"
-    target = out_dir / f"paged_decode-{key.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    out_dir.mkdir(parents=True, exist_ok=True)
-    # Stages start together and may all build: each in its own directory, then an atomic rename.
-    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
-        obj, lib = Path(tmp) / "k.o", Path(tmp) / "k.so"
-        for cmd in ([cc, *COMPILE_FLAGS, str(SOURCE), "-o", str(obj)], [cc, str(obj), *LINK_FLAGS, "-o", str(lib)]):
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-            if done.returncode != 0:
-                raise RuntimeError(f"`{' '.join(cmd)}` failed: {done.stderr.strip()[-500:]}")
-        os.replace(lib, target)
-    return target
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return ""
+    return native_build.build(SOURCE, COMPILE_FLAGS, LINK_FLAGS)

@@ -155,7 +155,8 @@ class CostProbe:
     ) -> None:
         torch.manual_seed(0)
         self.shape, self.device, self.layers = shape, device, layers
-        self.model = StageModel(mcfg, StageInfo(0, 1, 0, layers)).to(device=device, dtype=dtype).lay_out_for_cpu()
+        model = StageModel(mcfg, StageInfo(0, 1, 0, layers)).to(device=device, dtype=dtype)
+        self.model = model.lay_out_for_cpu().prepare_linears()
         blocks = BlockTable(-(-(shape.decodes * shape.context + shape.prefill_tokens) // 16) + 1, 16)
         self.pool = KVPool(mcfg, layers, blocks.num_blocks, 16, dtype, device)
         use_native = native.usable_for(dtype, device)  # time the decode attention the stages will run

@@ -134,7 +134,7 @@ def probe(mcfg, dtype: torch.dtype, device: torch.device, first: int, max_len: i
     first = max(1, min(first, max_len - 1))
     context = max(0, min(8 * first, max_len - first))
     torch.manual_seed(0)
-    model = StageModel(mcfg, StageInfo(0, 1, 0, 1)).to(device=device, dtype=dtype).lay_out_for_cpu()
+    model = StageModel(mcfg, StageInfo(0, 1, 0, 1)).to(device=device, dtype=dtype).lay_out_for_cpu().prepare_linears()
     dctx = min(DECODE_CONTEXT, max_len - 1)
     blocks = BlockTable(-(-(context + first) // 16) + DECODE_ROWS * -(-dctx // 16) + 2, 16)
     pool = KVPool(mcfg, 1, blocks.num_blocks, 16, dtype, device)

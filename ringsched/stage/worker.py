@@ -113,7 +113,7 @@ def _setup(cfg, spec: ModelSpec, where: RankInfo, addrs, ctx, ctl) -> tuple[Stag
         stage = dataclasses.replace(stage, start_layer=held[0], end_layer=held[1])
         if where.decides:
             logger.info("flexible cut: stage 0 runs the first %d to %d layers of each micro-batch", flex.lo, flex.hi)
-    model = load_stage_model(spec.model_dir, stage, cfg.torch_dtype, device, tp=tp)
+    model = load_stage_model(spec.model_dir, stage, cfg.torch_dtype, device, tp=tp, quantization=cfg.quantization)
     local = tp.shard.local_config(mcfg) if tp else mcfg  # this rank's KV heads
     num_blocks = _kv_blocks(cfg, local, stage, device)
     pool = KVPool(local, stage.num_layers, num_blocks, cfg.block_size, cfg.torch_dtype, device)

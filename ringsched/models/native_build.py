@@ -1,0 +1,52 @@
+"""Compile a native CPU kernel (a C file next to this one) on first use and cache the shared library.
+
+The build is keyed by the source, the compiler's version, the flags and the CPU's flags (it is built for this
+CPU with `-march=native`, and a cache directory may be shared by the nodes of a cluster), and lands in
+`$RINGSCHED_CACHE/native/`. Stages start together and may all build: each in its own directory, then an
+atomic rename.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from ringsched.models.fetch import cache_dir
+
+
+def build(source: Path, compile_flags: list[str], link_flags: list[str]) -> Path:
+    """The shared library built from `source` (raises RuntimeError or OSError when it cannot be built)."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise RuntimeError("no C compiler (cc or gcc) on PATH")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
+    key = hashlib.sha256()
+    for part in (source.read_bytes(), version.encode(), " ".join(compile_flags + link_flags).encode(),
+                 _cpu_flags().encode(), platform.machine().encode()):  # fmt: skip
+        key.update(part)
+    out_dir = cache_dir() / "native"
+    target = out_dir / f"{source.stem}-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        obj, lib = Path(tmp) / "k.o", Path(tmp) / "k.so"
+        for cmd in ([cc, *compile_flags, str(source), "-o", str(obj)], [cc, str(obj), *link_flags, "-o", str(lib)]):
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            if done.returncode != 0:
+                raise RuntimeError(f"`{' '.join(cmd)}` failed: {done.stderr.strip()[-500:]}")
+        os.replace(lib, target)
+    return target
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""

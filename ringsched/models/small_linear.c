@@ -1,0 +1,266 @@
+/* y = x @ W^T (+ bias) for the few rows of a decode step, on CPU: float32, bfloat16 and int8 weights.
+ *
+ * At one to a few dozen rows a linear layer is a stream of its weights: every weight is read once and used
+ * once per row, so the time is the weight bytes over the memory bandwidth, and what matters is reading them
+ * in long sequential runs with enough independent accumulators to keep up. Two forms:
+ *
+ * - `linear_kn`: float32 weights stored [K, N] (an output's weights strided by N; the layout MKL's sgemm
+ *   prefers for prefill, see `cpu_layout`): a panel of 64 outputs walked down K, x's value broadcast.
+ * - `linear_nk`: weights stored [N, K] (each output's weights contiguous): float32, bfloat16 or int8 with a
+ *   float32 scale per output row; tiles of 4 outputs x 4 rows as dot products over K, reduced at the end.
+ *
+ * Each output's sum is formed in the same order whatever the number of rows or threads, so a row's result does
+ * not depend on the batch it is in. Activations are float32 or bfloat16 (the model's dtype); outputs the same.
+ * Outputs are split over `nthreads` OpenMP threads: the library links torch's own libgomp (the same soname,
+ * already loaded), so it runs on torch's thread team instead of a second one competing for the cores.
+ * Built by ringsched/models/small_linear.py with -O3 -march=native; AVX-512 (F, BW, VL) gets intrinsics,
+ * AVX512-BF16 the bfloat16 dot-product instruction, any other CPU portable loops.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define HAVE_AVX512 1
+#else
+#define HAVE_AVX512 0
+#endif
+
+enum { W_F32 = 0, W_BF16 = 1, W_INT8 = 2 };
+
+static inline float bf16_to_f32(uint16_t x) {
+  const uint32_t u = (uint32_t)x << 16;
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch's conversion */
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline void store_out(void *y, int y_bf16, int64_t i, float v) {
+  if (y_bf16)
+    ((uint16_t *)y)[i] = f32_to_bf16(v);
+  else
+    ((float *)y)[i] = v;
+}
+
+static inline float load_act(const void *x, int x_bf16, int64_t i) {
+  return x_bf16 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+}
+
+/* ---------------------------------------------------------------------------------------------------------
+ * [K, N] float32 weights: out[m, n] = sum_k x[m, k] * w[k * ldw + n]
+ * ------------------------------------------------------------------------------------------------------- */
+
+#define KN_COLS 64 /* outputs per panel: four 16-float vectors */
+#define MB 4       /* rows per tile */
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 8192
+#endif
+#ifndef KN_AHEAD
+#define KN_AHEAD 8
+#endif
+#define INLINE static inline __attribute__((always_inline))
+
+/* One panel of up to 64 outputs for `mb` rows; inlined with constant `mb` and `xb` (activations bfloat16), so
+ * each instance keeps its accumulators in registers and has no branches in the loop over K. */
+INLINE void kn_panel(const void *x, int64_t ldx, const int xb, int64_t m0, const int mb, int64_t K, const float *w,
+                     int64_t ldw, int64_t n0, int64_t nc, const float *bias, void *y, int y_bf16, int64_t N) {
+#if HAVE_AVX512
+  __m512 acc[MB][4];
+  __mmask16 mask[4];
+  for (int j = 0; j < 4; j++) {
+    const int64_t left = nc - 16 * j;
+    mask[j] = left >= 16 ? (__mmask16)0xffff : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+  }
+  for (int m = 0; m < mb; m++)
+    for (int j = 0; j < 4; j++) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k++) {
+    const float *wk = w + k * ldw + n0;
+    __m512 wv[4];
+    for (int j = 0; j < 4; j++) wv[j] = _mm512_maskz_loadu_ps(mask[j], wk + 16 * j);
+    for (int j = 0; j < 4; j++) _mm_prefetch((const char *)(wk + KN_AHEAD * ldw + 16 * j), _MM_HINT_T0);
+    for (int m = 0; m < mb; m++) {
+      const __m512 xv = _mm512_set1_ps(load_act(x, xb, (m0 + m) * ldx + k));
+      for (int j = 0; j < 4; j++) acc[m][j] = _mm512_fmadd_ps(xv, wv[j], acc[m][j]);
+    }
+  }
+  for (int m = 0; m < mb; m++) {
+    float tmp[KN_COLS];
+    for (int j = 0; j < 4; j++) _mm512_storeu_ps(tmp + 16 * j, acc[m][j]);
+    for (int64_t c = 0; c < nc; c++)
+      store_out(y, y_bf16, (m0 + m) * N + n0 + c, tmp[c] + (bias ? bias[n0 + c] : 0.0f));
+  }
+#else
+  float acc[MB][KN_COLS];
+  memset(acc, 0, sizeof acc);
+  for (int64_t k = 0; k < K; k++) {
+    const float *wk = w + k * ldw + n0;
+    for (int m = 0; m < mb; m++) {
+      const float xv = load_act(x, xb, (m0 + m) * ldx + k);
+      float *a = acc[m];
+#pragma omp simd
+      for (int64_t c = 0; c < nc; c++) a[c] += xv * wk[c];
+    }
+  }
+  for (int m = 0; m < mb; m++)
+    for (int64_t c = 0; c < nc; c++)
+      store_out(y, y_bf16, (m0 + m) * N + n0 + c, acc[m][c] + (bias ? bias[n0 + c] : 0.0f));
+#endif
+}
+
+#define KN_CASE(MBV, XB) kn_panel(x, ldx, XB, m0, MBV, K, w, ldw, n0, nc, bias, y, (int)y_bf16, N)
+
+int linear_kn(const void *x, int64_t ldx, int64_t x_bf16, int64_t M, int64_t K, const float *w, int64_t ldw, int64_t N,
+              const float *bias, void *y, int64_t y_bf16, int64_t nthreads) {
+  const int64_t panels = (N + KN_COLS - 1) / KN_COLS;
+  if (nthreads > panels) nthreads = panels;
+  if (nthreads < 1) nthreads = 1;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
+  for (int64_t p = 0; p < panels; p++) {
+    const int64_t n0 = p * KN_COLS, nc = N - n0 < KN_COLS ? N - n0 : KN_COLS;
+    for (int64_t m0 = 0; m0 < M; m0 += MB) {
+      const int64_t mb = M - m0 < MB ? M - m0 : MB;
+      if (x_bf16) {
+        if (mb == 4) KN_CASE(4, 1); else if (mb == 3) KN_CASE(3, 1); else if (mb == 2) KN_CASE(2, 1); else KN_CASE(1, 1);
+      } else {
+        if (mb == 4) KN_CASE(4, 0); else if (mb == 3) KN_CASE(3, 0); else if (mb == 2) KN_CASE(2, 0); else KN_CASE(1, 0);
+      }
+    }
+  }
+  return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------------------
+ * [N, K] weights: out[m, n] = scale[n] * sum_k x[m, k] * w[n * K + k]   (scale: int8 only)
+ * ------------------------------------------------------------------------------------------------------- */
+
+#define NB 4 /* outputs per tile */
+
+#if HAVE_AVX512
+INLINE __m512 widen_bf16(__m256i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)); }
+
+/* 16 weights (or fewer: `mk`) of type `wt` at `p`, widened to float32 */
+INLINE __m512 load_w16(const void *p, const int wt, __mmask16 mk) {
+  if (wt == W_F32) return _mm512_maskz_loadu_ps(mk, p);
+  if (wt == W_BF16) return widen_bf16(_mm256_maskz_loadu_epi16(mk, p));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mk, p)));
+}
+
+INLINE __m512 load_x16(const void *p, const int xb, __mmask16 mk) {
+  return xb ? widen_bf16(_mm256_maskz_loadu_epi16(mk, p)) : _mm512_maskz_loadu_ps(mk, p);
+}
+#endif
+
+/* Sums of one tile of `nb` outputs x `mb` rows into acc_out; inlined with constant `mb`, `wt`, `xb`. */
+INLINE void nk_tile(const void *x, int64_t ldx, const int xb, int64_t m0, const int mb, int64_t K, const void *w, const int wt,
+                    int64_t n0, int64_t nb, float acc_out[MB][NB]) {
+  const int64_t wsize = wt == W_F32 ? 4 : wt == W_BF16 ? 2 : 1, xsize = xb ? 2 : 4;
+  const char *wr[NB], *xr[MB];
+  for (int i = 0; i < NB; i++) wr[i] = (const char *)w + (n0 + (i < nb ? i : 0)) * K * wsize;
+  for (int m = 0; m < mb; m++) xr[m] = (const char *)x + (m0 + m) * ldx * xsize;
+#if HAVE_AVX512
+#if defined(__AVX512BF16__)
+  if (wt == W_BF16 && xb) { /* pairs of bfloat16 products summed into float32 lanes, 32 weights a step */
+    __m512 acc[MB][NB];
+    for (int m = 0; m < mb; m++)
+      for (int i = 0; i < NB; i++) acc[m][i] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+      const int64_t left = K - k;
+      const __mmask32 mk = left >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << left) - 1);
+      __m512bh wv[NB];
+      for (int i = 0; i < NB; i++) {
+        wv[i] = (__m512bh)_mm512_maskz_loadu_epi16(mk, wr[i] + 2 * k);
+        _mm_prefetch(wr[i] + 2 * k + PREFETCH_BYTES, _MM_HINT_T0);
+      }
+      for (int m = 0; m < mb; m++) {
+        const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mk, xr[m] + 2 * k);
+        for (int i = 0; i < NB; i++) acc[m][i] = _mm512_dpbf16_ps(acc[m][i], xv, wv[i]);
+      }
+    }
+    for (int m = 0; m < mb; m++)
+      for (int i = 0; i < NB; i++) acc_out[m][i] = _mm512_reduce_add_ps(acc[m][i]);
+    return;
+  }
+#endif
+  __m512 acc[MB][NB];
+  for (int m = 0; m < mb; m++)
+    for (int i = 0; i < NB; i++) acc[m][i] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    const int64_t left = K - k;
+    const __mmask16 mk = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+    __m512 wv[NB];
+    for (int i = 0; i < NB; i++) {
+      wv[i] = load_w16(wr[i] + wsize * k, wt, mk);
+      if (wt == W_F32 || (k & (64 / wsize / 16 * 16 - 1)) == 0) _mm_prefetch(wr[i] + wsize * k + PREFETCH_BYTES, _MM_HINT_T0);
+    }
+    for (int m = 0; m < mb; m++) {
+      const __m512 xv = load_x16(xr[m] + xsize * k, xb, mk);
+      for (int i = 0; i < NB; i++) acc[m][i] = _mm512_fmadd_ps(xv, wv[i], acc[m][i]);
+    }
+  }
+  for (int m = 0; m < mb; m++)
+    for (int i = 0; i < NB; i++) acc_out[m][i] = _mm512_reduce_add_ps(acc[m][i]);
+#else
+  enum { L = 16 }; /* lanes of partial sums, as the vector path keeps */
+  for (int m = 0; m < mb; m++)
+    for (int i = 0; i < NB; i++) {
+      float part[L] = {0};
+      for (int64_t k0 = 0; k0 < K; k0 += L)
+        for (int l = 0; l < L && k0 + l < K; l++) {
+          const int64_t k = k0 + l;
+          const float wv = wt == W_F32    ? ((const float *)wr[i])[k]
+                           : wt == W_BF16 ? bf16_to_f32(((const uint16_t *)wr[i])[k])
+                                          : (float)((const int8_t *)wr[i])[k];
+          part[l] += load_act(xr[m], xb, k) * wv;
+        }
+      float s = 0.0f;
+      for (int l = 0; l < L; l++) s += part[l];
+      acc_out[m][i] = s;
+    }
+#endif
+}
+
+#define NK_MB(WT, XB)                                                                                          \
+  do {                                                                                                         \
+    if (mb == 4) nk_tile(x, ldx, XB, m0, 4, K, w, WT, n0, nb, acc);                                                 \
+    else if (mb == 3) nk_tile(x, ldx, XB, m0, 3, K, w, WT, n0, nb, acc);                                            \
+    else if (mb == 2) nk_tile(x, ldx, XB, m0, 2, K, w, WT, n0, nb, acc);                                            \
+    else nk_tile(x, ldx, XB, m0, 1, K, w, WT, n0, nb, acc);                                                         \
+  } while (0)
+
+int linear_nk(const void *x, int64_t ldx, int64_t x_bf16, int64_t M, int64_t K, const void *w, int64_t wtype,
+              const float *scales, int64_t N, const float *bias, void *y, int64_t y_bf16, int64_t nthreads) {
+  if (wtype != W_F32 && wtype != W_BF16 && wtype != W_INT8) return 1;
+  const int64_t tiles = (N + NB - 1) / NB;
+  if (nthreads > tiles) nthreads = tiles;
+  if (nthreads < 1) nthreads = 1;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
+  for (int64_t t = 0; t < tiles; t++) {
+    const int64_t n0 = t * NB, nb = N - n0 < NB ? N - n0 : NB;
+    for (int64_t m0 = 0; m0 < M; m0 += MB) {
+      const int64_t mb = M - m0 < MB ? M - m0 : MB;
+      float acc[MB][NB];
+      if (wtype == W_F32) {
+        if (x_bf16) NK_MB(W_F32, 1); else NK_MB(W_F32, 0);
+      } else if (wtype == W_BF16) {
+        if (x_bf16) NK_MB(W_BF16, 1); else NK_MB(W_BF16, 0);
+      } else {
+        if (x_bf16) NK_MB(W_INT8, 1); else NK_MB(W_INT8, 0);
+      }
+      for (int64_t m = 0; m < mb; m++)
+        for (int64_t i = 0; i < nb; i++) {
+          float v = acc[m][i];
+          if (scales) v *= scales[n0 + i];
+          if (bias) v += bias[n0 + i];
+          store_out(y, (int)y_bf16, (m0 + m) * N + n0 + i, v);
+        }
+    }
+  }
+  return 0;
+}

@@ -1,0 +1,125 @@
+"""The linear layers of a stage, with a native kernel for the few rows of a decode step on CPU.
+
+At one to a few dozen rows a linear layer streams its weights: each is read once and used once per row, so it
+should take the weight bytes over the memory bandwidth. PyTorch's CPU path does not get there at every shape
+and dtype (measured on SmolLM2's shapes, 2 threads, whole-model weights streamed: float32 19 GB/s, bfloat16
+through oneDNN 9.6 GB/s, weight-only int8 through `_weight_int8pack_mm` ~1 GB/s); `small_linear.c` streams
+float32 at 22 GB/s and bfloat16 at 18 GB/s. Above `max_rows` a step is compute-bound and MKL/oneDNN's
+blocking wins, so batches with more rows keep torch's path (int8 then multiplies a float copy of the weight
+made per call, one layer at a time).
+
+`Linear` is `nn.Linear` (the same parameter names, so loading and tensor parallelism are unchanged) whose
+`forward` picks the path per call by the row count. The thresholds are fixed per weight dtype, from
+measurement, rather than timed at start-up: the same batch then always takes the same arithmetic, run after
+run. Each output's sum is formed in the same order whatever the batch, so a row's result does not depend on
+the other rows. `RINGSCHED_NATIVE_LINEAR=0` turns the kernel off (int8 then takes torch's path everywhere).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ringsched.models import native_build
+
+logger = logging.getLogger(__name__)
+
+ENV_SWITCH = "RINGSCHED_NATIVE_LINEAR"
+SOURCE = Path(__file__).with_name("small_linear.c")
+# -fopenmp on both lines: the library then needs libgomp.so.1, which the dynamic linker resolves to the copy
+# torch has already loaded (same soname), so the kernel runs on torch's own thread team.
+COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c"]
+LINK_FLAGS = ["-shared", "-fopenmp"]
+
+_W_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+# Rows up to which the kernel is used, by weight dtype (measured: docs/performance.md, "Small-batch linear").
+MAX_ROWS = {torch.float32: 2, torch.bfloat16: 8, torch.int8: 32}
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel, or None (disabled, no compiler, build failed): decided once per process."""
+    with _lock:
+        if "lib" not in _state:
+            _state["lib"] = _load() if enabled() else None
+        return _state["lib"]  # type: ignore[return-value]
+
+
+def _load() -> ctypes.CDLL | None:
+    try:
+        lib = ctypes.CDLL(str(native_build.build(SOURCE, COMPILE_FLAGS, LINK_FLAGS)))
+    except (OSError, RuntimeError) as e:
+        logger.warning("linear layers: native small-batch kernel unavailable (%s); using torch's path", e)
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.linear_kn.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64]
+    lib.linear_nk.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64]
+    lib.linear_kn.restype = lib.linear_nk.restype = ctypes.c_int
+    return lib
+
+
+def native_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, scales: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`x @ weight.T (* scales) + bias` by the kernel. `x` [M, K] float32 or bfloat16 with unit stride along K;
+    `weight` [N, K] float32, bfloat16 or int8 (then `scales` [N] float32), either contiguous or (float32) the
+    transposed layout `cpu_layout` gives; `bias` [N] float32. Returns [M, N] in `x`'s dtype."""
+    lib = library()
+    assert lib is not None, "native_linear called without the kernel"
+    m, k = x.shape
+    n = weight.shape[0]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    y = torch.empty(m, n, dtype=x.dtype)
+    xb = int(x.dtype == torch.bfloat16)
+    b = None if bias is None else bias.data_ptr()
+    threads = torch.get_num_threads()
+    if weight.stride() == (1, n) and weight.dtype == torch.float32:  # [K, N] in memory
+        rc = lib.linear_kn(x.data_ptr(), x.stride(0), xb, m, k, weight.data_ptr(), n, n, b, y.data_ptr(), xb, threads)
+    else:
+        assert weight.is_contiguous(), "native_linear takes [N, K] or [K, N] weights"
+        s = None if scales is None else scales.data_ptr()
+        rc = lib.linear_nk(
+            x.data_ptr(), x.stride(0), xb, m, k, weight.data_ptr(), _W_CODE[weight.dtype], s, n, b, y.data_ptr(), xb,
+            threads,
+        )  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"native_linear: unsupported weight dtype {weight.dtype}")
+    return y
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` that sends batches of up to `max_rows` rows to the native kernel. `prepare()` (after the
+    weights are loaded) decides `max_rows`: 0 off CPU, for dtypes the kernel lacks, or without the kernel.
+    An int8 layer (`quantize_int8`) holds `weight` int8 [N, K] and `scales` float32 [N]."""
+
+    max_rows: int = 0
+    scales: torch.Tensor | None = None
+    bias_f32: torch.Tensor | None = None  # the kernel adds a float32 bias
+
+    def prepare(self) -> None:
+        w = self.weight
+        usable = w.device.type == "cpu" and w.dtype in MAX_ROWS and library() is not None
+        self.max_rows = MAX_ROWS[w.dtype] if usable else 0
+        self.bias_f32 = None if self.bias is None else self.bias.detach().float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] <= self.max_rows and x.dtype in (torch.float32, torch.bfloat16):
+            return native_linear(x, self.weight, self.bias_f32, self.scales)
+        if self.weight.dtype == torch.int8:
+            w = self.weight.to(x.dtype) * self.scales.to(x.dtype)[:, None]
+            return F.linear(x, w, self.bias)
+        return F.linear(x, self.weight, self.bias)
