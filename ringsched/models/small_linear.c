@@ -118,18 +118,24 @@ INLINE void kn_panel(const void *x, int64_t ldx, const int xb, int64_t m0, const
 
 int linear_kn(const void *x, int64_t ldx, int64_t x_bf16, int64_t M, int64_t K, const float *w, int64_t ldw, int64_t N,
               const float *bias, void *y, int64_t y_bf16, int64_t nthreads) {
-  const int64_t panels = (N + KN_COLS - 1) / KN_COLS;
-  if (nthreads > panels) nthreads = panels;
+  /* Each thread takes an equal run of 16-column groups (whole 64-column panels would leave one thread a panel
+   * more than the other on N = 576: 9 panels), walked in panels of up to 64 columns. */
+  const int64_t groups = (N + 15) / 16;
+  if (nthreads > groups) nthreads = groups;
   if (nthreads < 1) nthreads = 1;
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
-  for (int64_t p = 0; p < panels; p++) {
-    const int64_t n0 = p * KN_COLS, nc = N - n0 < KN_COLS ? N - n0 : KN_COLS;
-    for (int64_t m0 = 0; m0 < M; m0 += MB) {
-      const int64_t mb = M - m0 < MB ? M - m0 : MB;
-      if (x_bf16) {
-        if (mb == 4) KN_CASE(4, 1); else if (mb == 3) KN_CASE(3, 1); else if (mb == 2) KN_CASE(2, 1); else KN_CASE(1, 1);
-      } else {
-        if (mb == 4) KN_CASE(4, 0); else if (mb == 3) KN_CASE(3, 0); else if (mb == 2) KN_CASE(2, 0); else KN_CASE(1, 0);
+#pragma omp parallel for schedule(static, 1) num_threads(nthreads) if (nthreads > 1)
+  for (int64_t t = 0; t < nthreads; t++) {
+    const int64_t g0 = groups * t / nthreads, g1 = groups * (t + 1) / nthreads;
+    const int64_t end = 16 * g1 < N ? 16 * g1 : N;
+    for (int64_t n0 = 16 * g0; n0 < end; n0 += KN_COLS) {
+      const int64_t nc = end - n0 < KN_COLS ? end - n0 : KN_COLS;
+      for (int64_t m0 = 0; m0 < M; m0 += MB) {
+        const int64_t mb = M - m0 < MB ? M - m0 : MB;
+        if (x_bf16) {
+          if (mb == 4) KN_CASE(4, 1); else if (mb == 3) KN_CASE(3, 1); else if (mb == 2) KN_CASE(2, 1); else KN_CASE(1, 1);
+        } else {
+          if (mb == 4) KN_CASE(4, 0); else if (mb == 3) KN_CASE(3, 0); else if (mb == 2) KN_CASE(2, 0); else KN_CASE(1, 0);
+        }
       }
     }
   }

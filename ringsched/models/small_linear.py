@@ -40,7 +40,7 @@ LINK_FLAGS = ["-shared", "-fopenmp"]
 
 _W_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 # Rows up to which the kernel is used, by weight dtype (measured: docs/performance.md, "Small-batch linear").
-MAX_ROWS = {torch.float32: 2, torch.bfloat16: 8, torch.int8: 32}
+MAX_ROWS = {torch.float32: 8, torch.bfloat16: 16, torch.int8: 32}
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
