@@ -272,7 +272,8 @@ class DecoderLayer(nn.Module):
     small_ops = False  # `prepare_linears` turns it on where `layer_ops` can run this layer's small steps
 
     def forward(self, hidden, residual, batch: ForwardBatch, kv):
-        if self.small_ops and kv is not None and hidden.shape[0] <= layer_ops.MAX_ROWS and batch.cp is None:
+        small = self.small_ops and kv is not None and hidden.shape[0] <= layer_ops.MAX_ROWS and batch.cp is None
+        if small and hidden.is_contiguous() and (residual is None or residual.is_contiguous()):
             return self._small_step(hidden, residual, batch, kv)
         h, residual = self.input_layernorm.add_forward(hidden, residual)
         h = self.self_attn(h, batch, kv)
