@@ -54,7 +54,7 @@ def _flag(default: Any, help: str, *, type: Callable | None = None, choices: Seq
 
 
 # Default requests running at once per pipeline stage: PP=N runs N micro-batches of this many, each as full as
-# PP=1's one batch, so adding a stage adds throughput without tuning flags (docs/design: admission).
+# PP=1's one batch, so adding a stage adds throughput without tuning flags (the design brief's admission section).
 RUNNING_PER_STAGE = 128
 
 

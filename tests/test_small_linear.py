@@ -131,3 +131,20 @@ def test_an_int8_model_computes_with_its_dequantized_weights(tmp_path):
             want = ref.compute_logits(ref(ForwardBatch.no_cache(rows), input_ids=ids))
             got = q.compute_logits(q(ForwardBatch.no_cache(rows), input_ids=ids))
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_switched_off_the_torch_path_runs_every_dtype(monkeypatch):
+    """`RINGSCHED_NATIVE_LINEAR=0`: no kernel, and an int8 layer still computes (a float copy of its weight)."""
+    monkeypatch.setattr(small_linear, "_state", {})
+    monkeypatch.setattr(layer_ops, "_state", {})
+    monkeypatch.setenv(small_linear.ENV_SWITCH, "0")
+    assert small_linear.library() is None and not layer_ops.usable(torch.float32, torch.device("cpu"))
+    lin = small_linear.Linear(64, 32)
+    from ringsched.models.quantize import quantize_linear
+
+    quantize_linear(lin)
+    lin.prepare()
+    assert lin.max_rows == 0
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight.float() * lin.scales[:, None], lin.bias))

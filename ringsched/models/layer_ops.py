@@ -40,10 +40,8 @@ def library() -> ctypes.CDLL | None:
 
 
 def _load() -> ctypes.CDLL | None:
-    try:
-        lib = ctypes.CDLL(str(native_build.build(SOURCE, COMPILE_FLAGS, LINK_FLAGS)))
-    except (OSError, RuntimeError) as e:
-        logger.warning("layer ops: native kernel unavailable (%s); using torch's operators", e)
+    lib = native_build.load(SOURCE, COMPILE_FLAGS, LINK_FLAGS, logger, "layer ops", "using torch's operators")
+    if lib is None:
         return None
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     lib.add_rmsnorm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32, i64, i64]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import subprocess
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,16 +100,13 @@ def _library() -> ctypes.CDLL | None:
 
 
 def _load() -> ctypes.CDLL | None:
-    try:
-        path = _build()
-        lib = ctypes.CDLL(str(path))
-    except (OSError, subprocess.SubprocessError, RuntimeError) as e:
-        logger.warning("decode attention: native kernel unavailable (%s); using the torch path", e)
+    lib = native_build.load(SOURCE, COMPILE_FLAGS, LINK_FLAGS, logger, "decode attention", "using the torch path")
+    if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.paged_decode.argtypes = [ptr] * 5 + [i64] * 7 + [ctypes.c_float, ptr, i64, i64, ptr]
     lib.paged_decode.restype = ctypes.c_int
-    logger.info("decode attention: native CPU kernel %s", path.name)
+    logger.info("decode attention: native CPU kernel %s", Path(lib._name).name)
     return lib
 
 

@@ -8,7 +8,9 @@ atomic rename.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -17,6 +19,17 @@ import tempfile
 from pathlib import Path
 
 from ringsched.models.fetch import cache_dir
+
+
+def load(source: Path, compile_flags: list[str], link_flags: list[str], log: logging.Logger, what: str,
+         fallback: str) -> ctypes.CDLL | None:
+    """The library built from `source` and loaded, or None with a warning (`what`: the kernel's job; `fallback`:
+    what runs instead) when there is no compiler or the build fails."""
+    try:
+        return ctypes.CDLL(str(build(source, compile_flags, link_flags)))
+    except (OSError, subprocess.SubprocessError, RuntimeError) as e:
+        log.warning("%s: native kernel unavailable (%s); %s", what, e, fallback)
+        return None
 
 
 def build(source: Path, compile_flags: list[str], link_flags: list[str]) -> Path:

@@ -59,10 +59,8 @@ def library() -> ctypes.CDLL | None:
 
 
 def _load() -> ctypes.CDLL | None:
-    try:
-        lib = ctypes.CDLL(str(native_build.build(SOURCE, COMPILE_FLAGS, LINK_FLAGS)))
-    except (OSError, RuntimeError) as e:
-        logger.warning("linear layers: native small-batch kernel unavailable (%s); using torch's path", e)
+    lib = native_build.load(SOURCE, COMPILE_FLAGS, LINK_FLAGS, logger, "linear layers", "using torch's path")
+    if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.linear_kn.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64]
