@@ -91,9 +91,9 @@ class EngineConfig:
     dtype: str = _flag("float32", "weights and activations; bfloat16 halves memory (and on CPUs with AMX runs "
                        "faster), float16 is for GPUs", choices=("float32", "bfloat16", "float16"))  # fmt: skip
     quantization: str = _flag("none", "int8: weight-only int8 projections and lm_head (a float32 scale per output "
-                              "row), a quarter of float32's weight bytes; decoding at a few requests per step reads "
-                              "the weights once per token, so it runs about that much faster, at a measured cost in "
-                              "accuracy (docs/performance.md)", choices=("none", "int8"))  # fmt: skip
+                              "row), a quarter of float32's weight bytes; a step of a few requests reads every weight, "
+                              "so one request decodes ~2x faster than float32 on CPU, at a measured cost in accuracy "
+                              "(docs/performance.md)", choices=("none", "int8"))  # fmt: skip
     device: str = _flag("auto", "cuda gives each stage one GPU (NCCL between them); auto picks cuda when present",
                         choices=("auto", "cpu", "cuda"))  # fmt: skip
     threads_per_stage: int | None = _flag(None, "CPU threads per rank (default: cores // ranks on this node; a rank "
