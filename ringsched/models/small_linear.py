@@ -2,17 +2,18 @@
 
 At one to a few dozen rows a linear layer streams its weights: each is read once and used once per row, so it
 should take the weight bytes over the memory bandwidth. PyTorch's CPU path does not get there at every shape
-and dtype (measured on SmolLM2's shapes, 2 threads, whole-model weights streamed: float32 19 GB/s, bfloat16
-through oneDNN 9.6 GB/s, weight-only int8 through `_weight_int8pack_mm` ~1 GB/s); `small_linear.c` streams
-float32 at 22 GB/s and bfloat16 at 18 GB/s. Above `max_rows` a step is compute-bound and MKL/oneDNN's
-blocking wins, so batches with more rows keep torch's path (int8 then multiplies a float copy of the weight
-made per call, one layer at a time).
+and dtype. Measured on SmolLM2's shapes with whole-model weights streamed, 2 threads (docs/performance.md, "One
+request and moderate load"): at one row float32 runs as MKL does (23-24 GB/s) and faster at 2-8 rows (0.66-0.83x
+the time), bfloat16 at 21 GB/s against oneDNN's 8, int8 at 15 against `_weight_int8pack_mm`'s 2. Above
+`MAX_ROWS` a step is compute-bound and MKL/oneDNN's blocking wins, so batches with more rows keep torch's path
+(int8 then multiplies a float copy of the weight made per call, one layer at a time).
 
 `Linear` is `nn.Linear` (the same parameter names, so loading and tensor parallelism are unchanged) whose
 `forward` picks the path per call by the row count. The thresholds are fixed per weight dtype, from
 measurement, rather than timed at start-up: the same batch then always takes the same arithmetic, run after
-run. Each output's sum is formed in the same order whatever the batch, so a row's result does not depend on
-the other rows. `RINGSCHED_NATIVE_LINEAR=0` turns the kernel off (int8 then takes torch's path everywhere).
+run. Within the kernel each output's sum is formed in the same order whatever the batch, so a row's result does
+not depend on the other rows. `RINGSCHED_NATIVE_LINEAR=0` turns the kernel off (int8 then takes torch's path
+everywhere).
 """
 
 from __future__ import annotations
