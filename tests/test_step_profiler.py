@@ -66,4 +66,5 @@ def test_a_ring_writes_each_stage_table_and_keeps_serving(tiny_llama_dir, tmp_pa
     assert again == first and all(len(t) == 8 for t in first)
     for rank in (0, 1):
         text = (tmp_path / "prof" / f"stage{rank}_of2.txt").read_text()
-        assert "aten::mm" in text and "window: micro-batches 3," in text
+        # These steps' few rows go through the native kernels (no aten::mm); their output buffers are torch's.
+        assert "aten::empty" in text and "window: micro-batches 3," in text

@@ -8,7 +8,7 @@ the COUNT micro-batches after the first START, counting only micro-batches of at
 (smaller micro-batches inside the window are profiled and counted in its totals). At the window's end each
 stage writes `stage{rank}_of{size}.txt`: the operators by self CPU time, grouped by input shapes, then the
 window's micro-batches, tokens, layer-tokens and compute seconds, so per-token figures can be set side by
-side. Code outside torch's operators (the native decode kernel, Python) appears only as the gap between the
+side. Code outside torch's operators (the native kernels, Python) appears only as the gap between the
 operators' total and the compute seconds. Writing the table stalls the stage for a few seconds once; the
 ring waits for it. A window that has started records every micro-batch until COUNT qualifying ones have run,
 so on a server whose traffic stops mid-window the profiler's events wait (and hold memory) until it resumes.
