@@ -84,6 +84,11 @@ class EngineConfig:
                                           "and, beside decoding requests, as long as one of their steps (a start-up "
                                           "probe models both), so their TPOT stays within ~2x while it prefills; "
                                           "alone a long prompt gets no faster")  # fmt: skip
+    enable_prefix_caching: bool | None = _flag(None, "reuse the KV of a prompt's longest cached prefix (whole blocks "
+                                               "of 16 tokens: system prompts, chat turns, few-shot examples); "
+                                               "stage 0's block table holds the cache, idle cached blocks are "
+                                               "evicted least recently used (default: on; off with --cp-size > 1, "
+                                               "which it does not support)", type=bool)  # fmt: skip
     kv_cache_memory: str | int | float = _flag("1G", "KV pool per stage: bytes (2G, 512MiB) or a fraction of free "
                                                "memory (0.3: of the GPU's, or on CPU of the node's shared by its "
                                                "stages)")  # fmt: skip
@@ -159,6 +164,14 @@ class EngineConfig:
             self.pp_flex_layers == 0 or self.cp_size == 1,
             f"--pp-flex-layers runs with --cp-size 1 only (got --cp-size {self.cp_size}): a moving cut's mirrored KV "
             "rows are not split over context-parallel ranks; leave --pp-flex-layers at 0",
+        )
+        if self.enable_prefix_caching is None:
+            object.__setattr__(self, "enable_prefix_caching", self.cp_size == 1)
+        _require(
+            not (self.enable_prefix_caching and self.cp_size > 1),
+            f"--enable-prefix-caching runs with --cp-size 1 only (got --cp-size {self.cp_size}): a cached prefix's "
+            "blocks would have to sit on the context-parallel ranks its tokens are placed on; pass "
+            "--no-enable-prefix-caching",
         )
         _require(
             self.pp_async_batch_depth >= 0,

@@ -3,27 +3,88 @@
 Every stage has a `BlockTable` of the same capacity (the minimum over stages). Only stage 0 allocates: the
 block numbers it picks travel in each plan entry (`new_blocks`) and the other stages `assign` them, so block
 numbers agree on every stage without a second allocator that could drift.
+
+Prefix caching lives in stage 0's table alone (`PrefixCache`): a request that starts from cached blocks gets
+them in its first plan entry (`cached_blocks`), and the other stages `assign` them like new ones. No other stage
+hashes, looks up or evicts, so no stage can see a different cached prefix than stage 0 planned with.
 """
 
 from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
 
 import torch
 
 from ringsched.models.config import ModelConfig
 
 
-class BlockTable:
-    """Which blocks each request holds. Deterministic: the same calls give the same blocks."""
+def block_hashes(ids: Sequence[int], block_size: int, have: list[bytes]) -> list[bytes]:
+    """`have` (the chained hashes of the first full blocks of `ids`) extended to every full block of `ids`.
 
-    def __init__(self, num_blocks: int, block_size: int, follower: bool = False) -> None:
+    A block's hash covers its token ids and, through its parent's hash, every token before it, so equal hashes
+    mean equal prefixes (a 128-bit BLAKE2 digest: a collision, which would hand one request another's KV, cannot
+    be crafted the way Python's `hash` of a tuple could)."""
+    out = list(have)
+    for i in range(len(out), len(ids) // block_size):
+        parent = out[-1] if out else b""
+        tokens = array("q", ids[i * block_size : (i + 1) * block_size]).tobytes()
+        out.append(hashlib.blake2b(parent + tokens, digest_size=16).digest())
+    return out
+
+
+class PrefixCache:
+    """Stage 0's index of full KV blocks by the hash of the prefix they end (`block_hashes`), and the blocks no
+    request holds but that keep their KV for the next request with that prefix (`idle`, oldest first: evicted
+    least recently used when the pool needs room)."""
+
+    def __init__(self) -> None:
+        self.block_of: dict[bytes, int] = {}
+        self.hash_of: dict[int, bytes] = {}
+        self.idle: OrderedDict[int, None] = OrderedDict()
+        self.queries = 0  # prompt tokens looked up (each admission, re-admission after preemption included)
+        self.hits = 0  # of which were found cached
+
+    def lookup(self, hashes: list[bytes]) -> list[int]:
+        """The blocks of the longest cached prefix among `hashes`."""
+        blocks = []
+        for h in hashes:
+            b = self.block_of.get(h)
+            if b is None:
+                break
+            blocks.append(b)
+        return blocks
+
+    def evict(self) -> int:
+        """Forget the least recently used idle block; its number."""
+        b, _ = self.idle.popitem(last=False)
+        del self.block_of[self.hash_of.pop(b)]
+        return b
+
+
+class BlockTable:
+    """Which blocks each request holds. Deterministic: the same calls give the same blocks.
+
+    A block may be held by several requests (a shared prefix, `share`): each block counts its holders, and a
+    block is in use while any request holds it. With a `PrefixCache` (stage 0 only), a full block is indexed by
+    its prefix's hash once computed (`index`), and when its last holder frees it, it keeps its KV as an idle
+    block: still free capacity, taken back by a request with the same prefix, or evicted when the pool has no
+    never-used block left."""
+
+    def __init__(self, num_blocks: int, block_size: int, follower: bool = False, prefix_caching: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError("the KV pool holds no block; raise --kv-cache-memory")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.follower = follower  # takes its block numbers from plans (`assign`), never allocates
+        self.cache = PrefixCache() if prefix_caching and not follower else None
         self._used = 0
+        self._refs = [0] * num_blocks  # requests holding each block
         # Popped from the end: lowest block numbers first, and freed blocks are reused first.
         self._free = list(range(num_blocks - 1, -1, -1))
         self.tables: dict[str, list[int]] = {}
+        self._cached: dict[str, int] = {}  # leading blocks of each request already indexed in the cache
 
     @property
     def capacity_tokens(self) -> int:
@@ -31,11 +92,16 @@ class BlockTable:
 
     @property
     def free_blocks(self) -> int:
+        """Blocks no request holds (idle cached blocks included: they are evicted on demand)."""
         return self.num_blocks - self._used
 
     @property
     def used_blocks(self) -> int:
         return self._used
+
+    @property
+    def cached_idle_blocks(self) -> int:
+        return len(self.cache.idle) if self.cache else 0
 
     @property
     def usage(self) -> float:
@@ -45,18 +111,31 @@ class BlockTable:
         have = len(self.tables.get(rid, ()))
         return max(-(-num_tokens // self.block_size) - have, 0)
 
-    def can_hold(self, rid: str, num_tokens: int) -> bool:
-        return self.blocks_needed(rid, num_tokens) <= self.free_blocks
+    def can_hold(self, rid: str, num_tokens: int, shared: Sequence[int] = ()) -> bool:
+        """Whether `rid`, after taking the cached blocks `shared` (`share`), can grow to `num_tokens` tokens."""
+        have = len(self.tables.get(rid, ())) + len(shared)
+        need = max(-(-num_tokens // self.block_size) - have, 0)
+        taken_idle = sum(1 for b in shared if self._refs[b] == 0)  # idle now, held once shared
+        return need + taken_idle <= self.free_blocks
+
+    def _hold(self, b: int) -> None:
+        if self._refs[b] == 0:
+            self._used += 1
+        self._refs[b] += 1
+
+    def _take(self) -> int:
+        b = self._free.pop() if self._free else self.cache.evict()
+        self._hold(b)
+        return b
 
     def ensure(self, rid: str, num_tokens: int) -> bool:
         """Grow `rid` to hold `num_tokens` tokens; False (and no change) when the pool is short."""
         need = self.blocks_needed(rid, num_tokens)
-        if need > len(self._free):
+        if need > self.free_blocks:
             return False
         table = self.tables.setdefault(rid, [])
         for _ in range(need):
-            table.append(self._free.pop())
-        self._used += need
+            table.append(self._take())
         return True
 
     def grow(self, rid: str, num_tokens: int) -> dict:
@@ -66,16 +145,49 @@ class BlockTable:
             raise RuntimeError(f"request {rid}: the pool cannot hold {num_tokens} tokens (caller checks first)")
         return {"new_blocks": self.tables[rid][before:]}
 
+    def share(self, rid: str, blocks: Sequence[int]) -> None:
+        """Start `rid` (holding nothing yet) from cached blocks: an idle one is held again, a held one shared."""
+        assert rid not in self.tables, f"request {rid} already holds blocks"
+        for b in blocks:
+            if self._refs[b] == 0 and self.cache:
+                self.cache.idle.pop(b)
+            self._hold(b)
+        self.tables[rid] = list(blocks)
+        self._cached[rid] = len(blocks)
+
+    def index(self, rid: str, hashes: list[bytes]) -> None:
+        """Index `rid`'s leading full blocks, whose KV is computed (or being computed, by an earlier micro-batch
+        than any that could read it), under their prefixes' `hashes`. A prefix cached in another block already
+        keeps that block."""
+        pc = self.cache
+        for i in range(self._cached.get(rid, 0), len(hashes)):
+            b = self.tables[rid][i]
+            if hashes[i] not in pc.block_of and b not in pc.hash_of:
+                pc.block_of[hashes[i]] = b
+                pc.hash_of[b] = hashes[i]
+        self._cached[rid] = max(self._cached.get(rid, 0), len(hashes))
+
     def assign(self, rid: str, blocks: list[int]) -> None:
         """Follow stage 0's allocation (non-first stages)."""
         self.tables.setdefault(rid, []).extend(blocks)
-        self._used += len(blocks)
+        for b in blocks:
+            self._hold(b)
 
     def free(self, rid: str) -> None:
-        table = self.tables.pop(rid, [])
-        self._used -= len(table)
-        if not self.follower:
-            self._free.extend(reversed(table))
+        """`rid` lets go of its blocks; one no one else holds becomes free, or idle if it is cached. The last
+        block goes first: a request's tail is evicted before the prefix other requests are likelier to share."""
+        self._cached.pop(rid, None)
+        for b in reversed(self.tables.pop(rid, [])):
+            self._refs[b] -= 1
+            if self._refs[b]:
+                continue
+            self._used -= 1
+            if self.follower:
+                continue
+            if self.cache and b in self.cache.hash_of:
+                self.cache.idle[b] = None
+            else:
+                self._free.append(b)
 
     def slots(self, rid: str, start: int, end: int) -> torch.Tensor:
         """Cache slot of each position in `[start, end)`."""

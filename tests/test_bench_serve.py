@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import shlex
 import threading
 import time
@@ -18,7 +19,12 @@ pytest.importorskip("aiohttp")
 pytest.importorskip("tqdm")
 from aiohttp import web  # noqa: E402
 
-from ringsched.bench.datasets import jsonl_requests, length_range, random_requests  # noqa: E402
+from ringsched.bench.datasets import (  # noqa: E402
+    jsonl_requests,
+    length_range,
+    random_requests,
+    shared_prefix_requests,
+)
 from ringsched.bench.metrics import RequestResult, compute_metrics, format_metrics  # noqa: E402
 from ringsched.bench.serve import ServeConfig, add_serve_args, arrival_times, run_serve  # noqa: E402
 
@@ -37,6 +43,7 @@ class FakeCompletionsServer:
         self.chunk_delay = 0.002
         self.tokens_per_chunk = 1
         self.send_usage = True
+        self.cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when set
         self.fail_every = 0
         self.error_chunk_every = 0
         self.bodies: list[dict] = []
@@ -73,6 +80,11 @@ class FakeCompletionsServer:
             self.active -= 1
         return resp
 
+    def _details(self, prompt_tokens: int) -> dict:
+        if self.cached_tokens is None:
+            return {}
+        return {"prompt_tokens_details": {"cached_tokens": min(self.cached_tokens, prompt_tokens)}}
+
     async def _stream(self, resp: web.StreamResponse, body: dict, error: bool) -> None:
         async def send(obj: dict | str) -> None:
             await resp.write(f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n".encode())
@@ -97,7 +109,8 @@ class FakeCompletionsServer:
             await send(
                 {
                     "choices": [],
-                    "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": body["max_tokens"]},
+                    "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": body["max_tokens"],
+                              **self._details(prompt_tokens)},  # fmt: skip
                 }
             )
         await send("[DONE]")
@@ -286,6 +299,25 @@ def test_random_dataset_lengths_and_determinism():
     assert reqs == random_requests(200, 10, 20, range_ratio=0.5, vocab_size=512, seed=3)
     with pytest.raises(ValueError, match="--random-range-ratio"):
         random_requests(1, 10, 10, range_ratio=1.0)
+
+
+def test_shared_prefix_dataset_and_the_cached_share(fake_server, capsys):
+    reqs = shared_prefix_requests(6, 12, 2, 4, 3, vocab_size=512, seed=1)
+    assert [len(r.prompt) for r in reqs] == [16] * 6 and all(r.prompt_len == 16 for r in reqs)
+    heads = [tuple(r.prompt[:12]) for r in reqs]
+    assert heads[0] == heads[2] == heads[4] != heads[1] == heads[3] == heads[5]
+    assert len({tuple(r.prompt[12:]) for r in reqs}) == 6  # each its own tail
+    assert reqs == shared_prefix_requests(6, 12, 2, 4, 3, vocab_size=512, seed=1)
+    with pytest.raises(ValueError, match="--shared-prefix-len"):
+        shared_prefix_requests(1, 0, 1, 4, 3)
+
+    server, url = fake_server
+    server.cached_tokens = 8
+    result = run(f"--base-url {url} --dataset shared-prefix --shared-prefix-len 12 --shared-prefix-groups 2 "
+                 "--random-input-len 4 --random-output-len 3 --num-prompts 6")  # fmt: skip
+    assert result["total_input_tokens"] == 6 * 16 and result["total_cached_tokens"] == 6 * 8
+    assert [b["prompt"] for b in server.bodies] != [] and len({tuple(b["prompt"][:12]) for b in server.bodies}) == 2
+    assert re.search(r"Prefix cache hit rate \(%\):\s+50\.00", capsys.readouterr().out)
 
 
 def test_jsonl_dataset_errors_name_the_line(tmp_path: Path):

@@ -113,6 +113,34 @@ def test_generate_native(server, reference):
     assert (r["meta_info"]["prompt_tokens"], r["meta_info"]["completion_tokens"]) == (5, 24)
 
 
+def test_prefix_cache_reports_cached_tokens(client, server):
+    """A repeated system prompt: its blocks come from the prefix cache; usage and /metrics say how many."""
+    system = "You answer in one word, and you never explain your answer to anyone. " * 12
+    before = metrics(server)
+    usages, texts = [], []
+    for question in ("Name a colour.", "Name a colour.", "Name a fruit."):
+        msgs = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        r = client.chat.completions.create(model=MODEL, messages=msgs, **GREEDY)
+        usages.append(r.usage)
+        texts.append(r.choices[0].message.content)
+    cached = [u.prompt_tokens_details.cached_tokens for u in usages]
+    assert texts[0] == texts[1]  # greedy: the same answer from cached KV
+    assert all(c % 16 == 0 for c in cached) and usages[0].prompt_tokens > 150
+    assert cached[1] == (usages[1].prompt_tokens - 1) // 16 * 16  # all but the last token's block
+    assert 150 < cached[2] < usages[2].prompt_tokens  # the system prompt, not the question
+    deadline, hits = time.monotonic() + 10, 0.0
+    while time.monotonic() < deadline:  # stage 0 reports its totals every half second
+        after = metrics(server)
+        hits = after["ringsched:prefix_cache_hits_total"] - before.get("ringsched:prefix_cache_hits_total", 0)
+        if hits >= sum(cached):
+            break
+        time.sleep(0.2)
+    assert hits == sum(cached)
+    cached_total = "ringsched:prompt_tokens_cached_total"
+    assert after[cached_total] - before.get(cached_total, 0) == sum(cached)
+    assert 0 < after["ringsched:prefix_cache_hit_rate"] <= 1
+
+
 def test_64_concurrent_streams(server):
     before = metrics(server)
     prompts = [f"Request {i}: tell me about the number {i}." for i in range(64)]

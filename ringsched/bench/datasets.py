@@ -1,4 +1,5 @@
-"""Benchmark request datasets: random token-id prompts, or prompts read from a JSONL file.
+"""Benchmark request datasets: random token-id prompts, random prompts behind shared prefixes, or prompts read
+from a JSONL file.
 
 Contract: each loader returns exactly `num_prompts` `SampleRequest`s, deterministic for a given seed.
 A prompt is either a string or a list of token ids (the OpenAI completions API accepts both); `prompt_len`
@@ -18,6 +19,7 @@ import numpy as np
 # Low ids are where tokenizers keep special and control tokens; random prompts stay above them so that a
 # random prompt never contains an EOS or a chat-template marker.
 SPECIAL_TOKEN_IDS = 1000
+DATASETS = ("random", "shared-prefix", "jsonl")
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,31 @@ def random_requests(
         ids = rng.integers(offset, vocab_size, size=int(n_in)).tolist()
         requests.append(SampleRequest(prompt=ids, prompt_len=len(ids), output_len=int(n_out)))
     return requests
+
+
+def shared_prefix_requests(
+    num_prompts: int,
+    prefix_len: int,
+    groups: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float = 0.0,
+    vocab_size: int = 10000,
+    seed: int = 0,
+) -> list[SampleRequest]:
+    """`random_requests` whose prompts each start with one of `groups` random prefixes of `prefix_len` tokens
+    (request `i` with prefix `i % groups`): the shape of many users behind one system prompt or few-shot block."""
+    if prefix_len < 1 or groups < 1:
+        raise ValueError("--shared-prefix-len and --shared-prefix-groups must be at least 1")
+    tails = random_requests(num_prompts, input_len, output_len, range_ratio, vocab_size, seed)
+    rng = np.random.default_rng(seed + 1)
+    offset = min(SPECIAL_TOKEN_IDS, vocab_size // 2)
+    prefixes = [rng.integers(offset, vocab_size, size=prefix_len).tolist() for _ in range(groups)]
+    out = []
+    for i, t in enumerate(tails):
+        ids = prefixes[i % groups] + list(t.prompt)
+        out.append(SampleRequest(prompt=ids, prompt_len=len(ids), output_len=t.output_len))
+    return out
 
 
 def jsonl_requests(path: str | Path, num_prompts: int) -> list[SampleRequest]:

@@ -30,10 +30,12 @@ class RequestResult:
     success: bool = False
     prompt_len: int = 0
     output_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the server took from its prefix cache (usage.prompt_tokens_details)
     ttft: float = 0.0
     itl: list[float] = field(default_factory=list)
     latency: float = 0.0
     error: str = ""
+    text: str = ""  # the completion's text, streamed (left out of the metrics; scripts compare it)
 
     @property
     def tpot(self) -> float | None:
@@ -66,6 +68,7 @@ class BenchmarkMetrics:
     duration: float
     total_input_tokens: int
     total_output_tokens: int
+    total_cached_tokens: int
     request_throughput: float
     output_throughput: float
     total_token_throughput: float
@@ -100,6 +103,7 @@ def compute_metrics(results: list[RequestResult], duration: float) -> BenchmarkM
         duration=duration,
         total_input_tokens=total_in,
         total_output_tokens=total_out,
+        total_cached_tokens=sum(r.cached_tokens for r in ok),
         request_throughput=len(ok) * per_s,
         output_throughput=total_out * per_s,
         total_token_throughput=(total_in + total_out) * per_s,
@@ -127,6 +131,7 @@ def format_metrics(
         _row("Benchmark duration (s):", m.duration),
         _row("Total input tokens:", m.total_input_tokens),
         _row("Total generated tokens:", m.total_output_tokens),
+        _row("Prefix cache hit rate (%):", 100.0 * m.total_cached_tokens / max(m.total_input_tokens, 1)),
         _row("Request throughput (req/s):", m.request_throughput),
         _row("Output token throughput (tok/s):", m.output_throughput),
         _row("Total Token throughput (tok/s):", m.total_token_throughput),

@@ -34,7 +34,7 @@ except ImportError as e:  # the benchmark's dependencies are an optional extra
         f"`ringsched.bench serve` needs aiohttp and tqdm ({e}); pip install 'ringsched[bench]'"
     ) from e
 
-from ringsched.bench.datasets import SampleRequest, jsonl_requests, random_requests
+from ringsched.bench.datasets import DATASETS, SampleRequest, jsonl_requests, random_requests, shared_prefix_requests
 from ringsched.bench.metrics import RequestResult, compute_metrics, format_metrics
 
 logger = logging.getLogger(__name__)
@@ -61,6 +61,8 @@ class ServeConfig:
     random_output_len: int = 128
     random_range_ratio: float = 0.0
     random_vocab_size: int = 10000
+    shared_prefix_len: int = 1000
+    shared_prefix_groups: int = 1
     ignore_eos: bool = False
     seed: int = 0
     api_key: str | None = None
@@ -76,8 +78,8 @@ class ServeConfig:
             raise ValueError(f"--burstiness must be > 0 (1.0 is Poisson), got {self.burstiness}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"--max-concurrency must be at least 1, got {self.max_concurrency}")
-        if self.dataset not in ("random", "jsonl"):
-            raise ValueError(f"--dataset must be 'random' or 'jsonl', got {self.dataset!r}")
+        if self.dataset not in DATASETS:
+            raise ValueError(f"--dataset must be one of {', '.join(DATASETS)}, got {self.dataset!r}")
         if self.dataset == "jsonl" and not self.dataset_path:
             raise ValueError("--dataset jsonl needs --dataset-path FILE (one JSON request per line)")
 
@@ -107,7 +109,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="gamma shape of inter-arrival times: 1.0 is Poisson, lower is burstier, higher is steadier",
     )
     add("--max-concurrency", type=int, default=None, help="cap on requests in flight (default: none)")
-    add("--dataset", choices=["random", "jsonl"], default=d.dataset)
+    add("--dataset", choices=DATASETS, default=d.dataset, help="random: random token ids; shared-prefix: random "
+        "prompts that start with one of --shared-prefix-groups random prefixes of --shared-prefix-len tokens (a "
+        "system prompt), then --random-input-len tokens of their own; jsonl: --dataset-path")
     add("--dataset-path", default=None, help='JSONL file, one {"prompt": ..., "output_len": N} per line')
     add("--random-input-len", type=int, default=d.random_input_len)
     add("--random-output-len", type=int, default=d.random_output_len)
@@ -123,6 +127,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         default=d.random_vocab_size,
         help="random prompt token ids are drawn below this (the model's vocabulary size or less)",
     )
+    add("--shared-prefix-len", type=int, default=d.shared_prefix_len, help="shared-prefix: tokens of each prefix")
+    add("--shared-prefix-groups", type=int, default=d.shared_prefix_groups,
+        help="shared-prefix: distinct prefixes, the requests spread over them in turn")  # fmt: skip
     add("--ignore-eos", action="store_true", help="ask the server to generate exactly max_tokens")
     add("--seed", type=int, default=d.seed)
     add("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token (default: $OPENAI_API_KEY)")
@@ -134,6 +141,10 @@ def load_requests(cfg: ServeConfig) -> list[SampleRequest]:
     if cfg.dataset == "jsonl":
         assert cfg.dataset_path is not None  # checked in ServeConfig
         return jsonl_requests(cfg.dataset_path, cfg.num_prompts)
+    if cfg.dataset == "shared-prefix":
+        return shared_prefix_requests(cfg.num_prompts, cfg.shared_prefix_len, cfg.shared_prefix_groups,
+                                      cfg.random_input_len, cfg.random_output_len, cfg.random_range_ratio,
+                                      cfg.random_vocab_size, cfg.seed)  # fmt: skip
     return random_requests(
         cfg.num_prompts,
         cfg.random_input_len,
@@ -219,6 +230,7 @@ async def _read_stream(
             return
         choices = chunk.get("choices") or []
         if choices and choices[0].get("text"):
+            result.text += choices[0]["text"]
             now = time.perf_counter()
             if chunks_with_text == 0:
                 result.ttft = now - start
@@ -230,6 +242,7 @@ async def _read_stream(
             usage_tokens = usage.get("completion_tokens", usage_tokens)
             if not prompt_len_known and usage.get("prompt_tokens") is not None:
                 result.prompt_len = usage["prompt_tokens"]
+            result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     result.latency = time.perf_counter() - start
     if chunks_with_text == 0:
         result.ttft = result.latency  # nothing streamed early: the first token came with the end

@@ -35,6 +35,10 @@ class PlanEntry:
     token_ids: list[int]  # the tokens this micro-batch computes for the request
     samples: bool  # the entry ends at the last known token: the last stage samples the next one
     new_blocks: list[int] = field(default_factory=list)  # KV blocks stage 0 allocated for this entry
+    # Prefix caching, in a request's first entry after admission: the cached blocks it starts from (positions
+    # [0, start), computed by earlier requests) and their token ids (the last stage's sampling history)
+    cached_blocks: list[int] = field(default_factory=list)
+    cached_ids: list[int] = field(default_factory=list)
     # --cp-size > 1 (parallel/cp_blocks.py): the tokens each CP rank of a stage computes and stores, and each
     # rank's new blocks (`new_blocks` then stays empty)
     cp_counts: list[int] = field(default_factory=list)
@@ -78,6 +82,7 @@ class TokenOutput:
     # With finish_reason "error": None when stage 0 refused the request at admission (the client's to fix), else
     # what failed while it ran ("request_failed": its parameters made a stage fail; the engine runs on).
     error_code: str | None = None
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (the first admission's)
 
 
 @dataclass

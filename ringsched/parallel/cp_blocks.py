@@ -53,7 +53,9 @@ class CPBlocks:
     """Stage 0's allocator for a CP group: one `BlockTable` per CP rank (the rank's pool; index 0 is stage 0's own),
     and each request's token count per rank. It has the `BlockTable` methods the planner calls (`can_hold`,
     `grow`, `free`, `capacity_tokens`, `usage`), with `grow` returning the plan entry's `cp_counts` and
-    `cp_blocks`."""
+    `cp_blocks`. No prefix cache: a cached prefix would have to sit where the placement rule puts its tokens."""
+
+    cache = None
 
     def __init__(self, tables: list[BlockTable]) -> None:
         self.tables, self.size = tables, len(tables)
@@ -67,8 +69,9 @@ class CPBlocks:
         have = self._have(rid)
         return all(t.can_hold(rid, have[r] + shares[r]) for r, t in enumerate(self.tables))
 
-    def can_hold(self, rid: str, num_tokens: int) -> bool:
-        """Whether `rid` can grow to `num_tokens` tokens, placed by the rule."""
+    def can_hold(self, rid: str, num_tokens: int, shared: tuple = ()) -> bool:
+        """Whether `rid` can grow to `num_tokens` tokens, placed by the rule (`shared`: no cached prefix here)."""
+        assert not shared, "CP stages run without a prefix cache"
         have = self._have(rid)
         return self._fits(rid, shares_for(have, num_tokens - sum(have)))
 

@@ -42,7 +42,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         if kind is bool:  # --enable-x / --no-enable-x
             groups[meta["group"]].add_argument(
                 "--" + f.name.replace("_", "-"), default=f.default, action=argparse.BooleanOptionalAction,
-                help=f"{meta['help']} (default: {'on' if f.default else 'off'})",
+                help=meta["help"] if f.default is None else f"{meta['help']} (default: {'on' if f.default else 'off'})",
             )  # fmt: skip
             continue
         groups[meta["group"]].add_argument(

@@ -14,6 +14,13 @@ newest running request with nothing in flight is preempted: its KV is freed and 
 decides finishes, and returns what the front end should see. KV of a finished or aborted request is freed
 in the next plan, which every stage applies before that plan's batch: no in-flight batch still holds it,
 because a request is freed only when none of its micro-batches is in flight.
+
+Prefix caching (`BlockTable.cache`): at admission a request takes the longest cached prefix of its tokens (whole
+blocks, never its last token, which must run to give logits) and computes from there; its first plan entry names
+those blocks, so the other stages follow without hashing anything. A block is indexed once the micro-batch
+computing its KV is planned: every stage runs micro-batches in order, so a request in a later micro-batch reads
+it after it is written. With a flexible cut a shared layer's KV reaches stage 0 only with the micro-batch's
+output, so there blocks are indexed when their micro-batch comes back.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import random
 from collections import OrderedDict, deque
 
 from ringsched.comm.messages import BatchPlan, NewRequest, PlanEntry, TokenOutput
-from ringsched.kv_cache import BlockTable
+from ringsched.kv_cache import BlockTable, block_hashes
 from ringsched.parallel.cp_blocks import CPBlocks
 from ringsched.sampling import SamplingParams
 from ringsched.scheduler.chunking import ChunkSizer
@@ -65,6 +72,7 @@ class Planner:
         self._frees: list[tuple[str, bool]] = []  # (rid, forget entirely) for the next plan
         self._arrivals = 0
         self._rng = rng or random.Random(0)
+        self._cache = blocks.cache  # the prefix cache (None: off)
         self.num_preemptions = 0
         self.prefill_tokens = 0  # prompt tokens planned for computation so far (recomputation included)
 
@@ -148,16 +156,29 @@ class Planner:
             if len(self.running) >= self.max_running:
                 break
             r = self.waiting[0]
+            cached = self._cached_prefix(r)
+            r.num_computed = len(cached) * self.blocks.block_size
             n = min(self._chunk(r), budget)
-            if not self.blocks.can_hold(r.rid, r.num_computed + n):
+            if not self.blocks.can_hold(r.rid, r.num_computed + n, cached):
+                r.num_computed = 0
                 break
             self.waiting.popleft()
             r.status = Status.RUNNING
             self.running[r.rid] = r
-            self._schedule(r, n, seq, plan)
+            if self._cache is not None:
+                self._cache.queries += r.num_tokens
+                self._cache.hits += r.num_computed
+                if r.num_preemptions == 0:
+                    r.cached_tokens = r.num_computed
+                self.blocks.share(r.rid, cached)
+            self._schedule(r, n, seq, plan, cached)
             budget -= n
         if plan.entries:
             self.flight[seq] = plan.entries
+        if self._cache is not None and self.pipeline_prefill:
+            # Indexed once the whole micro-batch is planned: only a later micro-batch may read these blocks.
+            for e in plan.entries:
+                self._index(self.requests[e.rid], e.start + len(e.token_ids))
         return plan
 
     def _chunk(self, r: Request) -> int:
@@ -170,7 +191,24 @@ class Planner:
         """Running requests past their prefill (decoding here or in flight): the steps a chunk would delay."""
         return sum(1 for r in self.running.values() if r.output_ids and r.num_computed >= r.num_tokens - 1)
 
-    def _schedule(self, r: Request, n: int, seq: int, plan: BatchPlan) -> None:
+    def _hashes(self, r: Request, full: int) -> list[bytes]:
+        """The chained hashes of `r`'s first `full` blocks (kept on the request: its tokens never change)."""
+        if len(r.block_hashes) < full:
+            bs = self.blocks.block_size
+            r.block_hashes = block_hashes(r.all_ids[: full * bs], bs, r.block_hashes)
+        return r.block_hashes[:full]
+
+    def _cached_prefix(self, r: Request) -> list[int]:
+        """The cached blocks `r` can start from: its longest cached prefix of whole blocks short of its last token."""
+        if self._cache is None:
+            return []
+        return self._cache.lookup(self._hashes(r, (r.num_tokens - 1) // self.blocks.block_size))
+
+    def _index(self, r: Request, upto: int) -> None:
+        """Index `r`'s full blocks of positions `[0, upto)` in the prefix cache."""
+        self.blocks.index(r.rid, self._hashes(r, upto // self.blocks.block_size))
+
+    def _schedule(self, r: Request, n: int, seq: int, plan: BatchPlan, cached: list[int] | None = None) -> None:
         start = r.num_computed
         blocks = self.blocks.grow(r.rid, start + n)  # the entry's new blocks (per CP rank with CPBlocks)
         if not r.announced:
@@ -178,6 +216,8 @@ class Planner:
             r.announced = True
         self.prefill_tokens += max(min(start + n, len(r.prompt_ids)) - start, 0)
         samples = start + n == r.num_tokens
+        if cached:
+            blocks.update(cached_blocks=cached, cached_ids=r.all_ids[:start])
         plan.entries.append(PlanEntry(r.rid, start, r.all_ids[start : start + n], samples, **blocks))
         r.num_computed = start + n
         r.in_flight.add(seq)
@@ -224,6 +264,8 @@ class Planner:
         for e in entries:
             r = self.requests[e.rid]
             r.in_flight.discard(seq)
+            if self._cache is not None and not self.pipeline_prefill:  # its KV is on both stages now
+                self._index(r, e.start + len(e.token_ids))
             tok = next(it) if e.samples else None
             if r.aborted:
                 if not r.in_flight:  # its last micro-batch passed every stage
@@ -239,7 +281,8 @@ class Planner:
                 continue
             r.output_ids.append(tok)
             reason = r.check_finish(self.eos_ids, self.max_len)
-            outs.append(TokenOutput(r.rid, [tok], reason, None, len(r.prompt_ids), len(r.output_ids)))
+            outs.append(TokenOutput(r.rid, [tok], reason, None, len(r.prompt_ids), len(r.output_ids),
+                                    cached_tokens=r.cached_tokens))  # fmt: skip
             if reason:
                 self._finish(r, free_now=True)
         return outs
@@ -252,6 +295,15 @@ class Planner:
             self._frees.append((r.rid, r.announced))
 
     # -- state -----------------------------------------------------------------------------------------
+    def _cache_stats(self) -> dict:
+        if self._cache is None:
+            return {}
+        return {
+            "prefix_cache_queries": self._cache.queries,
+            "prefix_cache_hits": self._cache.hits,
+            "kv_cached_idle_blocks": self.blocks.cached_idle_blocks,
+        }
+
     @property
     def in_flight(self) -> int:
         return len(self.flight)
@@ -266,6 +318,7 @@ class Planner:
             "waiting": len(self.waiting),
             "kv_usage": self.blocks.usage,
             "preemptions": self.num_preemptions,
+            **self._cache_stats(),
             "prefill_tokens": self.prefill_tokens,
             # the most in-flight micro-batches one request is in now (> 1: its prefill chunks fill the ring)
             "request_in_flight_max": max((len(r.in_flight) for r in self.requests.values()), default=0),

@@ -30,6 +30,8 @@ class Request:
     aborted: bool = False
     num_preemptions: int = 0
     chunks: list[int] = field(default_factory=list)  # this prefill's chunk lengths so far (debug log)
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix caching: its full blocks' chained hashes
+    cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
 
     @property
     def all_ids(self) -> list[int]:

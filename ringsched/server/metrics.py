@@ -76,6 +76,26 @@ class ServerMetrics:
         )  # fmt: skip
         self.prompt_tokens = Counter(f"{p}prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.generation_tokens = Counter(f"{p}generation_tokens", "Generated tokens.", registry=r)
+        self.cached_prompt_tokens = Counter(
+            f"{p}prompt_tokens_cached", "Prompt tokens of finished requests whose KV came from the prefix cache.",
+            registry=r,
+        )  # fmt: skip
+        # Stage 0 reports running totals; the counters follow them (`render`).
+        self._prefix_seen = (0, 0)
+        self.prefix_queries = Counter(
+            f"{p}prefix_cache_queries", "Prompt tokens stage 0 looked up in the prefix cache (each admission).",
+            registry=r,
+        )  # fmt: skip
+        self.prefix_hits = Counter(
+            f"{p}prefix_cache_hits", "Of the looked-up prompt tokens, those found cached (not computed).", registry=r
+        )
+        self.prefix_hit_rate = Gauge(
+            f"{p}prefix_cache_hit_rate", "prefix_cache_hits / prefix_cache_queries since start (0-1).", registry=r
+        )
+        self.cached_idle_blocks = Gauge(
+            f"{p}kv_cache_idle_cached_blocks", "Stage 0's KV blocks no request holds that keep a cached prefix "
+            "(free capacity, evicted least recently used).", registry=r,
+        )  # fmt: skip
         self.finished = Counter(
             f"{p}request_success", "Finished requests by finish reason (stop, length, abort, error).",
             ["finished_reason"], registry=r,
@@ -89,9 +109,11 @@ class ServerMetrics:
         arrival: float,
         first_token: float | None,
         end: float,
+        cached_tokens: int = 0,
     ) -> None:
         self.finished.labels(finished_reason=reason).inc()
         self.prompt_tokens.inc(prompt_tokens)
+        self.cached_prompt_tokens.inc(cached_tokens)
         self.generation_tokens.inc(completion_tokens)
         self.e2e.observe(end - arrival)
         if first_token is not None:
@@ -104,6 +126,13 @@ class ServerMetrics:
         self.running.set(sched.get("running", 0))
         self.open.set(client.num_open)
         self.waiting.set(client.num_waiting())
+        queries, hits = sched.get("prefix_cache_queries", 0), sched.get("prefix_cache_hits", 0)
+        seen_queries, seen_hits = self._prefix_seen
+        self.prefix_queries.inc(max(queries - seen_queries, 0))
+        self.prefix_hits.inc(max(hits - seen_hits, 0))
+        self._prefix_seen = (max(queries, seen_queries), max(hits, seen_hits))
+        self.prefix_hit_rate.set(hits / queries if queries else 0.0)
+        self.cached_idle_blocks.set(sched.get("kv_cached_idle_blocks", 0))
         stats = client.stage_stats()
         kv_usage: dict[str, float] = {}  # a stage's fullest pool (its CP ranks each hold their own tokens)
         for rank, s in stats.items():

@@ -53,34 +53,37 @@ class Delta:
     completion_tokens: int
     finish_reason: str | None = None  # "stop" or "length" on the last delta
     matched_stop: str | int | None = None  # the stop string or token that ended it, if any
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 async def text_deltas(ctx: ServerContext, rid: str, req: Prepared) -> AsyncIterator[Delta]:
     stream = TextStream(ctx.tokenizer, req.prompt_ids, req.params.stop)
     arrival, first, n, reason = time.monotonic(), None, 0, "abort"  # "abort" unless it ends otherwise
+    cached = 0
     try:
         async with contextlib.aclosing(ctx.client.generate(rid, req.prompt_ids, req.params)) as outs:
             async for out in outs:
                 first = first or time.monotonic()
                 n = out.completion_tokens or n + len(out.token_ids)
+                cached = out.cached_tokens or cached
                 text = stream.add(out.token_ids)
                 if stream.stopped:  # a stop string: leaving the loop closes `outs`, which aborts the request
                     reason = "stop"
-                    yield Delta(text, len(req.prompt_ids), n, "stop", stream.stops.matched)
+                    yield Delta(text, len(req.prompt_ids), n, "stop", stream.stops.matched, cached)
                     return
                 if out.finish_reason:
                     text += stream.finish()
                     reason = out.finish_reason
                     matched = out.token_ids[-1] if reason == "stop" and out.token_ids else None
-                    yield Delta(text, len(req.prompt_ids), n, reason, matched)
+                    yield Delta(text, len(req.prompt_ids), n, reason, matched, cached)
                     return
                 if text:
-                    yield Delta(text, len(req.prompt_ids), n)
+                    yield Delta(text, len(req.prompt_ids), n, cached_tokens=cached)
     except EngineError:
         reason = "error"
         raise
     finally:
-        ctx.metrics.request_finished(reason, len(req.prompt_ids), n, arrival, first, time.monotonic())
+        ctx.metrics.request_finished(reason, len(req.prompt_ids), n, arrival, first, time.monotonic(), cached)
 
 
 async def collect(deltas: AsyncIterator[Delta]) -> tuple[str, Delta]:
@@ -100,6 +103,7 @@ def usage(d: Delta) -> dict:
         "prompt_tokens": d.prompt_tokens,
         "completion_tokens": d.completion_tokens,
         "total_tokens": d.prompt_tokens + d.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": d.cached_tokens},
     }
 
 

@@ -104,5 +104,5 @@ class FollowPlans:
         for e in plan.entries:
             if e.cp_counts:  # --cp-size: this rank's own blocks (assigned even when none, so the request is known)
                 self.blocks.assign(e.rid, e.cp_blocks[self.where.cp])
-            elif e.new_blocks:
-                self.blocks.assign(e.rid, e.new_blocks)
+            elif e.cached_blocks or e.new_blocks:  # a cached prefix first, then what this entry computes
+                self.blocks.assign(e.rid, e.cached_blocks + e.new_blocks)

@@ -42,6 +42,8 @@ class SamplerState:
             self.prompt_len[new.rid] = new.prompt_len
         for e in plan.entries:
             h = self.history[e.rid]
+            if e.cached_ids:  # a prefix this entry does not compute
+                h[:] = e.cached_ids
             del h[e.start :]
             h.extend(e.token_ids)
 

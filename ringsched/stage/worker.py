@@ -117,7 +117,8 @@ def _setup(cfg, spec: ModelSpec, where: RankInfo, addrs, ctx, ctl) -> tuple[Stag
     local = tp.shard.local_config(mcfg) if tp else mcfg  # this rank's KV heads
     num_blocks = _kv_blocks(cfg, local, stage, device)
     pool = KVPool(local, stage.num_layers, num_blocks, cfg.block_size, cfg.torch_dtype, device)
-    blocks = BlockTable(num_blocks, cfg.block_size, follower=not where.decides)
+    blocks = BlockTable(num_blocks, cfg.block_size, follower=not where.decides,
+                        prefix_caching=cfg.enable_prefix_caching)  # fmt: skip
     info = _ready_info(cfg, where, stage, counts[stage.rank], model, pool, blocks)
     planner = None
     if where.decides:
