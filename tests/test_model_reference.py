@@ -144,6 +144,74 @@ def test_tiny_transformers_models(kind, tmp_path):
     assert greedy(ours, ids, 32) == hf_greedy(hf, ids, 32)
 
 
+ROPE = {
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    "yarn-mscale": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32, "mscale": 0.707,
+                    "mscale_all_dim": 0.707, "beta_fast": 16, "beta_slow": 2},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("written_as", ["rope_parameters", "rope_scaling"])
+@pytest.mark.parametrize("kind", list(ROPE))
+def test_rope_scaling_matches_transformers(kind, written_as, tmp_path):
+    """A tiny Llama with each RoPE scaling, its config written the transformers-5 way (`rope_parameters` with the
+    theta inside) or the older way (`rope_scaling` beside `rope_theta`)."""
+    import json
+
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    params = {"rope_theta": 10000.0, **ROPE[kind]}
+    cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256, rope_parameters=params)  # fmt: skip
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    hf.save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    written = json.loads(path.read_text())
+    assert written["rope_parameters"]["rope_type"] == ROPE[kind]["rope_type"]
+    if written_as == "rope_scaling":
+        scaling = dict(written.pop("rope_parameters"))
+        written["rope_theta"] = scaling.pop("rope_theta")
+        scaling["type"] = scaling.pop("rope_type")  # the oldest spelling
+        written["rope_scaling"] = scaling
+    path.write_text(json.dumps(written))
+    ours = full_model(tmp_path)
+    assert ours.cfg.rope_scaling.rope_type == ROPE[kind]["rope_type"]
+    ids = [(17 * i + 5) % 300 for i in range(120)]  # past every original context above
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    assert (logits_of(ours, ids) - ref).abs().max().item() < 1e-4
+    plain = LlamaConfig(**{**cfg.to_dict(), "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}})
+    if kind != "dynamic":  # the scaling changes the logits (dynamic, within the context, does not)
+        torch.manual_seed(0)
+        unscaled = AutoModelForCausalLM.from_config(plain, dtype=torch.float32).eval()
+        with torch.no_grad():
+            assert (unscaled(torch.tensor([ids])).logits[0] - ref).abs().max().item() > 1e-3
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "rope_scaling of type 'longrope'"),
+        ({"rope_parameters": {"rope_type": "su", "rope_theta": 1.0}}, "rope_parameters of type 'su'"),
+        ({"rope_scaling": {"rope_type": "linear"}}, "needs a factor"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+        ({"architectures": ["MistralForCausalLM"], "sliding_window": 4096}, "sliding_window"),
+    ],
+)
+def test_what_the_model_code_does_not_run_is_refused_by_name(change, message):
+    from ringsched.models.config import UnsupportedModelError
+    from ringsched.models.random_model import random_config
+
+    cfg = {**random_config("llama", 2, 64, 4, 2, 96, 300, tie=True), **change}
+    with pytest.raises(UnsupportedModelError, match=message):
+        ModelConfig.from_dict(cfg)
+
+
 def test_unsupported_architecture_is_refused():
     from ringsched.models.config import UnsupportedModelError
 

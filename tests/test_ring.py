@@ -1,7 +1,7 @@
 """The ring end to end: real stage processes, real ZMQ, real gloo, the real SmolLM2.
 
-Greedy output must be identical for every pp size and async depth (invariant 6), equal to transformers on a
-subset, and seeded sampling must not depend on the pp size.
+Greedy output must be identical for every pp size and async depth (invariant 6), with the prefix cache on and
+off, equal to transformers on a subset, and seeded sampling must not depend on the pp size.
 """
 
 import os
@@ -20,6 +20,13 @@ ENGINE_KW = dict(threads_per_stage=1, kv_cache_memory="256M", log_level="warning
 
 def workload():
     greedy = mixed_workload(48, seed=0)
+    # A third of the prompts open with a shared head of 40 to 72 tokens (their lengths unchanged): with the prefix
+    # cache on (the default, off at CP), later ones start from earlier ones' blocks, mid-flight or finished.
+    head = [100 + 7 * j for j in range(72)]
+    for i in range(2, 48, 3):
+        ids, _ = greedy[i]
+        k = min(len(ids) - 1, 40 + 8 * (i % 5))
+        ids[:k] = head[:k]
     rng = torch.Generator().manual_seed(1)
     seeded = []
     for i in range(8):
@@ -33,7 +40,7 @@ def run(pp: int, depth: int, **kw) -> tuple[list[list[int]], dict]:
         outs = run_staggered(llm, workload())
         usage = stage_kv_usage(llm)
         pids = [p.pid for p in llm.supervisor.procs]
-        stats = dict(llm.supervisor.stats)
+        stats = {**llm.supervisor.stats, "sched": llm.wait_idle()}
     assert usage == {r: 0.0 for r in range(pp)}, f"KV not freed on every stage: {usage}"
     for pid in pids:
         assert not any(c.pid == pid for c in children_of(os.getpid())), "a stage outlived the engine"
@@ -42,7 +49,9 @@ def run(pp: int, depth: int, **kw) -> tuple[list[list[int]], dict]:
 
 @pytest.fixture(scope="module")
 def reference():
-    outs, _ = run(1, 0)
+    """PP=1 without the prefix cache: every other layout runs with it (but CP) and must give these tokens."""
+    outs, stats = run(1, 0, enable_prefix_caching=False)
+    assert "prefix_cache_hits" not in stats["sched"]
     return outs
 
 
@@ -55,7 +64,8 @@ if os.environ.get("RINGSCHED_FULL_MATRIX") == "1":
 
 @pytest.mark.parametrize("pp,depth", COMBOS)
 def test_identical_across_pp_and_depth(reference, pp, depth):
-    outs, _ = run(pp, depth)
+    outs, stats = run(pp, depth)
+    assert stats["sched"]["prefix_cache_hits"] >= 5 * 32  # the shared heads were found cached
     mismatched = [i for i, (a, b) in enumerate(zip(outs, reference, strict=True)) if a != b]
     assert not mismatched, f"requests {mismatched} differ from PP=1 at pp={pp} depth={depth}"
 

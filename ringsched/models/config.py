@@ -6,6 +6,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from ringsched.models.rope import RopeConfigError, RopeScaling
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
@@ -31,6 +33,7 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm on each head of q and k before rotary
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    rope_scaling: RopeScaling = RopeScaling()
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -57,6 +60,13 @@ class ModelConfig:
             raise UnsupportedModelError(
                 "Mistral with a sliding window is not supported; set sliding_window to null in config.json"
             )
+        act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
+        if act != "silu":
+            raise UnsupportedModelError(f"hidden_act {act!r} is not supported; the model code runs silu (SwiGLU)")
+        try:
+            theta, scaling = RopeScaling.from_config(cfg)
+        except RopeConfigError as e:
+            raise UnsupportedModelError(str(e)) from None
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -70,13 +80,14 @@ class ModelConfig:
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             vocab_size=cfg["vocab_size"],
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=_rope_theta(cfg),
+            rope_theta=theta,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            rope_scaling=scaling,
         )
 
     @classmethod
@@ -87,18 +98,6 @@ class ModelConfig:
                 f"{path} does not exist; --model needs a model directory with config.json"
             )
         return cls.from_dict(json.loads(path.read_text()))
-
-
-def _rope_theta(cfg: dict) -> float:
-    scaling = cfg.get("rope_scaling")
-    if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
-        raise UnsupportedModelError(f"rope scaling {scaling!r} is not supported; ringsched runs plain RoPE")
-    if "rope_theta" in cfg:
-        return float(cfg["rope_theta"])
-    params = cfg.get("rope_parameters") or {}
-    if params.get("rope_type", "default") != "default":
-        raise UnsupportedModelError(f"rope scaling {params.get('rope_type')!r} is not supported")
-    return float(params.get("rope_theta", 10000.0))
 
 
 def layer_matmul_params(m: ModelConfig) -> int:

@@ -17,6 +17,7 @@ from torch import nn
 from ringsched.models import layer_ops
 from ringsched.models.attention import ForwardBatch, paged_attention
 from ringsched.models.config import ModelConfig
+from ringsched.models.rope import RopeScaling
 from ringsched.models.small_linear import Linear
 from ringsched.parallel.rank import StageInfo
 from ringsched.parallel.tp import TPGroup
@@ -128,19 +129,19 @@ class Rotary(nn.Module):
     table is built once (a 4096-position table is 2 MiB in float32; one per layer was 60 MiB for SmolLM2), and
     the rows for a batch's positions are gathered once per forward, not once per layer."""
 
-    def __init__(self, head_dim: int, theta: float) -> None:
+    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None = None) -> None:
         super().__init__()
-        self.head_dim, self.theta = head_dim, theta
+        self.head_dim, self.theta, self.scaling = head_dim, theta, scaling or RopeScaling()
         self._cos = self._sin = torch.empty(0)
         self._rows: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
         self._covered: torch.Tensor | None = None  # the last `positions` `tables` grew the tables for
 
     def _table(self, n: int, device: torch.device) -> None:
         size = max(n, 2 * self._cos.shape[0], 4096)
-        inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim))
+        inv_freq, factor = self.scaling.inv_freq(self.head_dim, self.theta)
         freqs = torch.outer(torch.arange(size, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self._cos, self._sin = emb.cos().to(device), emb.sin().to(device)
+        self._cos, self._sin = (emb.cos() * factor).to(device), (emb.sin() * factor).to(device)
 
     def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, device: torch.device):
         # Every layer of one forward passes the same `positions` tensor: gather its rows for the first only.
@@ -195,7 +196,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
-        self.rotary = rotary if rotary is not None else Rotary(d, cfg.rope_theta)
+        self.rotary = rotary if rotary is not None else Rotary(d, cfg.rope_theta, cfg.rope_scaling)
         self.scale = d**-0.5
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: tuple[torch.Tensor, torch.Tensor] | None):
@@ -321,7 +322,7 @@ class StageModel(nn.Module):
         self.model = nn.Module()
         if stage.is_first:
             self.model.embed_tokens = _embedding(local.vocab_size, cfg.hidden_size)
-        rotary = Rotary(cfg.head_dim, cfg.rope_theta)  # shared by the stage's layers
+        rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)  # shared by the stage's layers
         self.model.layers = nn.ModuleList(
             DecoderLayer(local, rotary, tp) if stage.owns(i) else MissingLayer() for i in range(cfg.num_layers)
         )
