@@ -1,8 +1,10 @@
 """Next-token sampling on the last pipeline stage.
 
 Contract: `sample(logits [S, V], params, histories, generators)` returns `[S]` int64 token ids, one per row.
-Greedy rows (`temperature == 0` or `top_k == 1`) take the argmax of the (repetition-penalised) logits.
-Random rows apply repetition penalty, temperature, top-k, top-p, min-p and draw with their own generator,
+First every row's logits get its `logit_bias`, then the penalties: repetition (HF/vLLM, over prompt and output),
+then OpenAI's frequency and presence penalties (over the output only: `logit -= count * frequency +
+(count > 0) * presence`). Greedy rows (`temperature == 0` or `top_k == 1`) take the argmax of that.
+Random rows apply temperature, top-k, top-p, min-p and draw with their own generator,
 so a row's token depends only on its own logits, params and generator state, never on its batch companions.
 Stop tokens, stop strings, `ignore_eos` and `min_tokens` are the caller's: it knows the eos id and how many
 tokens a request has produced, and passes `banned` ids while a request is still under `min_tokens`.
@@ -64,6 +66,7 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,11 @@ class SamplingParams:
     ignore_eos: bool = False
     repetition_penalty: float = 1.0  # > 0; as HF/vLLM, over prompt + generated tokens
     min_tokens: int = 0
+    presence_penalty: float = 0.0  # [-2, 2], OpenAI's: subtracted once from every token the output holds
+    frequency_penalty: float = 0.0  # [-2, 2], OpenAI's: subtracted per occurrence in the output
+    # OpenAI's logit_bias: (token id, bias in [-100, 100]) pairs added to the logits; a dict is accepted (its
+    # keys may be strings, as JSON gives them) and kept sorted by id
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         # JSON and msgpack hand us lists (and the OpenAI API a bare string or null for `stop`).
@@ -88,8 +96,9 @@ class SamplingParams:
         _require(isinstance(ids, (list, tuple)), "stop_token_ids", "a list of token ids", ids)
         object.__setattr__(self, "stop", tuple(stop))
         object.__setattr__(self, "stop_token_ids", tuple(ids))
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         # Numbers become floats here, so an int too large for a float is refused now, not on a stage.
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             object.__setattr__(self, name, _finite(name, getattr(self, name)))
 
         n = self.max_tokens
@@ -116,6 +125,18 @@ class SamplingParams:
         _require(self.repetition_penalty > 0, "repetition_penalty", "> 0 (1.0 disables it)", self.repetition_penalty)
         min_ok = _is_int64(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens
         _require(min_ok, "min_tokens", f"an int in [0, max_tokens={self.max_tokens}]", self.min_tokens)
+        for name in ("presence_penalty", "frequency_penalty"):
+            _require(-2 <= getattr(self, name) <= 2, name, "in [-2, 2]", getattr(self, name))
+
+    @property
+    def plain(self) -> bool:
+        """Greedy with nothing that edits the logits: the argmax of the raw logits is the token."""
+        return (self.greedy and self.repetition_penalty == 1.0 and not self.logit_bias and self.min_tokens == 0
+                and self.presence_penalty == 0 and self.frequency_penalty == 0)  # fmt: skip
+
+    @property
+    def needs_history(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
     @property
     def greedy(self) -> bool:
@@ -126,6 +147,7 @@ class SamplingParams:
         d = asdict(self)
         d["stop_token_ids"] = list(self.stop_token_ids)
         d["stop"] = list(self.stop)
+        d["logit_bias"] = [list(pair) for pair in self.logit_bias]
         return d
 
     @classmethod
@@ -135,6 +157,28 @@ class SamplingParams:
         if unknown:
             raise ValueError(f"unknown SamplingParams field(s) {unknown}; known fields: {known}")
         return cls(**d)
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """`logit_bias` as sorted (id, bias) pairs, from a dict (keys ints or digit strings) or a list of pairs."""
+    if value is None:
+        return ()
+    if isinstance(value, dict):
+        value = list(value.items())
+    _require(isinstance(value, (list, tuple)), "logit_bias", "a map of token ids to biases", value)
+    _require(len(value) <= MAX_LOGIT_BIAS, "logit_bias", f"at most {MAX_LOGIT_BIAS} entries", len(value))
+    out = {}
+    for pair in value:
+        _require(isinstance(pair, (list, tuple)) and len(pair) == 2, "logit_bias", "a map of token ids to biases",
+                 pair)  # fmt: skip
+        key, bias = pair
+        if isinstance(key, str) and key.strip().isdigit():
+            key = int(key)
+        _require(_is_int64(key) and key >= 0, "logit_bias", "keyed by token ids (ints >= 0)", key)
+        bias = _finite("logit_bias", bias)
+        _require(-100 <= bias <= 100, "logit_bias", "biases in [-100, 100]", bias)
+        out[key] = bias
+    return tuple(sorted(out.items()))
 
 
 def make_generator(seed: int, device: str | torch.device = "cpu") -> torch.Generator:
@@ -162,6 +206,41 @@ def apply_repetition_penalty(
     # Touch only the seen entries (R x width, not R x V); all are read before any is written.
     seen = logits[row_ids, cols]
     logits[row_ids, cols] = torch.where(seen > 0, seen / pen, seen * pen)
+    return logits
+
+
+def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Each row's `logit_bias` added in place to float `logits` [S, V], in one indexed add for the batch."""
+    rows, cols, vals = [], [], []
+    for i, p in enumerate(params):
+        for tok, bias in p.logit_bias:
+            rows.append(i)
+            cols.append(tok)
+            vals.append(bias)
+    if rows:
+        dev = logits.device
+        index = (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev))
+        logits.index_put_(index, torch.tensor(vals, dtype=logits.dtype, device=dev), accumulate=True)
+    return logits
+
+
+def apply_openai_penalties(
+    logits: torch.Tensor, params: Sequence[SamplingParams], outputs: Sequence[Sequence[int]]
+) -> torch.Tensor:
+    """OpenAI's frequency and presence penalties in place on float `logits` [S, V]: a token the row's output
+    holds `c` times loses `c * frequency_penalty + presence_penalty`. The counts of every penalised row are one
+    scatter-add over the batch."""
+    rows = [i for i, p in enumerate(params) if (p.frequency_penalty or p.presence_penalty) and len(outputs[i])]
+    if not rows:
+        return logits
+    dev = logits.device
+    counts = torch.zeros(len(rows), logits.shape[1], dtype=logits.dtype, device=dev)
+    row_of = torch.tensor([j for j, i in enumerate(rows) for _ in outputs[i]], device=dev)
+    col_of = torch.tensor([t for i in rows for t in outputs[i]], dtype=torch.int64, device=dev)
+    counts.index_put_((row_of, col_of), torch.ones(len(col_of), dtype=logits.dtype, device=dev), accumulate=True)
+    freq = torch.tensor([params[i].frequency_penalty for i in rows], dtype=logits.dtype, device=dev)[:, None]
+    pres = torch.tensor([params[i].presence_penalty for i in rows], dtype=logits.dtype, device=dev)[:, None]
+    logits[rows] -= counts * freq + (counts > 0).to(logits.dtype) * pres
     return logits
 
 
@@ -226,25 +305,29 @@ def sample(
     histories: list[list[int]],
     generators: list[torch.Generator | None],
     banned: list[Sequence[int]] | None = None,
+    prompt_lens: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Next token per row of `logits` [S, V] (float32 or bf16); returns [S] int64.
 
-    `histories[i]` is row i's prompt + generated ids (for the repetition penalty); `generators[i]` may be None
-    only when row i is greedy. `banned[i]`, if given, lists ids row i must not draw this step (stop ids and
-    eos while under `min_tokens`)."""
+    `histories[i]` is row i's prompt + generated ids (for the penalties: `prompt_lens[i]` of them are its
+    prompt, 0 when not given); `generators[i]` may be None only when row i is greedy. `banned[i]`, if given,
+    lists ids row i must not draw this step (stop ids and eos while under `min_tokens`)."""
     n = logits.shape[0]
     if not len(params) == len(histories) == len(generators) == n or (banned is not None and len(banned) != n):
         raise ValueError(
             f"sample() needs one params/history/generator(/banned) per logits row: {n} rows, got "
             f"{len(params)} params, {len(histories)} histories, {len(generators)} generators"
         )
-    if banned is None and all(p.greedy and p.repetition_penalty == 1.0 for p in params):
+    if banned is None and all(p.greedy and p.plain for p in params):
         return logits.argmax(dim=-1)  # the hot path: one kernel, no copy
     logits = logits.to(torch.float32, copy=True)  # we edit it in place; the caller's tensor stays intact
+    apply_logit_bias(logits, params)
     for i, ids in enumerate(banned or []):
         if ids:
             logits[i, list(ids)] = -math.inf
     apply_repetition_penalty(logits, [p.repetition_penalty for p in params], histories)
+    starts = prompt_lens if prompt_lens is not None else [0] * n
+    apply_openai_penalties(logits, params, [h[s:] for h, s in zip(histories, starts, strict=True)])
     tokens = logits.argmax(dim=-1)  # final for greedy rows; random rows are overwritten below
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:

@@ -61,8 +61,11 @@ _BAD_SAMPLING = [
     ("repetition_penalty", 0), ("repetition_penalty", -1.0), ("repetition_penalty", "1"),
     ("min_tokens", -1), ("min_tokens", 1.5), ("min_tokens", HUGE), ("min_tokens", 10**6),
     ("stream", "yes"), ("stream", 1), ("stream_options", "yes"), ("stream_options", {"include_usage": "yes"}),
-    ("n", 2), ("best_of", 3), ("echo", True), ("logprobs", 5), ("suffix", "x"), ("logit_bias", {"1": 5}),
-    ("presence_penalty", 0.5), ("frequency_penalty", 1), ("model", 5), ("model", []),
+    ("n", 2), ("best_of", 3), ("echo", True), ("logprobs", 5), ("suffix", "x"), ("model", 5), ("model", []),
+    ("logit_bias", {"1": 500}), ("logit_bias", {"x": 1}), ("logit_bias", {str(OUT_OF_VOCAB): 1}),
+    ("logit_bias", [1, 2]), ("logit_bias", {str(i): 1 for i in range(301)}),
+    ("presence_penalty", 3), ("presence_penalty", -2.5), ("frequency_penalty", "1"), ("frequency_penalty", HUGE),
+    ("guided_json", {"type": "object"}), ("structured_outputs", {"regex": "a+"}), ("guided_choice", ["a", "b"]),
 ]  # fmt: skip
 
 

@@ -231,3 +231,67 @@ def test_a_row_whose_params_fail_gets_failed_and_the_others_their_tokens():
     logits[:, 2] = -10.0  # eos, banned under min_tokens: keep it from being the argmax anyway
     tokens = state.sample(plan, logits)
     assert tokens.tolist() == [int(logits[0].argmax()), FAILED]
+
+
+def _reference_penalised(row, p, history, prompt_len):
+    """The formulas, one token at a time: bias, repetition penalty, then OpenAI's frequency and presence."""
+    x = row.clone()
+    for tok, bias in p.logit_bias:
+        x[tok] += bias
+    if p.repetition_penalty != 1.0:
+        for t in set(history):
+            x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
+    for t in set(history[prompt_len:]):
+        c = history[prompt_len:].count(t)
+        x[t] -= c * p.frequency_penalty + p.presence_penalty
+    return x
+
+
+def test_penalties_and_bias_match_the_formulas():
+    from ringsched.sampling import apply_logit_bias, apply_openai_penalties, apply_repetition_penalty
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 50, generator=g) * 3
+    params = [
+        SamplingParams(temperature=0, frequency_penalty=0.7, presence_penalty=0.3),
+        SamplingParams(temperature=0, presence_penalty=-1.5, logit_bias={"3": 2.5, 7: -4}),
+        SamplingParams(temperature=0, repetition_penalty=1.3, frequency_penalty=-0.4),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0, frequency_penalty=2.0, logit_bias=[[9, 100]]),
+    ]
+    histories = [[1, 2, 3, 3, 3, 4], [5, 5, 6, 7, 8], [9, 9, 10, 11, 11, 11], [1, 2], [9, 1, 1]]
+    prompt_lens = [2, 1, 3, 2, 1]
+    got = logits.clone()
+    apply_logit_bias(got, params)
+    apply_repetition_penalty(got, [p.repetition_penalty for p in params], histories)
+    apply_openai_penalties(got, params, [h[n:] for h, n in zip(histories, prompt_lens, strict=True)])
+    for i, p in enumerate(params):
+        want = _reference_penalised(logits[i], p, histories[i], prompt_lens[i])
+        assert torch.allclose(got[i], want, atol=1e-6), i
+    tokens = sample(logits, params, histories, [None] * 5, None, prompt_lens)
+    assert tokens.tolist() == got.argmax(dim=-1).tolist()
+    assert tokens[4].item() == 9  # +100 wins over the frequency penalty of 2 x 1 occurrence
+    assert params[1].logit_bias == ((3, 2.5), (7, -4.0)) and not params[1].plain and params[3].plain
+
+
+def test_a_row_with_penalties_does_not_change_its_neighbours():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 40, generator=g)
+    plain = [SamplingParams(temperature=0)] * 3
+    mixed = [SamplingParams(temperature=0), SamplingParams(temperature=0, presence_penalty=2.0), plain[2]]
+    hist = [[1, 2], [int(logits[1].argmax())] * 3, [3]]
+    a = sample(logits, plain, hist, [None] * 3, None, [0, 0, 0])
+    b = sample(logits, mixed, hist, [None] * 3, None, [0, 0, 0])
+    assert a[0] == b[0] and a[2] == b[2] and a[1] != b[1]
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
+     ({"logit_bias": {"1": 101}}, "logit_bias"), ({"logit_bias": {"a": 1}}, "logit_bias"),
+     ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias")],
+)  # fmt: skip
+def test_penalty_and_bias_bounds(kw, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kw)
+    assert SamplingParams.from_dict(SamplingParams(logit_bias={"4": 1}).to_dict()).logit_bias == ((4, 1.0),)

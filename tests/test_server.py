@@ -141,6 +141,24 @@ def test_prefix_cache_reports_cached_tokens(client, server):
     assert 0 < after["ringsched:prefix_cache_hit_rate"] <= 1
 
 
+def test_logit_bias_and_penalties(client, smollm2_dir):
+    """A +100 bias makes greedy emit its token; a frequency penalty changes a greedy answer that repeats itself."""
+    from ringsched.tokenizer import Tokenizer
+
+    tok = Tokenizer(smollm2_dir)
+    target = tok.encode(" banana")[0]
+    r = client.completions.create(model=MODEL, prompt=COMPLETION_PROMPT, max_tokens=4, temperature=0,
+                                  logit_bias={str(target): 100})  # fmt: skip
+    assert r.choices[0].text == tok.decode([target] * 4)
+    prompt = "one one one one one one one one"
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    penalised = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                          frequency_penalty=2.0, presence_penalty=1.0)  # fmt: skip
+    assert plain.choices[0].text != penalised.choices[0].text
+    with pytest.raises(openai.BadRequestError, match="presence_penalty"):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, presence_penalty=5)
+
+
 def test_64_concurrent_streams(server):
     before = metrics(server)
     prompts = [f"Request {i}: tell me about the number {i}." for i in range(64)]

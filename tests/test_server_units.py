@@ -137,3 +137,55 @@ def test_throughput_line_counts_prompt_tokens_as_they_are_prefilled(caplog):
         asyncio.run(main())
     rates = [float(r.getMessage().split("prompt ")[1].split(" tok/s")[0]) for r in caplog.records]
     assert len(rates) >= 2 and all(rate > 1000 for rate in rates[1:]), rates
+
+
+# Every field OpenAI defines for the endpoint with a value other than its default: honoured (parsed into the
+# request) or refused with a 400 naming it.
+NON_DEFAULT = {
+    "model": "m", "prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "best_of": 2, "echo": True,
+    "frequency_penalty": 0.5, "logit_bias": {"5": 3}, "logprobs": 2, "max_tokens": 3, "n": 2,
+    "presence_penalty": -0.5, "seed": 7, "stop": "x", "stream": True, "stream_options": {"include_usage": True},
+    "suffix": "x", "temperature": 0.5, "top_p": 0.9, "user": "u", "audio": {"voice": "alloy", "format": "wav"},
+    "function_call": "auto", "functions": [{"name": "f"}], "max_completion_tokens": 3, "metadata": {"k": "v"},
+    "modalities": ["text", "audio"], "parallel_tool_calls": False, "prediction": {"type": "content", "content": "x"},
+    "prompt_cache_key": "k", "reasoning_effort": "low", "response_format": {"type": "json_object"},
+    "safety_identifier": "s", "service_tier": "flex", "store": True, "tool_choice": "auto",
+    "tools": [{"type": "function", "function": {"name": "f"}}], "top_logprobs": 2, "verbosity": "low",
+    "web_search_options": {},
+}  # fmt: skip
+# What an honoured field shows in the parsed request.
+PARSED = {
+    "frequency_penalty": lambda r: r.params.frequency_penalty == 0.5,
+    "presence_penalty": lambda r: r.params.presence_penalty == -0.5,
+    "logit_bias": lambda r: r.params.logit_bias == ((5, 3.0),),
+    "max_tokens": lambda r: r.params.max_tokens == 3, "max_completion_tokens": lambda r: r.params.max_tokens == 3,
+    "seed": lambda r: r.params.seed == 7, "stop": lambda r: r.params.stop == ("x",),
+    "stream": lambda r: r.stream, "stream_options": lambda r: r.include_usage,
+    "temperature": lambda r: r.params.temperature == 0.5, "top_p": lambda r: r.params.top_p == 0.9,
+    "prompt": lambda r: len(r.prompt_ids) == 1, "messages": lambda r: len(r.prompt_ids) > 3,
+    "model": lambda r: True,  # the served name: checked against it (another gets a 404)
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_every_openai_field_is_honoured_or_refused_by_name(tok, endpoint, caplog):
+    from ringsched.server.protocol import _ACCEPTED, _UNSUPPORTED, OPENAI_FIELDS
+
+    parse, base = {"completions": (parse_completion, {"prompt": "hi"}),
+                   "chat": (parse_chat, {"messages": NON_DEFAULT["messages"]})}[endpoint]  # fmt: skip
+    honoured = []
+    for field in OPENAI_FIELDS[endpoint]:
+        body = {**base, field: NON_DEFAULT[field]}
+        if field in _UNSUPPORTED:
+            e = _err(parse, body, tok, LIMITS)
+            assert (e.status, e.param) == (400, field), (field, e)
+            assert field in str(e)
+            continue
+        r = parse(body, tok, LIMITS)
+        assert field in _ACCEPTED or PARSED[field](r), field
+        honoured.append(field)
+    assert {"frequency_penalty", "presence_penalty", "logit_bias", "seed", "stop"} <= set(honoured)
+    assert not caplog.records  # OpenAI's own fields are never "ignored"
+    with caplog.at_level("WARNING", logger="ringsched.server"):
+        parse({**base, "not_a_field": 1, "another": 2}, tok, LIMITS)
+    assert "ignored: ['another', 'not_a_field']" in caplog.text

@@ -115,6 +115,9 @@ class Planner:
             bad = [i for i in params.stop_token_ids if i >= vocab]
             if bad:
                 return f"stop_token_ids has ids outside the vocabulary [0, {vocab}): {bad[:5]}"
+            bad = [i for i, _ in params.logit_bias if i >= vocab]
+            if bad:
+                return f"logit_bias has ids outside the vocabulary [0, {vocab}): {bad[:5]}"
         return None
 
     def abort(self, rid: str) -> TokenOutput | None:

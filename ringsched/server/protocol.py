@@ -9,6 +9,7 @@ length with OpenAI's message.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -18,13 +19,34 @@ from ringsched.sampling import SamplingParams
 from ringsched.server.errors import APIError
 from ringsched.tokenizer import ChatTemplateError, Tokenizer
 
+logger = logging.getLogger("ringsched.server")
+
 ROLES = ("system", "developer", "user", "assistant", "tool")
-# Fields a client may send only with their default value: we do not implement them, and silently ignoring
-# them would return something other than what was asked for.
+
+# Every field OpenAI's API reference defines for the two endpoints. Each is either honoured or, in `_UNSUPPORTED`,
+# accepted only with its default (any other value gets a 400 naming it: ignoring it would return something other
+# than what was asked for). Identifiers and hints that cannot change the output (`user`, `metadata`,
+# `safety_identifier`, `prompt_cache_key`, `parallel_tool_calls` without tools) are honoured by accepting them.
+OPENAI_FIELDS = {
+    "completions": ("model", "prompt", "best_of", "echo", "frequency_penalty", "logit_bias", "logprobs", "max_tokens",
+                    "n", "presence_penalty", "seed", "stop", "stream", "stream_options", "suffix", "temperature",
+                    "top_p", "user"),
+    "chat": ("messages", "model", "audio", "frequency_penalty", "function_call", "functions", "logit_bias",
+             "logprobs", "max_completion_tokens", "max_tokens", "metadata", "modalities", "n", "parallel_tool_calls",
+             "prediction", "presence_penalty", "prompt_cache_key", "reasoning_effort", "response_format",
+             "safety_identifier", "seed", "service_tier", "stop", "store", "stream", "stream_options", "temperature",
+             "tool_choice", "tools", "top_logprobs", "top_p", "user", "verbosity", "web_search_options"),
+}  # fmt: skip
 _UNSUPPORTED = {"n": (1, None), "best_of": (1, None), "echo": (False, None), "logprobs": (None, False, 0),
-                "top_logprobs": (None, 0), "suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []),
-                "response_format": (None, {"type": "text"}), "presence_penalty": (None, 0, 0.0),
-                "frequency_penalty": (None, 0, 0.0)}  # fmt: skip
+                "top_logprobs": (None, 0), "suffix": (None, ""), "tools": (None, []),
+                "response_format": (None, {"type": "text"}), "audio": (None,), "function_call": (None, "none"),
+                "functions": (None, []), "modalities": (None, ["text"]), "prediction": (None,),
+                "reasoning_effort": (None,), "service_tier": (None, "auto", "default"), "store": (None, False),
+                "tool_choice": (None, "none"), "verbosity": (None,), "web_search_options": (None,),
+                # vLLM's structured-output extensions: not run yet, and ignoring them would return free text
+                "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+                "structured_outputs": (None,)}  # fmt: skip
+_ACCEPTED = {"user", "metadata", "safety_identifier", "prompt_cache_key", "parallel_tool_calls"}
 
 
 # -- request bodies ------------------------------------------------------------------------------------------
@@ -48,6 +70,9 @@ class _Sampling(_Strict):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
     min_tokens: int = 0
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -113,6 +138,11 @@ def _validate(model: type[BaseModel], body: dict) -> Any:
         raise APIError(400, f"{param}: {err['msg']} (got {got})", param=param) from None
 
 
+def _short(value: Any, limit: int = 100) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _param(loc: tuple) -> str:
     """`messages[0].role` from pydantic's `('messages', 0, 'role')`; union member tags are dropped."""
     out = str(loc[0])
@@ -123,10 +153,13 @@ def _param(loc: tuple) -> str:
     return out
 
 
-def _check_common(body: dict, req: _Sampling, limits: Limits) -> None:
+def _check_common(body: dict, req: _Sampling, limits: Limits, endpoint: str) -> None:
     for name, allowed in _UNSUPPORTED.items():
         if name in body and body[name] not in allowed:
-            raise APIError(400, f"{name}={body[name]!r} is not supported by this server", param=name)
+            raise APIError(400, f"{name}={_short(body[name])} is not supported by this server", param=name)
+    ignored = sorted(set(req.model_extra or ()) - set(OPENAI_FIELDS[endpoint]) - set(_UNSUPPORTED) - _ACCEPTED)
+    if ignored:  # as vLLM: accepted, and said so
+        logger.warning("The following fields were present in the request but ignored: %s", ignored)
     model = req.model
     if model is not None and model != limits.model_name:
         raise APIError(
@@ -152,6 +185,8 @@ def _sampling_fields(req: _Sampling, max_tokens: int) -> dict[str, Any]:
         "max_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
         "min_p": req.min_p, "seed": req.seed, "stop": req.stop, "stop_token_ids": req.stop_token_ids,
         "ignore_eos": req.ignore_eos, "repetition_penalty": req.repetition_penalty, "min_tokens": req.min_tokens,
+        "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
+        "logit_bias": req.logit_bias,
     }  # fmt: skip
 
 
@@ -177,10 +212,12 @@ def check_context(prompt_len: int, max_tokens: int, limits: Limits, where: str) 
 
 
 def _check_stop_ids(params: SamplingParams, limits: Limits) -> SamplingParams:
-    bad = [i for i in params.stop_token_ids if i >= limits.vocab_size]
-    if bad:
-        raise APIError(400, f"stop_token_ids has ids outside the vocabulary [0, {limits.vocab_size}): {bad[:5]}",
-                       param="stop_token_ids")  # fmt: skip
+    """Token ids in the parameters (stop ids, logit_bias keys) must be in the vocabulary."""
+    for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", [i for i, _ in params.logit_bias])):
+        bad = [i for i in ids if i >= limits.vocab_size]
+        if bad:
+            raise APIError(400, f"{name} has ids outside the vocabulary [0, {limits.vocab_size}): {bad[:5]}",
+                           param=name)  # fmt: skip
     return params
 
 
@@ -212,7 +249,7 @@ def _default_max(prompt_len: int, limits: Limits) -> int:
 
 def parse_completion(body: dict, tok: Tokenizer, limits: Limits) -> Prepared:
     req: CompletionRequest = _validate(CompletionRequest, body)
-    _check_common(body, req, limits)
+    _check_common(body, req, limits, "completions")
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
@@ -228,7 +265,7 @@ def parse_completion(body: dict, tok: Tokenizer, limits: Limits) -> Prepared:
 
 def parse_chat(body: dict, tok: Tokenizer, limits: Limits) -> Prepared:
     req: ChatRequest = _validate(ChatRequest, body)
-    _check_common(body, req, limits)
+    _check_common(body, req, limits, "chat")
     messages = []
     for i, m in enumerate(req.messages):
         if m.role not in ROLES:
@@ -265,6 +302,7 @@ def parse_chat(body: dict, tok: Tokenizer, limits: Limits) -> Prepared:
 _GENERATE_RENAME = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_seed": "seed"}
 _GENERATE_KEYS = set(_GENERATE_RENAME) | {
     "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos", "repetition_penalty", "seed",
+    "presence_penalty", "frequency_penalty", "logit_bias",
 }  # fmt: skip
 
 

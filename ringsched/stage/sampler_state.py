@@ -51,7 +51,7 @@ class SamplerState:
         """Every row that samples takes the plain argmax (no penalty, nothing banned): the last stage can then
         reduce the logits chunk by chunk (`StageModel.greedy_tokens`) instead of building them whole."""
         params = [self.params[e.rid] for e in plan.entries if e.samples]
-        return all(p.greedy and p.repetition_penalty == 1.0 and p.min_tokens == 0 for p in params)
+        return all(p.plain for p in params)
 
     def sample(self, plan: BatchPlan, logits: torch.Tensor) -> torch.Tensor:
         """One token per sampling row of `plan`; `FAILED` for a row whose request's parameters made sampling
@@ -72,10 +72,11 @@ class SamplerState:
 
     def _sample(self, rids: list[str], logits: torch.Tensor) -> torch.Tensor:
         params = [self.params[r] for r in rids]
-        needs_history = any(p.repetition_penalty != 1.0 for p in params)
+        needs_history = any(p.needs_history for p in params)
         histories = [self.history[r] if needs_history else [] for r in rids]
+        prompt_lens = [self.prompt_len[r] if needs_history else 0 for r in rids]
         return sample(
-            logits, params, histories, [self.generators[r] for r in rids], self._banned(rids, params)
+            logits, params, histories, [self.generators[r] for r in rids], self._banned(rids, params), prompt_lens
         )
 
     def _banned(self, rids: list[str], params: list[SamplingParams]) -> list[list[int]] | None:
