@@ -30,6 +30,10 @@ class RequestOutput:
     text: str = ""
     finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     error: str | None = None
+    # with SamplingParams(logprobs=k): per generated token, (its log-probability, [(id, log-probability)] of the
+    # k most likely tokens)
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
     @property
     def finished(self) -> bool:
@@ -132,6 +136,9 @@ class Engine:
                         continue
                     r, text = results[i], texts[o.rid]
                     r.token_ids += o.token_ids
+                    r.cached_tokens = o.cached_tokens or r.cached_tokens
+                    if o.logprobs:
+                        r.logprobs = (r.logprobs or []) + [(lp, [tuple(t) for t in top]) for lp, top in o.logprobs]
                     stopped = False
                     if text is not None:
                         text.add(o.token_ids)

@@ -67,6 +67,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
+MAX_LOGPROBS = 20  # top log-probabilities a request may ask for per token (OpenAI's chat limit, vLLM's default)
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,9 @@ class SamplingParams:
     # OpenAI's logit_bias: (token id, bias in [-100, 100]) pairs added to the logits; a dict is accepted (its
     # keys may be strings, as JSON gives them) and kept sorted by id
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Log-probabilities to return with each token: None for none, k >= 0 for the sampled token's and the k most
+    # likely ones' (the model's own distribution: log_softmax of the raw logits, as vLLM's default)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # JSON and msgpack hand us lists (and the OpenAI API a bare string or null for `stop`).
@@ -127,12 +131,16 @@ class SamplingParams:
         _require(min_ok, "min_tokens", f"an int in [0, max_tokens={self.max_tokens}]", self.min_tokens)
         for name in ("presence_penalty", "frequency_penalty"):
             _require(-2 <= getattr(self, name) <= 2, name, "in [-2, 2]", getattr(self, name))
+        k = self.logprobs
+        _require(k is None or (_is_int(k) and 0 <= k <= MAX_LOGPROBS), "logprobs", f"None or an int in [0, "
+                 f"{MAX_LOGPROBS}]", k)  # fmt: skip
 
     @property
     def plain(self) -> bool:
         """Greedy with nothing that edits the logits: the argmax of the raw logits is the token."""
         return (self.greedy and self.repetition_penalty == 1.0 and not self.logit_bias and self.min_tokens == 0
-                and self.presence_penalty == 0 and self.frequency_penalty == 0)  # fmt: skip
+                and self.presence_penalty == 0 and self.frequency_penalty == 0
+                and self.logprobs is None)  # fmt: skip
 
     @property
     def needs_history(self) -> bool:
@@ -179,6 +187,46 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
         _require(-100 <= bias <= 100, "logit_bias", "biases in [-100, 100]", bias)
         out[key] = bias
     return tuple(sorted(out.items()))
+
+
+def logprob_values(logits: torch.Tensor, tokens: torch.Tensor, ks: Sequence[int | None]) -> torch.Tensor:
+    """The log-probabilities rows ask for, as one int64 tensor (floats as their float64 bits, so they travel
+    with the sampled ids): per row with `ks[i]` not None, its token's log-probability, then its `k` most likely
+    ids, then their log-probabilities. `unpack_logprobs` reads them back."""
+    rows = [i for i, k in enumerate(ks) if k is not None]
+    if not rows:
+        return torch.empty(0, dtype=torch.int64)
+    lp = torch.log_softmax(logits[rows].float(), dim=-1).cpu()
+    chosen = lp.gather(1, tokens[rows].cpu().clamp(min=0)[:, None])[:, 0]  # a failed row's -1 reads id 0
+    kmax = max(ks[i] for i in rows)
+    top = lp.topk(kmax, dim=-1) if kmax else None
+    parts = []
+    for j, i in enumerate(rows):
+        parts.append(chosen[j : j + 1].double().view(torch.int64))
+        if ks[i]:
+            parts += [top.indices[j, : ks[i]], top.values[j, : ks[i]].double().view(torch.int64)]
+    return torch.cat(parts)
+
+
+Logprobs = tuple[float, list[tuple[int, float]]]  # a token's log-probability, and the top (id, log-probability)s
+
+
+def unpack_logprobs(values: Sequence[int], ks: Sequence[int | None]) -> list[Logprobs | None]:
+    """`logprob_values`'s ints back to, per row, None or its `Logprobs`."""
+    floats = torch.tensor(list(values), dtype=torch.int64).view(torch.float64).tolist()
+    out, at = [], 0
+    for k in ks:
+        if k is None:
+            out.append(None)
+            continue
+        top = list(zip(values[at + 1 : at + 1 + k], floats[at + 1 + k : at + 1 + 2 * k], strict=True))
+        out.append((floats[at], top))
+        at += 1 + 2 * k
+    return out
+
+
+def logprob_width(ks: Sequence[int | None]) -> int:
+    return sum(1 + 2 * k for k in ks if k is not None)
 
 
 def make_generator(seed: int, device: str | torch.device = "cpu") -> torch.Generator:

@@ -164,6 +164,7 @@ PARSED = {
     "temperature": lambda r: r.params.temperature == 0.5, "top_p": lambda r: r.params.top_p == 0.9,
     "prompt": lambda r: len(r.prompt_ids) == 1, "messages": lambda r: len(r.prompt_ids) > 3,
     "model": lambda r: True,  # the served name: checked against it (another gets a 404)
+    "logprobs": lambda r: r.params.logprobs in (2, 0), "top_logprobs": lambda r: r.params.logprobs == 2,
 }  # fmt: skip
 
 
@@ -176,6 +177,8 @@ def test_every_openai_field_is_honoured_or_refused_by_name(tok, endpoint, caplog
     honoured = []
     for field in OPENAI_FIELDS[endpoint]:
         body = {**base, field: NON_DEFAULT[field]}
+        if endpoint == "chat" and field in ("logprobs", "top_logprobs"):  # chat's logprobs is a switch
+            body["logprobs"] = True
         if field in _UNSUPPORTED:
             e = _err(parse, body, tok, LIMITS)
             assert (e.status, e.param) == (400, field), (field, e)
@@ -184,8 +187,12 @@ def test_every_openai_field_is_honoured_or_refused_by_name(tok, endpoint, caplog
         r = parse(body, tok, LIMITS)
         assert field in _ACCEPTED or PARSED[field](r), field
         honoured.append(field)
-    assert {"frequency_penalty", "presence_penalty", "logit_bias", "seed", "stop"} <= set(honoured)
+    assert {"frequency_penalty", "presence_penalty", "logit_bias", "seed", "stop", "logprobs"} <= set(honoured)
     assert not caplog.records  # OpenAI's own fields are never "ignored"
     with caplog.at_level("WARNING", logger="ringsched.server"):
         parse({**base, "not_a_field": 1, "another": 2}, tok, LIMITS)
     assert "ignored: ['another', 'not_a_field']" in caplog.text
+    if endpoint == "chat":
+        e = _err(parse, {**base, "top_logprobs": 2}, tok, LIMITS)
+        assert e.param == "top_logprobs" and "logprobs" in str(e)
+        assert _err(parse, {**base, "logprobs": True, "top_logprobs": 21}, tok, LIMITS).param == "top_logprobs"

@@ -83,6 +83,9 @@ class TokenOutput:
     # what failed while it ran ("request_failed": its parameters made a stage fail; the engine runs on).
     error_code: str | None = None
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (the first admission's)
+    # per token of `token_ids`, when the request asked for them: [its log-probability, [[id, log-probability]]
+    # of the most likely tokens]
+    logprobs: list | None = None
 
 
 @dataclass

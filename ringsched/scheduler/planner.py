@@ -33,7 +33,7 @@ from collections import OrderedDict, deque
 from ringsched.comm.messages import BatchPlan, NewRequest, PlanEntry, TokenOutput
 from ringsched.kv_cache import BlockTable, block_hashes
 from ringsched.parallel.cp_blocks import CPBlocks
-from ringsched.sampling import SamplingParams
+from ringsched.sampling import SamplingParams, logprob_width, unpack_logprobs
 from ringsched.scheduler.chunking import ChunkSizer
 from ringsched.scheduler.request import Request, Status
 
@@ -256,20 +256,25 @@ class Planner:
 
     # -- results ---------------------------------------------------------------------------------------
     def on_output(self, seq: int, tokens: list[int]) -> list[TokenOutput]:
+        """`tokens`: the sampled id of each entry that samples, then the log-probabilities they asked for
+        (`sampling.logprob_values`)."""
         entries = self.flight.pop(seq, [])
         sampled = [e for e in entries if e.samples]
-        if len(sampled) != len(tokens):
+        ks = [self.requests[e.rid].params.logprobs for e in sampled]
+        if len(sampled) + logprob_width(ks) != len(tokens):
             raise RuntimeError(
-                f"micro-batch {seq}: expected {len(sampled)} sampled tokens, got {len(tokens)}"
+                f"micro-batch {seq}: expected {len(sampled)} sampled tokens and {logprob_width(ks)} log-probability "
+                f"values, got {len(tokens)} values"
             )
+        logprobs = iter(unpack_logprobs(tokens[len(sampled) :], ks))
         outs: list[TokenOutput] = []
-        it = iter(tokens)
+        it = iter(tokens[: len(sampled)])
         for e in entries:
             r = self.requests[e.rid]
             r.in_flight.discard(seq)
             if self._cache is not None and not self.pipeline_prefill:  # its KV is on both stages now
                 self._index(r, e.start + len(e.token_ids))
-            tok = next(it) if e.samples else None
+            tok, lp = (next(it), next(logprobs)) if e.samples else (None, None)
             if r.aborted:
                 if not r.in_flight:  # its last micro-batch passed every stage
                     self._finish(r, free_now=True)
@@ -285,7 +290,7 @@ class Planner:
             r.output_ids.append(tok)
             reason = r.check_finish(self.eos_ids, self.max_len)
             outs.append(TokenOutput(r.rid, [tok], reason, None, len(r.prompt_ids), len(r.output_ids),
-                                    cached_tokens=r.cached_tokens))  # fmt: skip
+                                    cached_tokens=r.cached_tokens, logprobs=None if lp is None else [lp]))  # fmt: skip
             if reason:
                 self._finish(r, free_now=True)
         return outs

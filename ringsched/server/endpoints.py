@@ -26,6 +26,7 @@ from ringsched.server.engine_client import EngineError
 from ringsched.server.json_body import load_json
 from ringsched.server.protocol import APIError, Prepared, parse_chat, parse_completion, parse_generate
 from ringsched.server.serving import Delta, ServerContext, collect, sse, text_deltas, usage
+from ringsched.tokenizer import Tokenizer
 
 logger = logging.getLogger("ringsched.server")
 T = TypeVar("T")
@@ -150,22 +151,26 @@ async def completions(request: Request, ctx: ServerContext) -> Response:
         return {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name}
 
     def events(rid: str, deltas: AsyncIterator[Delta], req: Prepared) -> AsyncIterator[dict]:
-        return _completion_events(base(rid), deltas, req.include_usage)
+        return _completion_events(base(rid), deltas, req.include_usage, ctx.tokenizer)
 
     def whole(rid: str, text: str, last: Delta) -> dict:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason}
+        logprobs = completion_logprobs(ctx.tokenizer, last.logprobs)
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": last.finish_reason}
         return {**base(rid), "choices": [choice], "usage": usage(last)}
 
     return await _serve(request, ctx, parse_completion, "cmpl", events, whole)
 
 
-async def _completion_events(base: dict, deltas: AsyncIterator[Delta], include_usage: bool) -> AsyncIterator[dict]:
+async def _completion_events(base: dict, deltas: AsyncIterator[Delta], include_usage: bool,
+                             tok: Tokenizer) -> AsyncIterator[dict]:  # fmt: skip
     extra = {"usage": None} if include_usage else {}
-    last = None
+    last, offset = None, 0
     async with contextlib.aclosing(deltas) as it:
         async for d in it:
             last = d
-            choice = {"index": 0, "text": d.text, "logprobs": None, "finish_reason": d.finish_reason}
+            logprobs = completion_logprobs(tok, d.logprobs, offset)
+            offset += sum(len(t) for t in logprobs["tokens"]) if logprobs else 0
+            choice = {"index": 0, "text": d.text, "logprobs": logprobs, "finish_reason": d.finish_reason}
             yield {**base, "choices": [choice], **extra}
     if include_usage and last is not None:
         yield {**base, "choices": [], "usage": usage(last)}
@@ -179,33 +184,71 @@ async def chat_completions(request: Request, ctx: ServerContext) -> Response:
         return {"id": rid, "object": kind, "created": created, "model": ctx.model_name}
 
     def events(rid: str, deltas: AsyncIterator[Delta], req: Prepared) -> AsyncIterator[dict]:
-        return _chat_events(base(rid, "chat.completion.chunk"), deltas, req.include_usage)
+        return _chat_events(base(rid, "chat.completion.chunk"), deltas, req.include_usage, ctx.tokenizer)
 
     def whole(rid: str, text: str, last: Delta) -> dict:
         message = {"role": "assistant", "content": text}
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": last.finish_reason}
+        logprobs = chat_logprobs(ctx.tokenizer, last.logprobs)
+        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": last.finish_reason}
         return {**base(rid, "chat.completion"), "choices": [choice], "usage": usage(last)}
 
     return await _serve(request, ctx, parse_chat, "chatcmpl", events, whole)
 
 
-async def _chat_events(base: dict, deltas: AsyncIterator[Delta], include_usage: bool) -> AsyncIterator[dict]:
+async def _chat_events(base: dict, deltas: AsyncIterator[Delta], include_usage: bool,
+                       tok: Tokenizer) -> AsyncIterator[dict]:  # fmt: skip
     extra = {"usage": None} if include_usage else {}
 
-    def chunk(delta: dict, finish: str | None = None) -> dict:
-        return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], **extra}
+    def chunk(delta: dict, finish: str | None = None, logprobs: dict | None = None) -> dict:
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return {**base, "choices": [choice], **extra}
 
     yield chunk({"role": "assistant", "content": ""})
     last = None
     async with contextlib.aclosing(deltas) as it:
         async for d in it:
             last = d
-            if d.text:
-                yield chunk({"content": d.text})
+            logprobs = chat_logprobs(tok, d.logprobs)
+            if d.text or logprobs:
+                yield chunk({"content": d.text}, logprobs=logprobs)
             if d.finish_reason:
                 yield chunk({}, d.finish_reason)
     if include_usage and last is not None:
         yield {**base, "choices": [], "usage": usage(last)}
+
+
+# -- log-probabilities, OpenAI's two shapes ------------------------------------------------------------------------
+def _piece(tok: Tokenizer, token_id: int) -> str:
+    return tok.decode([token_id], skip_special_tokens=False)
+
+
+def completion_logprobs(tok: Tokenizer, lps: list, offset: int = 0) -> dict | None:
+    """The completions shape: parallel lists of tokens, their log-probabilities, a map of the most likely tokens
+    (the sampled one included, as OpenAI's and vLLM's) and character offsets into the completion."""
+    if not lps:
+        return None
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token_id, logprob, top in lps:
+        piece = _piece(tok, token_id)
+        out["tokens"].append(piece)
+        out["token_logprobs"].append(logprob)
+        out["top_logprobs"].append({**{_piece(tok, i): v for i, v in top}, piece: logprob})
+        out["text_offset"].append(offset)
+        offset += len(piece)
+    return out
+
+
+def chat_logprobs(tok: Tokenizer, lps: list) -> dict | None:
+    """The chat shape: per token its text, log-probability, UTF-8 bytes and `top_logprobs` of the same form."""
+    if not lps:
+        return None
+
+    def entry(token_id: int, logprob: float) -> dict:
+        piece = _piece(tok, token_id)
+        return {"token": piece, "logprob": logprob, "bytes": list(piece.encode("utf-8"))}
+
+    content = [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top]} for t, lp, top in lps]
+    return {"content": content, "refusal": None}
 
 
 # -- /generate (SGLang) ------------------------------------------------------------------------------------------

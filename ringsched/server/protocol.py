@@ -37,8 +37,7 @@ OPENAI_FIELDS = {
              "safety_identifier", "seed", "service_tier", "stop", "store", "stream", "stream_options", "temperature",
              "tool_choice", "tools", "top_logprobs", "top_p", "user", "verbosity", "web_search_options"),
 }  # fmt: skip
-_UNSUPPORTED = {"n": (1, None), "best_of": (1, None), "echo": (False, None), "logprobs": (None, False, 0),
-                "top_logprobs": (None, 0), "suffix": (None, ""), "tools": (None, []),
+_UNSUPPORTED = {"n": (1, None), "best_of": (1, None), "echo": (False, None), "suffix": (None, ""), "tools": (None, []),
                 "response_format": (None, {"type": "text"}), "audio": (None,), "function_call": (None, "none"),
                 "functions": (None, []), "modalities": (None, ["text"]), "prediction": (None,),
                 "reasoning_effort": (None,), "service_tier": (None, "auto", "default"), "store": (None, False),
@@ -80,6 +79,7 @@ class _Sampling(_Strict):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None  # the sampled token's and this many most likely tokens' log-probabilities
 
 
 class ContentPart(_Strict):
@@ -96,6 +96,8 @@ class ChatMessage(_Strict):
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
 
 
 class GenerateRequest(_Strict):
@@ -258,7 +260,7 @@ def parse_completion(body: dict, tok: Tokenizer, limits: Limits) -> Prepared:
     ids = _check_ids(_encode(tok, prompt, limits, "prompt") if isinstance(prompt, str) else list(prompt), limits,
                      "prompt")  # fmt: skip
     max_tokens = req.max_tokens if req.max_tokens is not None else 16  # OpenAI's default for completions
-    params = _check_stop_ids(_params(_sampling_fields(req, max_tokens)), limits)
+    params = _check_stop_ids(_params({**_sampling_fields(req, max_tokens), "logprobs": req.logprobs}), limits)
     check_context(len(ids), max_tokens, limits, "prompt")
     return Prepared(ids, params, req.stream, bool(req.stream_options and req.stream_options.include_usage))
 
@@ -294,7 +296,12 @@ def parse_chat(body: dict, tok: Tokenizer, limits: Limits) -> Prepared:
     given = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = given if given is not None else _default_max(len(ids), limits)
     name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    params = _check_stop_ids(_params(_sampling_fields(req, max_tokens), {"max_tokens": name}), limits)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = _params({**_sampling_fields(req, max_tokens), "logprobs": logprobs},
+                     {"max_tokens": name, "logprobs": "top_logprobs"})  # fmt: skip
+    params = _check_stop_ids(params, limits)
     check_context(len(ids), max_tokens, limits, "messages")
     return Prepared(ids, params, req.stream, bool(req.stream_options and req.stream_options.include_usage))
 

@@ -15,7 +15,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ringsched.server.detokenizer import TextStream
 from ringsched.server.engine_client import EngineClient, EngineError
@@ -54,31 +54,38 @@ class Delta:
     finish_reason: str | None = None  # "stop" or "length" on the last delta
     matched_stop: str | int | None = None  # the stop string or token that ended it, if any
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # (token id, its log-probability, [(id, log-probability)] of the most likely) for each token since the
+    # previous delta, when the request asked for log-probabilities
+    logprobs: list[tuple[int, float, list]] = field(default_factory=list)
 
 
 async def text_deltas(ctx: ServerContext, rid: str, req: Prepared) -> AsyncIterator[Delta]:
     stream = TextStream(ctx.tokenizer, req.prompt_ids, req.params.stop)
     arrival, first, n, reason = time.monotonic(), None, 0, "abort"  # "abort" unless it ends otherwise
     cached = 0
+    lps: list[tuple[int, float, list]] = []  # log-probabilities not yet handed out with a delta
     try:
         async with contextlib.aclosing(ctx.client.generate(rid, req.prompt_ids, req.params)) as outs:
             async for out in outs:
                 first = first or time.monotonic()
                 n = out.completion_tokens or n + len(out.token_ids)
                 cached = out.cached_tokens or cached
+                if out.logprobs:
+                    lps += [(t, lp, top) for t, (lp, top) in zip(out.token_ids, out.logprobs, strict=True)]
                 text = stream.add(out.token_ids)
                 if stream.stopped:  # a stop string: leaving the loop closes `outs`, which aborts the request
                     reason = "stop"
-                    yield Delta(text, len(req.prompt_ids), n, "stop", stream.stops.matched, cached)
+                    yield Delta(text, len(req.prompt_ids), n, "stop", stream.stops.matched, cached, lps)
                     return
                 if out.finish_reason:
                     text += stream.finish()
                     reason = out.finish_reason
                     matched = out.token_ids[-1] if reason == "stop" and out.token_ids else None
-                    yield Delta(text, len(req.prompt_ids), n, reason, matched, cached)
+                    yield Delta(text, len(req.prompt_ids), n, reason, matched, cached, lps)
                     return
                 if text:
-                    yield Delta(text, len(req.prompt_ids), n, cached_tokens=cached)
+                    yield Delta(text, len(req.prompt_ids), n, cached_tokens=cached, logprobs=lps)
+                    lps = []
     except EngineError:
         reason = "error"
         raise
@@ -87,14 +94,18 @@ async def text_deltas(ctx: ServerContext, rid: str, req: Prepared) -> AsyncItera
 
 
 async def collect(deltas: AsyncIterator[Delta]) -> tuple[str, Delta]:
-    """All the text of a non-streaming request, and its last delta (finish reason, token counts)."""
+    """All the text of a non-streaming request, and its last delta (finish reason, token counts) holding every
+    token's log-probabilities."""
     parts: list[str] = []
+    lps: list = []
     last = None
     async with contextlib.aclosing(deltas) as it:
         async for d in it:
             parts.append(d.text)
+            lps += d.logprobs
             last = d
     assert last is not None and last.finish_reason, "the engine ended a request without a finish reason"
+    last.logprobs = lps
     return "".join(parts), last
 
 

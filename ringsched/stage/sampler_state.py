@@ -12,7 +12,7 @@ import logging
 import torch
 
 from ringsched.comm.messages import BatchPlan
-from ringsched.sampling import SamplingParams, make_generator, sample
+from ringsched.sampling import SamplingParams, logprob_values, make_generator, sample
 
 logger = logging.getLogger("ringsched.parallel.rank")
 
@@ -69,6 +69,11 @@ class SamplerState:
             except Exception as e:
                 logger.error("request %s: sampling failed, it ends with an error: %s: %s", rid, type(e).__name__, e)
         return tokens
+
+    def logprobs(self, plan: BatchPlan, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """The log-probabilities the sampling rows ask for, packed (`sampling.logprob_values`); empty if none."""
+        ks = [self.params[e.rid].logprobs for e in plan.entries if e.samples]
+        return logprob_values(logits, tokens, ks)
 
     def _sample(self, rids: list[str], logits: torch.Tensor) -> torch.Tensor:
         params = [self.params[r] for r in rids]

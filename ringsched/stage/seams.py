@@ -85,9 +85,12 @@ class SamplingHead:
             if self.sampler.greedy_only(plan):
                 tokens = self.model.greedy_tokens(out).cpu()
             else:
-                tokens = self.sampler.sample(plan, self.model.compute_logits(out)).cpu()
+                logits = self.model.compute_logits(out)
+                tokens = self.sampler.sample(plan, logits).cpu()
+                # The sampled ids, then any log-probabilities asked for (stage 0 knows how many to expect).
+                tokens = torch.cat([tokens, self.sampler.logprobs(plan, logits, tokens)])
         self.cut.head_took(plan.num_samples, took.seconds)
-        self.times.sample_rows += tokens.numel()
+        self.times.sample_rows += plan.num_samples
         return tokens
 
     def empty(self) -> torch.Tensor:
