@@ -61,7 +61,7 @@ _BAD_SAMPLING = [
     ("repetition_penalty", 0), ("repetition_penalty", -1.0), ("repetition_penalty", "1"),
     ("min_tokens", -1), ("min_tokens", 1.5), ("min_tokens", HUGE), ("min_tokens", 10**6),
     ("stream", "yes"), ("stream", 1), ("stream_options", "yes"), ("stream_options", {"include_usage": "yes"}),
-    ("n", 2), ("best_of", 3), ("echo", True), ("suffix", "x"), ("model", 5), ("model", []),
+    ("n", 0), ("n", 17), ("n", 1.5), ("echo", True), ("suffix", "x"), ("model", 5), ("model", []),
     ("logprobs", 21), ("logprobs", -1), ("logprobs", "2"), ("logprobs", [1]),
     ("logit_bias", {"1": 500}), ("logit_bias", {"x": 1}), ("logit_bias", {str(OUT_OF_VOCAB): 1}),
     ("logit_bias", [1, 2]), ("logit_bias", {str(i): 1 for i in range(301)}),

@@ -76,15 +76,26 @@ def test_the_last_token_of_a_fully_cached_prompt_is_computed():
     assert (e.start, e.token_ids) == (32, [132])
 
 
-def test_a_request_in_a_later_micro_batch_shares_blocks_still_in_flight():
+def test_a_request_waits_a_micro_batch_for_blocks_computed_beside_it():
     p = planner(budget=64)
     p.add(req("a", prefix(100)))
     p.add(req("b", prefix(100)))
-    first = p.plan(0, 0)  # a's first 64 tokens; b waits (the budget)
+    first = p.plan(0, 0)  # a's first 64 tokens; b's would be the same blocks: it waits
     assert [(e.rid, e.start) for e in first.entries] == [("a", 0)]
-    second = p.plan(1, 1)  # a's rest, and b, which finds a's first 4 blocks (not those a computes beside it)
-    assert [(e.rid, e.start) for e in second.entries] == [("a", 64), ("b", 64)]
-    assert second.entries[1].cached_blocks == p.blocks.tables["a"][:4]
+    second = p.plan(1, 1)  # a's rest: b's next block is among them, so it waits again
+    assert [(e.rid, e.start) for e in second.entries] == [("a", 64)]
+    third = p.plan(2, 2)  # everything but a's partial last block is cached (a is still in flight)
+    assert [(e.rid, e.start) for e in third.entries] == [("b", 96)]
+    assert third.entries[0].cached_blocks == p.blocks.tables["a"][:6]
+
+
+def test_siblings_compute_a_shared_prompt_once():
+    p = planner()
+    for i in range(3):  # n = 3: the same prompt, arriving together
+        p.add(req(f"s{i}", prefix(40)))
+    assert [(e.rid, e.start) for e in p.plan(0, 0).entries] == [("s0", 0)]
+    assert [(e.rid, e.start, len(e.token_ids)) for e in p.plan(1, 1).entries] == [("s1", 32, 8), ("s2", 32, 8)]
+    assert p.prefill_tokens == 40 + 2 * 8
 
 
 def test_a_flexible_cut_indexes_blocks_when_their_micro_batch_is_back():

@@ -61,6 +61,19 @@ def metrics(server: ServerProcess) -> dict[str, float]:
     return out
 
 
+def settled(server: ServerProcess) -> dict[str, float]:
+    """/metrics once the stages' reports (every 0.5 s) have caught up with the last request: two reads a second
+    apart agree."""
+    last = metrics(server)
+    for _ in range(20):
+        time.sleep(1.0)
+        now = metrics(server)
+        if all(now.get(k) == v for k, v in last.items() if "stage_tokens" in k):
+            return now
+        last = now
+    return last
+
+
 # -- generation ------------------------------------------------------------------------------------------------
 def test_completion_greedy_equals_engine(client, reference):
     r = client.completions.create(model=MODEL, prompt=COMPLETION_PROMPT, **GREEDY)
@@ -157,6 +170,43 @@ def test_logit_bias_and_penalties(client, smollm2_dir):
     assert plain.choices[0].text != penalised.choices[0].text
     with pytest.raises(openai.BadRequestError, match="presence_penalty"):
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, presence_penalty=5)
+
+
+def test_n_sequences_share_one_prompt_computation(client, server):
+    """n=4 with a seed: four different completions, the same four again; the prompt is computed once per call
+    but for each sequence's partial last block (the stages' token counters)."""
+    prompt = "Write four different words about the sea, the sky and the wind, one per line. " * 3
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=12, temperature=1.0, seed=11, n=4, extra_body={"ignore_eos": True})
+    before = settled(server)
+    first = client.completions.create(**kw)
+    second = client.completions.create(**kw)
+    texts = [[c.text for c in sorted(r.choices, key=lambda c: c.index)] for r in (first, second)]
+    assert len(set(texts[0])) == 4 and texts[0] == texts[1]
+    p = first.usage.prompt_tokens
+    assert first.usage.completion_tokens == 4 * 12 and first.usage.total_tokens == p + 48
+    cached = (p - 1) // 16 * 16
+    # The first call computes the prompt once and each other sequence its last partial block; the second finds
+    # every whole block cached for all four; each sequence then decodes 11 steps.
+    want = (p + 3 * (p - cached)) + 4 * (p - cached) + 8 * 11
+    deadline, got = time.monotonic() + 10, {}
+    while time.monotonic() < deadline:
+        after = metrics(server)
+        got = {s: after[f'ringsched:stage_tokens{{stage="{s}"}}'] - before[f'ringsched:stage_tokens{{stage="{s}"}}']
+               for s in (0, 1)}  # fmt: skip
+        if got == {0: want, 1: want}:
+            break
+        time.sleep(0.3)
+    assert got == {0: want, 1: want}
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, n=2, stream=True,
+                                                 temperature=0.9, seed=3))  # fmt: skip
+    ends = {c.choices[0].index: c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason}
+    assert ends == {0: "length", 1: "length"}
+    best = client.completions.create(model=MODEL, prompt=COMPLETION_PROMPT, max_tokens=5, temperature=1.0, seed=4,
+                                     n=1, best_of=3)  # fmt: skip
+    assert len(best.choices) == 1 and best.choices[0].logprobs is None and best.usage.completion_tokens == 15
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, n=3, best_of=2)
 
 
 def test_64_concurrent_streams(server):
@@ -259,7 +309,7 @@ ERROR_CASES = [
     (CMPL, {"prompt": "hi", "top_p": 0}, 400, "top_p", None),
     (CMPL, {"prompt": "hi", "top_p": 1.5}, 400, "top_p", None),
     (CMPL, {"prompt": "hi", "stream": "yes"}, 400, "stream", None),
-    (CMPL, {"prompt": "hi", "n": 2}, 400, "n", None),
+    (CMPL, {"prompt": "hi", "n": 17}, 400, "n", None),
     (CMPL, {"prompt": [1000] * 2040, "max_tokens": 10}, 400, "prompt", "context_length_exceeded"),
     (CMPL, {"model": "gpt-4", "prompt": "hi"}, 404, "model", "model_not_found"),
     (CHAT_PATH, {"model": MODEL}, 400, "messages", None),

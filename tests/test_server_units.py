@@ -165,6 +165,8 @@ PARSED = {
     "prompt": lambda r: len(r.prompt_ids) == 1, "messages": lambda r: len(r.prompt_ids) > 3,
     "model": lambda r: True,  # the served name: checked against it (another gets a 404)
     "logprobs": lambda r: r.params.logprobs in (2, 0), "top_logprobs": lambda r: r.params.logprobs == 2,
+    "n": lambda r: r.n == 2 and r.best_of == 2 and len(r.sequences("x")) == 2,
+    "best_of": lambda r: r.n == 1 and r.best_of == 2 and r.params.logprobs == 0 and not r.logprobs_asked,
 }  # fmt: skip
 
 
@@ -187,7 +189,7 @@ def test_every_openai_field_is_honoured_or_refused_by_name(tok, endpoint, caplog
         r = parse(body, tok, LIMITS)
         assert field in _ACCEPTED or PARSED[field](r), field
         honoured.append(field)
-    assert {"frequency_penalty", "presence_penalty", "logit_bias", "seed", "stop", "logprobs"} <= set(honoured)
+    assert {"frequency_penalty", "presence_penalty", "logit_bias", "seed", "stop", "logprobs", "n"} <= set(honoured)
     assert not caplog.records  # OpenAI's own fields are never "ignored"
     with caplog.at_level("WARNING", logger="ringsched.server"):
         parse({**base, "not_a_field": 1, "another": 2}, tok, LIMITS)

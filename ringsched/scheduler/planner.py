@@ -155,17 +155,19 @@ class Planner:
                 continue
             self._schedule(r, n, seq, plan)
             budget -= n
-        while self.waiting and budget > 0 and len(plan.entries) < self.micro_batch_size:
-            if len(self.running) >= self.max_running:
+        planned = self._planned_blocks(plan)
+        for r in list(self.waiting):
+            if budget <= 0 or len(plan.entries) >= self.micro_batch_size or len(self.running) >= self.max_running:
                 break
-            r = self.waiting[0]
             cached = self._cached_prefix(r)
+            if self._computed_beside(r, len(cached), planned):
+                continue  # the next micro-batch finds those blocks cached (n > 1, or a burst behind one prefix)
             r.num_computed = len(cached) * self.blocks.block_size
             n = min(self._chunk(r), budget)
             if not self.blocks.can_hold(r.rid, r.num_computed + n, cached):
                 r.num_computed = 0
                 break
-            self.waiting.popleft()
+            self.waiting.remove(r)
             r.status = Status.RUNNING
             self.running[r.rid] = r
             if self._cache is not None:
@@ -176,6 +178,7 @@ class Planner:
                 self.blocks.share(r.rid, cached)
             self._schedule(r, n, seq, plan, cached)
             budget -= n
+            planned |= self._planned_blocks(plan, plan.entries[-1:])
         if plan.entries:
             self.flight[seq] = plan.entries
         if self._cache is not None and self.pipeline_prefill:
@@ -206,6 +209,22 @@ class Planner:
         if self._cache is None:
             return []
         return self._cache.lookup(self._hashes(r, (r.num_tokens - 1) // self.blocks.block_size))
+
+    def _planned_blocks(self, plan: BatchPlan, entries: list[PlanEntry] | None = None) -> set[bytes]:
+        """The prefixes (hashes) of the full blocks `entries` (default: the plan's) compute."""
+        if self._cache is None:
+            return set()
+        bs, out = self.blocks.block_size, set()
+        for e in plan.entries if entries is None else entries:
+            end = (e.start + len(e.token_ids)) // bs
+            out.update(self._hashes(self.requests[e.rid], end)[e.start // bs :])
+        return out
+
+    def _computed_beside(self, r: Request, cached: int, planned: set[bytes]) -> bool:
+        """`r`'s next block after its `cached` ones is computed in this micro-batch by another request."""
+        if not planned or (cached + 1) * self.blocks.block_size >= r.num_tokens:
+            return False
+        return self._hashes(r, cached + 1)[cached] in planned
 
     def _index(self, r: Request, upto: int) -> None:
         """Index `r`'s full blocks of positions `[0, upto)` in the prefix cache."""

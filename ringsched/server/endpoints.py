@@ -16,6 +16,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from typing import TypeVar
 
 from fastapi import Request
@@ -101,13 +102,14 @@ class _Stream(StreamingResponse):
             self._release()
 
 
-Events = Callable[[str, AsyncIterator[Delta], Prepared], AsyncIterator[dict]]  # (rid, deltas, request) -> events
-Whole = Callable[[str, str, Delta], dict]  # (rid, text, last delta) -> the response body
+Events = Callable[[str, list[AsyncIterator[Delta]], Prepared], AsyncIterator[dict]]  # (rid, deltas per sequence, req)
+# (rid, (text, last delta) per choice returned, the usage of every sequence run) -> the response body
+Whole = Callable[[str, list[tuple[str, Delta]], dict], dict]
 
 
 async def _serve(request: Request, ctx: ServerContext, parse: Callable, prefix: str, events: Events,
                  whole: Whole) -> Response:  # fmt: skip
-    """Prepare, admit, then stream `events(rid, deltas, req)` or answer `whole(rid, text, last_delta)`. A bug on
+    """Prepare, admit, then stream `events(rid, deltas, req)` or answer `whole(rid, results, req)`. A bug on
     this path is this request's 500 (logged), not an unhandled error that would also drop the connection."""
     try:
         return await _serve_one(request, ctx, parse, prefix, events, whole)
@@ -123,24 +125,92 @@ async def _serve_one(request: Request, ctx: ServerContext, parse: Callable, pref
                      whole: Whole) -> Response:  # fmt: skip
     req = await _prepare(request, ctx, parse)
     rid = f"{prefix}-{uuid.uuid4().hex}"
-    admit(ctx, rid)
+    sequences = req.sequences(rid)
+    admitted: list[str] = []
+
+    def release() -> None:
+        for seq_rid in admitted:
+            ctx.client.release(seq_rid)
+
     streaming = False
     try:
-        deltas = text_deltas(ctx, rid, req)
+        for seq_rid, _ in sequences:  # every sequence counts as an open request
+            admit(ctx, seq_rid)
+            admitted.append(seq_rid)
+        deltas = [text_deltas(ctx, seq_rid, replace(req, params=params)) for seq_rid, params in sequences]
         if req.stream:
-            response = _Stream(events(rid, deltas, req), lambda: ctx.client.release(rid))
+            response = _Stream(events(rid, deltas, req), release)
             streaming = True
             return response
         try:
-            result = await until_disconnect(request, collect(deltas))
+            results = await until_disconnect(request, _collect_all(deltas))
         except EngineError as e:
             raise APIError(e.status, str(e), e.type, code=e.code) from None
-        if result is None:
+        if results is None:
             return Response(status_code=499)
-        return JSONResponse(whole(rid, *result))
+        every = combined_usage([last for _, last in results])  # best_of: the sequences not returned count too
+        return JSONResponse(whole(rid, _best(results, req), every))
     finally:
         if not streaming:
-            ctx.client.release(rid)
+            release()
+
+
+async def _collect_all(deltas: list[AsyncIterator[Delta]]) -> list[tuple[str, Delta]]:
+    """Every sequence's text and last delta; if one fails (or this is cancelled), the others are cancelled too,
+    which aborts them."""
+    tasks = [asyncio.ensure_future(collect(d)) for d in deltas]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _best(results: list[tuple[str, Delta]], req: Prepared) -> list[tuple[str, Delta]]:
+    """The `n` of `best_of` results with the highest cumulative log-probability (all of them when n == best_of)."""
+    if req.best_of > req.n:
+        results = sorted(results, key=lambda r: -sum(lp for _, lp, _ in r[1].logprobs))[: req.n]
+    if not req.logprobs_asked:
+        for _, last in results:
+            last.logprobs = []
+    return results
+
+
+def combined_usage(results: list[Delta]) -> dict:
+    """One prompt (computed once, its KV shared), every sequence's completion tokens."""
+    out = usage(results[0])
+    completion = sum(d.completion_tokens for d in results)
+    return {**out, "completion_tokens": completion, "total_tokens": out["prompt_tokens"] + completion}
+
+
+async def merged(deltas: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int, Delta]]:
+    """The sequences' deltas as they come, each with its index; closing it closes (and so aborts) them all."""
+    if len(deltas) == 1:
+        async with contextlib.aclosing(deltas[0]) as it:
+            async for d in it:
+                yield 0, d
+        return
+    pending = {asyncio.ensure_future(anext(d)): i for i, d in enumerate(deltas)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.get):
+                i = pending.pop(task)
+                try:
+                    d = task.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(deltas[i]))] = i
+                yield i, d
+    finally:
+        for task in pending:
+            task.cancel()
+        for task in pending:
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration, EngineError):
+                await task
+        for d in deltas:
+            await d.aclose()
 
 
 # -- /v1/completions ---------------------------------------------------------------------------------------------
@@ -150,30 +220,31 @@ async def completions(request: Request, ctx: ServerContext) -> Response:
     def base(rid: str) -> dict:
         return {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name}
 
-    def events(rid: str, deltas: AsyncIterator[Delta], req: Prepared) -> AsyncIterator[dict]:
+    def events(rid: str, deltas: list[AsyncIterator[Delta]], req: Prepared) -> AsyncIterator[dict]:
         return _completion_events(base(rid), deltas, req.include_usage, ctx.tokenizer)
 
-    def whole(rid: str, text: str, last: Delta) -> dict:
-        logprobs = completion_logprobs(ctx.tokenizer, last.logprobs)
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": last.finish_reason}
-        return {**base(rid), "choices": [choice], "usage": usage(last)}
+    def whole(rid: str, results: list[tuple[str, Delta]], every: dict) -> dict:
+        choices = [{"index": i, "text": text, "logprobs": completion_logprobs(ctx.tokenizer, last.logprobs),
+                    "finish_reason": last.finish_reason} for i, (text, last) in enumerate(results)]  # fmt: skip
+        return {**base(rid), "choices": choices, "usage": every}
 
     return await _serve(request, ctx, parse_completion, "cmpl", events, whole)
 
 
-async def _completion_events(base: dict, deltas: AsyncIterator[Delta], include_usage: bool,
+async def _completion_events(base: dict, deltas: list[AsyncIterator[Delta]], include_usage: bool,
                              tok: Tokenizer) -> AsyncIterator[dict]:  # fmt: skip
     extra = {"usage": None} if include_usage else {}
-    last, offset = None, 0
-    async with contextlib.aclosing(deltas) as it:
-        async for d in it:
-            last = d
-            logprobs = completion_logprobs(tok, d.logprobs, offset)
-            offset += sum(len(t) for t in logprobs["tokens"]) if logprobs else 0
-            choice = {"index": 0, "text": d.text, "logprobs": logprobs, "finish_reason": d.finish_reason}
+    last: dict[int, Delta] = {}
+    offsets = [0] * len(deltas)
+    async with contextlib.aclosing(merged(deltas)) as it:
+        async for i, d in it:
+            last[i] = d
+            logprobs = completion_logprobs(tok, d.logprobs, offsets[i])
+            offsets[i] += sum(len(t) for t in logprobs["tokens"]) if logprobs else 0
+            choice = {"index": i, "text": d.text, "logprobs": logprobs, "finish_reason": d.finish_reason}
             yield {**base, "choices": [choice], **extra}
-    if include_usage and last is not None:
-        yield {**base, "choices": [], "usage": usage(last)}
+    if include_usage and last:
+        yield {**base, "choices": [], "usage": combined_usage(list(last.values()))}
 
 
 # -- /v1/chat/completions ----------------------------------------------------------------------------------------
@@ -183,38 +254,39 @@ async def chat_completions(request: Request, ctx: ServerContext) -> Response:
     def base(rid: str, kind: str) -> dict:
         return {"id": rid, "object": kind, "created": created, "model": ctx.model_name}
 
-    def events(rid: str, deltas: AsyncIterator[Delta], req: Prepared) -> AsyncIterator[dict]:
+    def events(rid: str, deltas: list[AsyncIterator[Delta]], req: Prepared) -> AsyncIterator[dict]:
         return _chat_events(base(rid, "chat.completion.chunk"), deltas, req.include_usage, ctx.tokenizer)
 
-    def whole(rid: str, text: str, last: Delta) -> dict:
-        message = {"role": "assistant", "content": text}
-        logprobs = chat_logprobs(ctx.tokenizer, last.logprobs)
-        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": last.finish_reason}
-        return {**base(rid, "chat.completion"), "choices": [choice], "usage": usage(last)}
+    def whole(rid: str, results: list[tuple[str, Delta]], every: dict) -> dict:
+        choices = [{"index": i, "message": {"role": "assistant", "content": text},
+                    "logprobs": chat_logprobs(ctx.tokenizer, last.logprobs), "finish_reason": last.finish_reason}
+                   for i, (text, last) in enumerate(results)]  # fmt: skip
+        return {**base(rid, "chat.completion"), "choices": choices, "usage": every}
 
     return await _serve(request, ctx, parse_chat, "chatcmpl", events, whole)
 
 
-async def _chat_events(base: dict, deltas: AsyncIterator[Delta], include_usage: bool,
+async def _chat_events(base: dict, deltas: list[AsyncIterator[Delta]], include_usage: bool,
                        tok: Tokenizer) -> AsyncIterator[dict]:  # fmt: skip
     extra = {"usage": None} if include_usage else {}
 
-    def chunk(delta: dict, finish: str | None = None, logprobs: dict | None = None) -> dict:
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+    def chunk(i: int, delta: dict, finish: str | None = None, logprobs: dict | None = None) -> dict:
+        choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return {**base, "choices": [choice], **extra}
 
-    yield chunk({"role": "assistant", "content": ""})
-    last = None
-    async with contextlib.aclosing(deltas) as it:
-        async for d in it:
-            last = d
+    for i in range(len(deltas)):
+        yield chunk(i, {"role": "assistant", "content": ""})
+    last: dict[int, Delta] = {}
+    async with contextlib.aclosing(merged(deltas)) as it:
+        async for i, d in it:
+            last[i] = d
             logprobs = chat_logprobs(tok, d.logprobs)
             if d.text or logprobs:
-                yield chunk({"content": d.text}, logprobs=logprobs)
+                yield chunk(i, {"content": d.text}, logprobs=logprobs)
             if d.finish_reason:
-                yield chunk({}, d.finish_reason)
-    if include_usage and last is not None:
-        yield {**base, "choices": [], "usage": usage(last)}
+                yield chunk(i, {}, d.finish_reason)
+    if include_usage and last:
+        yield {**base, "choices": [], "usage": combined_usage(list(last.values()))}
 
 
 # -- log-probabilities, OpenAI's two shapes ------------------------------------------------------------------------
@@ -255,10 +327,11 @@ def chat_logprobs(tok: Tokenizer, lps: list) -> dict | None:
 async def generate(request: Request, ctx: ServerContext) -> Response:
     arrival = time.monotonic()
 
-    def events(rid: str, deltas: AsyncIterator[Delta], req: Prepared) -> AsyncIterator[dict]:
-        return _generate_events(rid, arrival, deltas)
+    def events(rid: str, deltas: list[AsyncIterator[Delta]], req: Prepared) -> AsyncIterator[dict]:
+        return _generate_events(rid, arrival, deltas[0])
 
-    def whole(rid: str, text: str, last: Delta) -> dict:
+    def whole(rid: str, results: list[tuple[str, Delta]], every: dict) -> dict:
+        text, last = results[0]
         return {"text": text, "meta_info": _meta(rid, arrival, last)}
 
     return await _serve(request, ctx, parse_generate, "gen", events, whole)

@@ -57,6 +57,10 @@ class ServerMetrics:
             f"{p}stage_peak_memory_bytes", "Peak resident memory of a stage process (device memory on GPU).",
             ["stage"], registry=r,
         )  # fmt: skip
+        self.stage_tokens = Gauge(
+            f"{p}stage_tokens", "Tokens a stage computed since start (prompt chunks and decodes; cached prompt "
+            "tokens are not computed).", ["stage"], registry=r,
+        )  # fmt: skip
         rank = ["rank", "stage", "tp"]
         self.rank_peak_memory = Gauge(
             f"{p}rank_peak_memory_bytes", "Peak resident memory of each rank (device memory on GPU).", rank,
@@ -151,6 +155,7 @@ class ServerMetrics:
             self.kv_usage.labels(stage=stage).set(kv_usage.get(stage, 0.0))
             self.busy.labels(stage=stage).set(s.get("busy_fraction", 0.0))
             self.bubble.labels(stage=stage).set(s.get("bubble_fraction", 0.0))
+            self.stage_tokens.labels(stage=stage).set(s.get("tokens", 0))
             for kind in ("compute", "wait", "sched", "comm"):
                 self.stage_time.labels(stage=stage, kind=kind).set(s.get(f"{kind}_s", 0.0))
             self.peak_memory.labels(stage=stage).set(peak)

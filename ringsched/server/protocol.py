@@ -10,7 +10,7 @@ length with OpenAI's message.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -37,7 +37,7 @@ OPENAI_FIELDS = {
              "safety_identifier", "seed", "service_tier", "stop", "store", "stream", "stream_options", "temperature",
              "tool_choice", "tools", "top_logprobs", "top_p", "user", "verbosity", "web_search_options"),
 }  # fmt: skip
-_UNSUPPORTED = {"n": (1, None), "best_of": (1, None), "echo": (False, None), "suffix": (None, ""), "tools": (None, []),
+_UNSUPPORTED = {"echo": (False, None), "suffix": (None, ""), "tools": (None, []),
                 "response_format": (None, {"type": "text"}), "audio": (None,), "function_call": (None, "none"),
                 "functions": (None, []), "modalities": (None, ["text"]), "prediction": (None,),
                 "reasoning_effort": (None,), "service_tier": (None, "auto", "default"), "store": (None, False),
@@ -75,11 +75,13 @@ class _Sampling(_Strict):
     min_tokens: int = 0
     stream: bool = False
     stream_options: StreamOptions | None = None
+    n: int | None = None
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None  # the sampled token's and this many most likely tokens' log-probabilities
+    best_of: int | None = None
 
 
 class ContentPart(_Strict):
@@ -107,14 +109,29 @@ class GenerateRequest(_Strict):
     stream: bool = False
 
 
+MAX_N = 16  # sequences one request may ask for (n, best_of)
+
+
 @dataclass
 class Prepared:
-    """A validated request, ready for the engine."""
+    """A validated request, ready for the engine. With `n` (or `best_of`) > 1 it runs as that many sequences on the
+    ring (`sequences`): the same prompt, whose KV the prefix cache shares, each with its own seed."""
 
     prompt_ids: list[int]
     params: SamplingParams
     stream: bool = False
     include_usage: bool = False
+    n: int = 1
+    best_of: int = 1  # sequences to run; the `n` with the highest cumulative log-probability are returned
+    logprobs_asked: bool = True  # False: log-probabilities were added only to rank `best_of`; not returned
+
+    def sequences(self, rid: str) -> list[tuple[str, SamplingParams]]:
+        """(request id, params) of each sequence: `rid` alone for one; `rid-i` with seed + i (when seeded) else."""
+        if self.best_of == 1:
+            return [(rid, self.params)]
+        seed = self.params.seed
+        return [(f"{rid}-{i}", self.params if seed is None else replace(self.params, seed=(seed + i) % 2**64))
+                for i in range(self.best_of)]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -192,6 +209,19 @@ def _sampling_fields(req: _Sampling, max_tokens: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def _counts(n: int | None, best_of: int | None, stream: bool) -> tuple[int, int]:
+    """`n` and `best_of` checked: 1 <= n <= best_of <= MAX_N, and no streaming of a best_of > n."""
+    n = 1 if n is None else n
+    if not 1 <= n <= MAX_N:
+        raise APIError(400, f"n must be in [1, {MAX_N}], got {n}", param="n")
+    best_of = n if best_of is None else best_of
+    if not n <= best_of <= MAX_N:
+        raise APIError(400, f"best_of must be in [n={n}, {MAX_N}], got {best_of}", param="best_of")
+    if stream and best_of > n:
+        raise APIError(400, "best_of > n cannot be streamed: the best are known only at the end", param="best_of")
+    return n, best_of
+
+
 def check_context(prompt_len: int, max_tokens: int, limits: Limits, where: str) -> None:
     """Prompt plus completion must fit the context and the KV pool; `where` is "prompt" or "messages"."""
     total = prompt_len + max_tokens
@@ -260,9 +290,12 @@ def parse_completion(body: dict, tok: Tokenizer, limits: Limits) -> Prepared:
     ids = _check_ids(_encode(tok, prompt, limits, "prompt") if isinstance(prompt, str) else list(prompt), limits,
                      "prompt")  # fmt: skip
     max_tokens = req.max_tokens if req.max_tokens is not None else 16  # OpenAI's default for completions
-    params = _check_stop_ids(_params({**_sampling_fields(req, max_tokens), "logprobs": req.logprobs}), limits)
+    n, best_of = _counts(req.n, req.best_of, req.stream)
+    logprobs = req.logprobs if req.logprobs is not None or best_of == n else 0  # best_of ranks by them
+    params = _check_stop_ids(_params({**_sampling_fields(req, max_tokens), "logprobs": logprobs}), limits)
     check_context(len(ids), max_tokens, limits, "prompt")
-    return Prepared(ids, params, req.stream, bool(req.stream_options and req.stream_options.include_usage))
+    return Prepared(ids, params, req.stream, bool(req.stream_options and req.stream_options.include_usage), n,
+                    best_of, req.logprobs is not None)  # fmt: skip
 
 
 def parse_chat(body: dict, tok: Tokenizer, limits: Limits) -> Prepared:
@@ -303,7 +336,8 @@ def parse_chat(body: dict, tok: Tokenizer, limits: Limits) -> Prepared:
                      {"max_tokens": name, "logprobs": "top_logprobs"})  # fmt: skip
     params = _check_stop_ids(params, limits)
     check_context(len(ids), max_tokens, limits, "messages")
-    return Prepared(ids, params, req.stream, bool(req.stream_options and req.stream_options.include_usage))
+    n, _ = _counts(req.n, None, req.stream)
+    return Prepared(ids, params, req.stream, bool(req.stream_options and req.stream_options.include_usage), n, n)
 
 
 _GENERATE_RENAME = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_seed": "seed"}
