@@ -91,6 +91,9 @@ class SamplingParams:
     # Log-probabilities to return with each token: None for none, k >= 0 for the sampled token's and the k most
     # likely ones' (the model's own distribution: log_softmax of the raw logits, as vLLM's default)
     logprobs: int | None = None
+    # Structured output: an llguidance grammar (`structured.grammar_for`) the tokens must follow; the last
+    # stage masks every other token
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         # JSON and msgpack hand us lists (and the OpenAI API a bare string or null for `stop`).
@@ -131,6 +134,8 @@ class SamplingParams:
         _require(min_ok, "min_tokens", f"an int in [0, max_tokens={self.max_tokens}]", self.min_tokens)
         for name in ("presence_penalty", "frequency_penalty"):
             _require(-2 <= getattr(self, name) <= 2, name, "in [-2, 2]", getattr(self, name))
+        _require(self.grammar is None or isinstance(self.grammar, str), "grammar", "None or a grammar string",
+                 self.grammar)  # fmt: skip
         k = self.logprobs
         _require(k is None or (_is_int(k) and 0 <= k <= MAX_LOGPROBS), "logprobs", f"None or an int in [0, "
                  f"{MAX_LOGPROBS}]", k)  # fmt: skip
@@ -140,7 +145,7 @@ class SamplingParams:
         """Greedy with nothing that edits the logits: the argmax of the raw logits is the token."""
         return (self.greedy and self.repetition_penalty == 1.0 and not self.logit_bias and self.min_tokens == 0
                 and self.presence_penalty == 0 and self.frequency_penalty == 0
-                and self.logprobs is None)  # fmt: skip
+                and self.logprobs is None and self.grammar is None)  # fmt: skip
 
     @property
     def needs_history(self) -> bool:
@@ -354,12 +359,14 @@ def sample(
     generators: list[torch.Generator | None],
     banned: list[Sequence[int]] | None = None,
     prompt_lens: Sequence[int] | None = None,
+    allowed: Sequence[torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """Next token per row of `logits` [S, V] (float32 or bf16); returns [S] int64.
 
     `histories[i]` is row i's prompt + generated ids (for the penalties: `prompt_lens[i]` of them are its
     prompt, 0 when not given); `generators[i]` may be None only when row i is greedy. `banned[i]`, if given,
-    lists ids row i must not draw this step (stop ids and eos while under `min_tokens`)."""
+    lists ids row i must not draw this step (stop ids and eos while under `min_tokens`); `allowed[i]`, if given
+    and not None, is row i's `[V]` bool mask of the only tokens it may draw (a grammar's)."""
     n = logits.shape[0]
     if not len(params) == len(histories) == len(generators) == n or (banned is not None and len(banned) != n):
         raise ValueError(
@@ -376,6 +383,9 @@ def sample(
     apply_repetition_penalty(logits, [p.repetition_penalty for p in params], histories)
     starts = prompt_lens if prompt_lens is not None else [0] * n
     apply_openai_penalties(logits, params, [h[s:] for h, s in zip(histories, starts, strict=True)])
+    for i, mask in enumerate(allowed or []):
+        if mask is not None:
+            logits[i].masked_fill_(~mask.to(logits.device), -math.inf)
     tokens = logits.argmax(dim=-1)  # final for greedy rows; random rows are overwritten below
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:

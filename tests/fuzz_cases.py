@@ -66,7 +66,10 @@ _BAD_SAMPLING = [
     ("logit_bias", {"1": 500}), ("logit_bias", {"x": 1}), ("logit_bias", {str(OUT_OF_VOCAB): 1}),
     ("logit_bias", [1, 2]), ("logit_bias", {str(i): 1 for i in range(301)}),
     ("presence_penalty", 3), ("presence_penalty", -2.5), ("frequency_penalty", "1"), ("frequency_penalty", HUGE),
-    ("guided_json", {"type": "object"}), ("structured_outputs", {"regex": "a+"}), ("guided_choice", ["a", "b"]),
+    ("guided_json", {"type": "nonsense"}), ("guided_json", "{not json"), ("guided_regex", "a(b"),
+    ("guided_choice", []), ("guided_choice", [""]), ("structured_outputs", {"regex": "a+", "choice": ["a"]}),
+    ("structured_outputs", {"xml": "a"}), ("response_format", {"type": "yaml"}),
+    ("response_format", {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}),
 ]  # fmt: skip
 
 

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ringsched import structured
 from ringsched.sampling import SamplingParams
 from ringsched.server.errors import APIError
 from ringsched.tokenizer import ChatTemplateError, Tokenizer
@@ -38,14 +39,13 @@ OPENAI_FIELDS = {
              "tool_choice", "tools", "top_logprobs", "top_p", "user", "verbosity", "web_search_options"),
 }  # fmt: skip
 _UNSUPPORTED = {"echo": (False, None), "suffix": (None, ""), "tools": (None, []),
-                "response_format": (None, {"type": "text"}), "audio": (None,), "function_call": (None, "none"),
+                "audio": (None,), "function_call": (None, "none"),
                 "functions": (None, []), "modalities": (None, ["text"]), "prediction": (None,),
                 "reasoning_effort": (None,), "service_tier": (None, "auto", "default"), "store": (None, False),
-                "tool_choice": (None, "none"), "verbosity": (None,), "web_search_options": (None,),
-                # vLLM's structured-output extensions: not run yet, and ignoring them would return free text
-                "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
-                "structured_outputs": (None,)}  # fmt: skip
-_ACCEPTED = {"user", "metadata", "safety_identifier", "prompt_cache_key", "parallel_tool_calls"}
+                "tool_choice": (None, "none"), "verbosity": (None,), "web_search_options": (None,)}  # fmt: skip
+# vLLM's structured-output fields (beside OpenAI's `response_format`)
+_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+_ACCEPTED = {"user", "metadata", "safety_identifier", "prompt_cache_key", "parallel_tool_calls", *_GUIDED}
 
 
 # -- request bodies ------------------------------------------------------------------------------------------
@@ -76,6 +76,12 @@ class _Sampling(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int | None = None
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -205,8 +211,54 @@ def _sampling_fields(req: _Sampling, max_tokens: int) -> dict[str, Any]:
         "min_p": req.min_p, "seed": req.seed, "stop": req.stop, "stop_token_ids": req.stop_token_ids,
         "ignore_eos": req.ignore_eos, "repetition_penalty": req.repetition_penalty, "min_tokens": req.min_tokens,
         "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
-        "logit_bias": req.logit_bias,
+        "logit_bias": req.logit_bias, "grammar": _grammar(req),
     }  # fmt: skip
+
+
+def _grammar(req: _Sampling) -> str | None:
+    """The llguidance grammar a request's `response_format` or vLLM's guided fields ask for; a 400 naming the field
+    for a malformed one, or for more than one."""
+    asked: list[tuple[str, dict[str, Any]]] = []
+    rf = req.response_format
+    if rf is not None:
+        kind = rf.get("type")
+        if kind == "json_object":
+            asked.append(("response_format", {"json_object": True}))
+        elif kind == "json_schema":
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise APIError(400, "response_format.json_schema must be an object with a `schema` object",
+                               param="response_format")  # fmt: skip
+            asked.append(("response_format", {"json_schema": spec.get("schema", {})}))
+        elif kind != "text":
+            raise APIError(400, f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+                           param="response_format")  # fmt: skip
+    forms = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "lark"}
+    for name, form in forms.items():
+        if getattr(req, name) is not None:
+            asked.append((name, {form: getattr(req, name)}))
+    if req.structured_outputs is not None:
+        keys = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "lark",
+                "json_object": "json_object"}  # fmt: skip
+        given = {keys[k]: v for k, v in req.structured_outputs.items() if k in keys and v not in (None, False)}
+        unknown = sorted(set(req.structured_outputs) - set(keys))
+        if unknown or len(given) != 1:
+            raise APIError(400, f"structured_outputs takes exactly one of {sorted(keys)}", param="structured_outputs")
+        asked.append(("structured_outputs", given))
+    if not asked:
+        return None
+    if len(asked) > 1:
+        names = [name for name, _ in asked]
+        raise APIError(400, f"give one structured-output constraint, got {names}", param=names[1])
+    name, form = asked[0]
+    try:
+        grammar = structured.grammar_for(**form)
+    except structured.GrammarError as e:
+        raise APIError(400, f"{name}: {e}", param=name) from None
+    error = structured.check(grammar)
+    if error:
+        raise APIError(400, f"{name}: the constraint is not valid: {error}", param=name)
+    return grammar
 
 
 def _counts(n: int | None, best_of: int | None, stream: bool) -> tuple[int, int]:

@@ -49,6 +49,7 @@ from ringsched.stage.profiler import ProfileWindow, StepProfiler
 from ringsched.stage.sampler_state import SamplerState
 from ringsched.stage.seams import Embed, HoldTokens, PassOn, ReceiveProxy, SamplingHead, SendProxy
 from ringsched.stage.times import StageTimes, peak_rss_bytes
+from ringsched.structured import Grammars
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +132,8 @@ class StageLoop:
             self.inbound = ReceiveProxy(prev, io.chan, times, self.peer, self.tp, hidden)
         if stage.is_last:
             # Under CP the group's first rank samples every row (the others send it theirs).
-            self.head = SamplingHead(self.model, SamplerState(self.device, eos_ids), times, self.cut,
+            grammars = Grammars(cfg.model, self.model.cfg.vocab_size, eos_ids)
+            self.head = SamplingHead(self.model, SamplerState(self.device, eos_ids, grammars), times, self.cut,
                                      active=self.cp is None or self.cp.leads)  # fmt: skip
             self.outbound = HoldTokens(self.cut, self.outputs, times)
         else:

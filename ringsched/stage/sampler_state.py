@@ -13,6 +13,7 @@ import torch
 
 from ringsched.comm.messages import BatchPlan
 from ringsched.sampling import SamplingParams, logprob_values, make_generator, sample
+from ringsched.structured import Constraint, GrammarError, Grammars
 
 logger = logging.getLogger("ringsched.parallel.rank")
 
@@ -20,8 +21,10 @@ FAILED = -1  # the token of a row whose request could not be sampled: stage 0 en
 
 
 class SamplerState:
-    def __init__(self, device: torch.device, eos_ids: tuple[int, ...] = ()) -> None:
-        self.device, self.eos_ids = device, eos_ids
+    def __init__(self, device: torch.device, eos_ids: tuple[int, ...] = (), grammars: Grammars | None = None) -> None:
+        self.device, self.eos_ids, self.grammars = device, eos_ids, grammars
+        # structured requests: their grammar state, or why it could not be built (they fail when they sample)
+        self.constraints: dict[str, Constraint | Exception] = {}
         self.prompt_len: dict[str, int] = {}
         self.params: dict[str, SamplingParams] = {}
         self.generators: dict[str, torch.Generator | None] = {}
@@ -33,6 +36,7 @@ class SamplerState:
             self.generators.pop(rid, None)
             self.history.pop(rid, None)
             self.prompt_len.pop(rid, None)
+            self.constraints.pop(rid, None)
         for new in plan.announce:
             p = SamplingParams.from_dict(new.params)
             self.params[new.rid] = p
@@ -40,6 +44,13 @@ class SamplerState:
             self.generators[new.rid] = None if p.greedy else make_generator(p.seed or 0, self.device)
             self.history[new.rid] = []
             self.prompt_len[new.rid] = new.prompt_len
+            if p.grammar is not None:
+                try:
+                    if self.grammars is None:
+                        raise GrammarError("this stage was started without structured-output support")
+                    self.constraints[new.rid] = self.grammars.constraint(p.grammar)
+                except Exception as e:  # a bad grammar fails its own request, never the stage
+                    self.constraints[new.rid] = e
         for e in plan.entries:
             h = self.history[e.rid]
             if e.cached_ids:  # a prefix this entry does not compute
@@ -59,15 +70,41 @@ class SamplerState:
         so one request's failure never costs the others their tokens."""
         rids = [e.rid for e in plan.entries if e.samples]
         try:
-            return self._sample(rids, logits)
+            return self._advance(rids, self._sample(rids, logits))
         except Exception:
             logger.exception("sampling micro-batch %d failed; sampling its %d rows one by one", plan.seq, len(rids))
         tokens = torch.full((len(rids),), FAILED, dtype=torch.long)
         for i, rid in enumerate(rids):
             try:
-                tokens[i] = self._sample([rid], logits[i : i + 1])[0].to(tokens.device)
+                tokens[i] = self._advance([rid], self._sample([rid], logits[i : i + 1]))[0].to(tokens.device)
             except Exception as e:
                 logger.error("request %s: sampling failed, it ends with an error: %s: %s", rid, type(e).__name__, e)
+        return tokens
+
+    def _allowed(self, rids: list[str]) -> list[torch.Tensor | None] | None:
+        if not self.constraints:
+            return None
+        out = []
+        for rid in rids:
+            c = self.constraints.get(rid)
+            if isinstance(c, Exception):
+                raise GrammarError(f"its grammar could not be used: {c}")
+            out.append(None if c is None else c.allowed())
+        return out
+
+    def _advance(self, rids: list[str], tokens: torch.Tensor) -> torch.Tensor:
+        """Move each structured request's grammar on by its token (once the batch's tokens are final); a request
+        whose grammar refuses it fails alone (`FAILED`)."""
+        if self.constraints:
+            for i, (rid, tok) in enumerate(zip(rids, tokens.tolist(), strict=True)):
+                c = self.constraints.get(rid)
+                if c is None:
+                    continue
+                try:
+                    c.advance(tok)
+                except Exception as e:
+                    logger.error("request %s: its grammar refused token %d, it ends with an error: %s", rid, tok, e)
+                    tokens[i] = FAILED
         return tokens
 
     def logprobs(self, plan: BatchPlan, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -80,9 +117,8 @@ class SamplerState:
         needs_history = any(p.needs_history for p in params)
         histories = [self.history[r] if needs_history else [] for r in rids]
         prompt_lens = [self.prompt_len[r] if needs_history else 0 for r in rids]
-        return sample(
-            logits, params, histories, [self.generators[r] for r in rids], self._banned(rids, params), prompt_lens
-        )
+        return sample(logits, params, histories, [self.generators[r] for r in rids], self._banned(rids, params),
+                      prompt_lens, self._allowed(rids))  # fmt: skip
 
     def _banned(self, rids: list[str], params: list[SamplingParams]) -> list[list[int]] | None:
         """Under `min_tokens`, a request may not draw its stop ids (nor EOS unless it ignores EOS)."""

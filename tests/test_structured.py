@@ -1,0 +1,102 @@
+"""Structured outputs: grammars from each form, the mask on SmolLM2's vocabulary, JSON-schema answers through the
+`openai` client that parse and validate, and greedy structured output identical at PP=1 and PP=2."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from ringsched import structured
+from ringsched.engine import Engine
+from ringsched.sampling import SamplingParams
+from ringsched.server.testing import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m-instruct"
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "country": {"enum": ["France", "Spain", "Italy", "Other"]},
+        "population": {"type": "integer", "minimum": 0, "maximum": 99999999},
+    },
+    "required": ["city", "country", "population"],
+    "additionalProperties": False,
+}
+CITIES = ["Paris", "Madrid", "Rome", "Lyon", "Seville", "Milan", "Nice", "Porto", "Turin", "Bilbao", "Naples",
+          "Marseille", "Valencia", "Florence", "Toulouse", "Granada", "Venice", "Bordeaux", "Malaga",
+          "Genoa"]  # fmt: skip
+
+
+def prompts() -> list[str]:
+    return [f"Describe the city of {c} as JSON with its city name, country and population." for c in CITIES]
+
+
+def test_each_form_gives_a_grammar_and_a_mask(smollm2_dir):
+    from ringsched.tokenizer import Tokenizer
+
+    tok = Tokenizer(smollm2_dir)
+    grammars = structured.Grammars(smollm2_dir, 49152, (2,))
+    for form in ({"json_schema": SCHEMA}, {"json_object": True}, {"regex": "[0-9]{3}"}, {"choice": ["yes", "no"]},
+                 {"lark": 'start: "a" "b"+'}):  # fmt: skip
+        g = structured.grammar_for(**form)
+        assert structured.check(g) == "", form
+        c = grammars.constraint(g)
+        allowed = c.allowed()
+        assert allowed.shape == (49152,) and 0 < int(allowed.sum()) < 49152, form
+    c = grammars.constraint(structured.grammar_for(choice=["yes", "no"]))
+    for t in tok.encode("yes"):
+        assert c.allowed()[t]
+        c.advance(t)
+    assert c.allowed().nonzero().flatten().tolist() == [2]  # complete: only EOS
+    with pytest.raises(structured.GrammarError):
+        structured.grammar_for(choice=[])
+    assert structured.check(structured.grammar_for(json_schema={"type": "nonsense"}))
+    assert structured.check(structured.grammar_for(regex="a("))
+
+
+def test_json_schema_answers_parse_and_validate_through_the_openai_client():
+    args = ["--pp-size", "2", "--threads-per-stage", "1", "--kv-cache-memory", "64M"]
+    rf = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA, "strict": True}}
+    with ServerProcess(args) as srv:
+        client = openai.AsyncOpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0, timeout=300)
+
+        async def one(prompt: str):
+            messages = [{"role": "user", "content": prompt}]
+            return await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=64, temperature=0,
+                                                        response_format=rf)  # fmt: skip
+
+        async def every():
+            try:
+                return await asyncio.gather(*(one(p) for p in prompts()))
+            finally:
+                await client.close()
+
+        replies = asyncio.run(every())
+        sync = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0, timeout=120)
+        obj = sync.completions.create(model=MODEL, prompt="A JSON object:", max_tokens=48, temperature=0,
+                                      extra_body={"structured_outputs": {"json_object": True}})  # fmt: skip
+        choice = sync.completions.create(model=MODEL, prompt="Is the sky blue? Answer:", max_tokens=8, temperature=0,
+                                         extra_body={"guided_choice": ["yes", "no"]})  # fmt: skip
+    for reply in replies:
+        assert reply.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(reply.choices[0].message.content), SCHEMA)
+    assert isinstance(json.loads(obj.choices[0].text), dict)
+    assert choice.choices[0].text in ("yes", "no")
+
+
+def test_greedy_structured_output_is_the_same_at_pp1_and_pp2():
+    params = SamplingParams(max_tokens=64, temperature=0, grammar=structured.grammar_for(json_schema=SCHEMA))
+    texts = {}
+    for pp in (1, 2):
+        with Engine(MODEL, pp_size=pp, threads_per_stage=1, kv_cache_memory="64M", log_level="warning") as llm:
+            chats = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts()[:6]]
+            texts[pp] = [o.text for o in llm.generate(chats, params)]
+    assert texts[1] == texts[2]
+    for t in texts[1]:
+        jsonschema.validate(json.loads(t), SCHEMA)
