@@ -1,7 +1,7 @@
 """ringsched: a pipeline-parallel LLM inference server (one scheduler per stage, stages in a ring).
 
-`from ringsched import Engine, SamplingParams` is the offline API; both load lazily so that `import ringsched`
-stays light for the command-line tools.
+`from ringsched import Engine, SamplingParams` is the offline API (`AsyncEngine` its asyncio form); they load
+lazily so that `import ringsched` stays light for the command-line tools.
 """
 
 from __future__ import annotations
@@ -9,9 +9,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
-__all__ = ["Engine", "SamplingParams", "RequestOutput"]
+__all__ = ["Engine", "AsyncEngine", "SamplingParams", "RequestOutput"]
 
 if TYPE_CHECKING:
+    from ringsched.async_engine import AsyncEngine
     from ringsched.engine import Engine, RequestOutput
     from ringsched.sampling import SamplingParams
 
@@ -21,6 +22,10 @@ def __getattr__(name: str):
         from ringsched import engine
 
         return getattr(engine, name)
+    if name == "AsyncEngine":
+        from ringsched.async_engine import AsyncEngine
+
+        return AsyncEngine
     if name == "SamplingParams":
         from ringsched.sampling import SamplingParams
 

@@ -9,6 +9,8 @@ import pytest
 from ringsched.engine import Engine
 from ringsched.sampling import SamplingParams
 
+MODEL = "smollm2-135m-instruct"
+
 pytestmark = pytest.mark.slow  # real model or several processes: the full suite's
 
 
@@ -97,3 +99,47 @@ def test_idle_ring_with_async_depth_settles_and_survives(tiny_llama_dir):
         time.sleep(5)  # idle for longer than the stage timeout
         assert [o.token_ids for o in llm.generate([[1, 2, 3], [4, 5]], p)] == first
         assert stage_kv_usage(llm, 5) == {0: 0.0, 1: 0.0, 2: 0.0}
+
+
+def test_async_engine_streams_stops_and_aborts():
+    """`AsyncEngine`: concurrent requests stream growing outputs equal to the offline engine's, a stop string ends
+    one, leaving an iteration early aborts its request (every stage's KV freed), a refused request ends with an
+    error output."""
+    import asyncio
+
+    from ringsched import AsyncEngine
+
+    prompts = ["The capital of France is", "One, two, three,", "def add(a, b):"]
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    with Engine(MODEL, pp_size=2, threads_per_stage=1, kv_cache_memory="64M", log_level="warning") as llm:
+        expected = [o.token_ids for o in llm.generate(prompts, greedy)]
+
+    async def main():
+        async with AsyncEngine(MODEL, pp_size=2, threads_per_stage=1, kv_cache_memory="64M",
+                               log_level="warning") as llm:  # fmt: skip
+            async def last(prompt, params):
+                seen = []
+                async for out in llm.generate(prompt, params):
+                    seen.append(len(out.token_ids))
+                return out, seen
+
+            results = await asyncio.gather(*(last(p, greedy) for p in prompts))
+            stopped, _ = await last(prompts[1], SamplingParams(max_tokens=30, temperature=0, stop=[" five"]))
+            async for out in llm.generate(prompts[2], SamplingParams(max_tokens=400, ignore_eos=True)):
+                if len(out.token_ids) >= 3:
+                    break  # aborts it
+            refused, _ = await last([1] * 10, SamplingParams(max_tokens=10**6))
+            for _ in range(100):  # the abort reaches every stage
+                usage = [s.get("kv_usage") for s in llm.client.stage_stats().values()]
+                if usage == [0.0, 0.0] and llm.client.sched_stats.get("running") == 0:
+                    break
+                await asyncio.sleep(0.1)
+            return results, stopped, refused, usage
+
+    results, stopped, refused, usage = asyncio.run(main())
+    assert [out.token_ids for out, _ in results] == expected
+    assert all(seen == sorted(seen) and seen[-1] == 12 for _, seen in results)
+    assert all(out.finish_reason == "length" and out.text for out, _ in results)
+    assert stopped.finish_reason == "stop" and " five" not in stopped.text
+    assert refused.finish_reason == "error" and "KV" in refused.error
+    assert usage == [0.0, 0.0]
