@@ -1,5 +1,6 @@
-"""Log-probabilities through the `openai` client against transformers' `log_softmax`, at PP=1 and PP=2: the
-sampled token's and the top 5, for completions (streamed and whole) and chat; and through the offline engine."""
+"""Log-probabilities through the `openai` client against transformers' `log_softmax`, at PP=1 (PP=2: the same
+check on `test_server.py`'s server): the sampled token's and the top 5, for completions (streamed and whole) and
+chat; and through the offline engine at PP=2."""
 
 from __future__ import annotations
 
@@ -29,15 +30,14 @@ def _reference(hf, ids: list[int], n: int) -> tuple[list[int], torch.Tensor]:
     return gen, torch.log_softmax(logits.float(), dim=-1)
 
 
+def references(hf, tok: Tokenizer) -> dict:
+    return {"tok": tok, "completion": _reference(hf, tok.encode(PROMPT), N),
+            "chat": _reference(hf, tok.apply_chat_template(CHAT), N)}  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def reference(hf_smol, smollm2_dir):
-    hf, _ = hf_smol
-    tok = Tokenizer(smollm2_dir)
-    return {
-        "tok": tok,
-        "completion": _reference(hf, tok.encode(PROMPT), N),
-        "chat": _reference(hf, tok.apply_chat_template(CHAT), N),
-    }
+    return references(hf_smol[0], Tokenizer(smollm2_dir))
 
 
 def _check(tok: Tokenizer, ref: tuple[list[int], torch.Tensor], tokens: list[str], chosen: list[float],
@@ -52,34 +52,37 @@ def _check(tok: Tokenizer, ref: tuple[list[int], torch.Tensor], tokens: list[str
         assert all(abs(tops[i][k] - v) < 1e-4 for k, v in want.items()), (i, want, tops[i])
 
 
-@pytest.mark.parametrize("pp", [1, 2])
-def test_logprobs_equal_transformers(pp, reference):
+def check_server(client: openai.OpenAI, reference: dict) -> None:
+    """Completions (whole and streamed) and chat log-probabilities against `reference` (`references`)."""
     tok = reference["tok"]
-    args = ["--pp-size", str(pp), "--threads-per-stage", "1", "--kv-cache-memory", "64M"]
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=N, temperature=0, logprobs=5)
+    lp = r.choices[0].logprobs
+    _check(tok, reference["completion"], lp.tokens, lp.token_logprobs, lp.top_logprobs)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(N)]
+    assert "".join(lp.tokens) == r.choices[0].text
+
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=N, temperature=0, logprobs=5,
+                                            stream=True))  # fmt: skip
+    parts = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [x for p in parts for x in p.token_logprobs] == lp.token_logprobs
+
+    c = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=N, temperature=0, logprobs=True,
+                                       top_logprobs=5)  # fmt: skip
+    content = c.choices[0].logprobs.content
+    tops = [{t.token: t.logprob for t in e.top_logprobs} for e in content]
+    assert all(len(e.top_logprobs) == 5 for e in content)
+    _check(tok, reference["chat"], [e.token for e in content], [e.logprob for e in content], tops)
+    assert content[0].bytes == list(content[0].token.encode())
+
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_logprobs_equal_transformers_at_pp1(reference):
+    """PP=1 here; PP=2 in `test_server.py`, on its server."""
+    args = ["--pp-size", "1", "--threads-per-stage", "1", "--kv-cache-memory", "64M"]
     with ServerProcess(args) as srv:
-        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0, timeout=120)
-        r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=N, temperature=0, logprobs=5)
-        lp = r.choices[0].logprobs
-        _check(tok, reference["completion"], lp.tokens, lp.token_logprobs, lp.top_logprobs)
-        assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(N)]
-        assert "".join(lp.tokens) == r.choices[0].text
-
-        chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=N, temperature=0, logprobs=5,
-                                                stream=True))  # fmt: skip
-        parts = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
-        streamed = [x for p in parts for x in p.token_logprobs]
-        assert streamed == lp.token_logprobs
-
-        c = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=N, temperature=0, logprobs=True,
-                                           top_logprobs=5)  # fmt: skip
-        content = c.choices[0].logprobs.content
-        tops = [{t.token: t.logprob for t in e.top_logprobs} for e in content]
-        assert all(len(e.top_logprobs) == 5 for e in content)
-        _check(tok, reference["chat"], [e.token for e in content], [e.logprob for e in content], tops)
-        assert content[0].bytes == list(content[0].token.encode())
-
-        plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0)
-        assert plain.choices[0].logprobs is None
+        check_server(openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0, timeout=120), reference)
 
 
 def test_offline_engine_returns_logprobs(reference):

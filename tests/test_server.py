@@ -209,6 +209,20 @@ def test_n_sequences_share_one_prompt_computation(client, server):
         client.completions.create(model=MODEL, prompt="x", max_tokens=2, n=3, best_of=2)
 
 
+def test_logprobs_equal_transformers(client, hf_smol, smollm2_dir):
+    from test_logprobs import check_server, references
+
+    from ringsched.tokenizer import Tokenizer
+
+    check_server(client, references(hf_smol[0], Tokenizer(smollm2_dir)))
+
+
+def test_json_schema_answers_parse_and_validate(server):
+    from test_structured import check_server
+
+    check_server(server.url)
+
+
 def test_64_concurrent_streams(server):
     before = metrics(server)
     prompts = [f"Request {i}: tell me about the number {i}." for i in range(64)]

@@ -1,5 +1,6 @@
 """Structured outputs: grammars from each form, the mask on SmolLM2's vocabulary, JSON-schema answers through the
-`openai` client that parse and validate, and greedy structured output identical at PP=1 and PP=2."""
+`openai` client that parse and validate (`check_server`, run on `test_server.py`'s server), and greedy structured
+output identical at PP=1 and PP=2."""
 
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ import pytest
 from ringsched import structured
 from ringsched.engine import Engine
 from ringsched.sampling import SamplingParams
-from ringsched.server.testing import ServerProcess
 
 pytestmark = pytest.mark.slow
 
 MODEL = "smollm2-135m-instruct"
+KEY = "test-key"  # test_server.py's server
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -60,29 +61,28 @@ def test_each_form_gives_a_grammar_and_a_mask(smollm2_dir):
     assert structured.check(structured.grammar_for(regex="a("))
 
 
-def test_json_schema_answers_parse_and_validate_through_the_openai_client():
-    args = ["--pp-size", "2", "--threads-per-stage", "1", "--kv-cache-memory", "64M"]
+def check_server(url: str) -> None:
+    """JSON-schema chat answers to 20 prompts, sent at once, parse and validate; a JSON object and a choice too."""
     rf = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA, "strict": True}}
-    with ServerProcess(args) as srv:
-        client = openai.AsyncOpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0, timeout=300)
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=300)
 
-        async def one(prompt: str):
-            messages = [{"role": "user", "content": prompt}]
-            return await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=64, temperature=0,
-                                                        response_format=rf)  # fmt: skip
+    async def one(prompt: str):
+        messages = [{"role": "user", "content": prompt}]
+        return await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=64, temperature=0,
+                                                    response_format=rf)  # fmt: skip
 
-        async def every():
-            try:
-                return await asyncio.gather(*(one(p) for p in prompts()))
-            finally:
-                await client.close()
+    async def every():
+        try:
+            return await asyncio.gather(*(one(p) for p in prompts()))
+        finally:
+            await client.close()
 
-        replies = asyncio.run(every())
-        sync = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0, timeout=120)
-        obj = sync.completions.create(model=MODEL, prompt="A JSON object:", max_tokens=48, temperature=0,
-                                      extra_body={"structured_outputs": {"json_object": True}})  # fmt: skip
-        choice = sync.completions.create(model=MODEL, prompt="Is the sky blue? Answer:", max_tokens=8, temperature=0,
-                                         extra_body={"guided_choice": ["yes", "no"]})  # fmt: skip
+    replies = asyncio.run(every())
+    sync = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
+    obj = sync.completions.create(model=MODEL, prompt="A JSON object:", max_tokens=48, temperature=0,
+                                  extra_body={"structured_outputs": {"json_object": True}})  # fmt: skip
+    choice = sync.completions.create(model=MODEL, prompt="Is the sky blue? Answer:", max_tokens=8, temperature=0,
+                                     extra_body={"guided_choice": ["yes", "no"]})  # fmt: skip
     for reply in replies:
         assert reply.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(reply.choices[0].message.content), SCHEMA)
