@@ -109,8 +109,9 @@ Whole = Callable[[str, list[tuple[str, Delta]], dict], dict]
 
 async def _serve(request: Request, ctx: ServerContext, parse: Callable, prefix: str, events: Events,
                  whole: Whole) -> Response:  # fmt: skip
-    """Prepare, admit, then stream `events(rid, deltas, req)` or answer `whole(rid, results, req)`. A bug on
-    this path is this request's 500 (logged), not an unhandled error that would also drop the connection."""
+    """Prepare, admit (every sequence of an `n` or `best_of` request), then stream `events(rid, deltas, req)` or
+    answer `whole(rid, results, usage)`. A bug on this path is this request's 500 (logged), not an unhandled
+    error that would also drop the connection."""
     try:
         return await _serve_one(request, ctx, parse, prefix, events, whole)
     except APIError:
