@@ -101,18 +101,28 @@ def test_idle_ring_with_async_depth_settles_and_survives(tiny_llama_dir):
         assert stage_kv_usage(llm, 5) == {0: 0.0, 1: 0.0, 2: 0.0}
 
 
-def test_async_engine_streams_stops_and_aborts():
-    """`AsyncEngine`: concurrent requests stream growing outputs equal to the offline engine's, a stop string ends
-    one, leaving an iteration early aborts its request (every stage's KV freed), a refused request ends with an
+def test_async_engine_streams_stops_and_aborts(hf_smol, smollm2_dir):
+    """`AsyncEngine`: concurrent requests stream growing outputs equal to transformers' greedy tokens, a stop string
+    ends one, leaving an iteration early aborts its request (every stage's KV freed), a refused request ends with an
     error output."""
     import asyncio
+
+    import torch
 
     from ringsched import AsyncEngine
 
     prompts = ["The capital of France is", "One, two, three,", "def add(a, b):"]
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    with Engine(MODEL, pp_size=2, threads_per_stage=1, kv_cache_memory="64M", log_level="warning") as llm:
-        expected = [o.token_ids for o in llm.generate(prompts, greedy)]
+    from ringsched.tokenizer import Tokenizer
+
+    hf, tok = hf_smol[0], Tokenizer(smollm2_dir)
+    expected = []
+    with torch.no_grad():  # transformers' argmax at each step, EOS not stopping it (as ignore_eos)
+        for p in prompts:
+            ids = tok.encode(p)
+            for _ in range(12):
+                ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+            expected.append(ids[-12:])
 
     async def main():
         async with AsyncEngine(MODEL, pp_size=2, threads_per_stage=1, kv_cache_memory="64M",
