@@ -373,7 +373,7 @@ def sample(
             f"sample() needs one params/history/generator(/banned) per logits row: {n} rows, got "
             f"{len(params)} params, {len(histories)} histories, {len(generators)} generators"
         )
-    if banned is None and all(p.greedy and p.plain for p in params):
+    if banned is None and all(p.plain for p in params):
         return logits.argmax(dim=-1)  # the hot path: one kernel, no copy
     logits = logits.to(torch.float32, copy=True)  # we edit it in place; the caller's tensor stays intact
     apply_logit_bias(logits, params)

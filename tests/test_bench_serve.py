@@ -302,14 +302,15 @@ def test_random_dataset_lengths_and_determinism():
 
 
 def test_shared_prefix_dataset_and_the_cached_share(fake_server, capsys):
-    reqs = shared_prefix_requests(6, 12, 2, 4, 3, vocab_size=512, seed=1)
+    reqs = shared_prefix_requests(random_requests(6, 4, 3, vocab_size=512, seed=1), 12, 2, vocab_size=512, seed=1)
     assert [len(r.prompt) for r in reqs] == [16] * 6 and all(r.prompt_len == 16 for r in reqs)
     heads = [tuple(r.prompt[:12]) for r in reqs]
     assert heads[0] == heads[2] == heads[4] != heads[1] == heads[3] == heads[5]
     assert len({tuple(r.prompt[12:]) for r in reqs}) == 6  # each its own tail
-    assert reqs == shared_prefix_requests(6, 12, 2, 4, 3, vocab_size=512, seed=1)
+    assert reqs == shared_prefix_requests(random_requests(6, 4, 3, vocab_size=512, seed=1), 12, 2, vocab_size=512,
+                                          seed=1)  # fmt: skip
     with pytest.raises(ValueError, match="--shared-prefix-len"):
-        shared_prefix_requests(1, 0, 1, 4, 3)
+        shared_prefix_requests(random_requests(1, 4, 3), 0, 1)
 
     server, url = fake_server
     server.cached_tokens = 8

@@ -71,20 +71,12 @@ def random_requests(
 
 
 def shared_prefix_requests(
-    num_prompts: int,
-    prefix_len: int,
-    groups: int,
-    input_len: int,
-    output_len: int,
-    range_ratio: float = 0.0,
-    vocab_size: int = 10000,
-    seed: int = 0,
+    tails: list[SampleRequest], prefix_len: int, groups: int, vocab_size: int = 10000, seed: int = 0
 ) -> list[SampleRequest]:
-    """`random_requests` whose prompts each start with one of `groups` random prefixes of `prefix_len` tokens
-    (request `i` with prefix `i % groups`): the shape of many users behind one system prompt or few-shot block."""
+    """`tails` (token-id prompts, as `random_requests` makes them) each behind one of `groups` random prefixes of
+    `prefix_len` tokens (request `i` behind prefix `i % groups`): many users behind one system prompt."""
     if prefix_len < 1 or groups < 1:
         raise ValueError("--shared-prefix-len and --shared-prefix-groups must be at least 1")
-    tails = random_requests(num_prompts, input_len, output_len, range_ratio, vocab_size, seed)
     rng = np.random.default_rng(seed + 1)
     offset = min(SPECIAL_TOKEN_IDS, vocab_size // 2)
     prefixes = [rng.integers(offset, vocab_size, size=prefix_len).tolist() for _ in range(groups)]

@@ -141,11 +141,7 @@ def load_requests(cfg: ServeConfig) -> list[SampleRequest]:
     if cfg.dataset == "jsonl":
         assert cfg.dataset_path is not None  # checked in ServeConfig
         return jsonl_requests(cfg.dataset_path, cfg.num_prompts)
-    if cfg.dataset == "shared-prefix":
-        return shared_prefix_requests(cfg.num_prompts, cfg.shared_prefix_len, cfg.shared_prefix_groups,
-                                      cfg.random_input_len, cfg.random_output_len, cfg.random_range_ratio,
-                                      cfg.random_vocab_size, cfg.seed)  # fmt: skip
-    return random_requests(
+    requests = random_requests(
         cfg.num_prompts,
         cfg.random_input_len,
         cfg.random_output_len,
@@ -153,6 +149,10 @@ def load_requests(cfg: ServeConfig) -> list[SampleRequest]:
         cfg.random_vocab_size,
         cfg.seed,
     )
+    if cfg.dataset == "shared-prefix":
+        requests = shared_prefix_requests(requests, cfg.shared_prefix_len, cfg.shared_prefix_groups,
+                                          cfg.random_vocab_size, cfg.seed)  # fmt: skip
+    return requests
 
 
 def arrival_times(n: int, request_rate: float, burstiness: float, rng: np.random.Generator) -> np.ndarray:
