@@ -105,12 +105,15 @@ def measure(url: str, concurrency: int, args: argparse.Namespace) -> dict:
 
 
 def serve_ringsched(model: str, flags: list[str], config: str, port: int) -> subprocess.Popen:
-    extra = []
+    extra, env = [], dict(os.environ)
     for item in filter(None, config.split(",")):
         key, value = item.split("=")
-        extra += {"pp": ["--pp-size", value], "threads": ["--threads-per-stage", value]}[key]
+        if key.startswith("RINGSCHED_"):  # an environment variable for this server alone
+            env[key] = value
+        else:
+            extra += {"pp": ["--pp-size", value], "threads": ["--threads-per-stage", value]}[key]
     cmd = [sys.executable, "-m", "ringsched.launch", "--model", model, "--port", str(port), *flags, *extra]
-    return subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
 
 
 def serve_llamacpp(binary: Path, gguf: Path, slots: int, threads: int, ctx: int, port: int) -> subprocess.Popen:
@@ -132,7 +135,8 @@ def main() -> None:
     ap.add_argument("--prompts-single", type=int, default=4, help="requests of the one-request measurement")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama.cpp's -t")
     ap.add_argument("--ringsched-config", action="append", default=None,
-                    help="pp=N,threads=T (repeatable; default: pp=1 on every core)")  # fmt: skip
+                    help="pp=N,threads=T and RINGSCHED_*=V environment variables (repeatable; default: pp=1 on "
+                         "every core)")  # fmt: skip
     ap.add_argument("--llamacpp-version", default=None, help="llama-cpp-python sdist version (default: newest)")
     ap.add_argument("--workdir", default=str(cache_dir() / "llamacpp"))
     args = ap.parse_args()

@@ -71,6 +71,26 @@ def test_linear_module_takes_the_kernel_up_to_max_rows_and_torch_beyond():
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
 
 
+def test_bfloat16_steps_of_many_rows_widen_to_float32_where_the_cpu_lacks_amx(monkeypatch):
+    lin = small_linear.Linear(96, 40).to(torch.bfloat16)
+    monkeypatch.setitem(small_linear._state, "amx", False)
+    lin.prepare()
+    assert lin.widen_rows == small_linear.WIDEN_ROWS >= lin.max_rows
+    x = torch.randn(lin.widen_rows + 3, 96).bfloat16()
+    with torch.no_grad():
+        out = lin(x)
+        expect = (x.float() @ lin.weight.float().T + lin.bias.float()).bfloat16()
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out, expect, rtol=0, atol=0)
+        # oneDNN's bfloat16 path sums in float32 too: the same values but for the summation order
+        torch.testing.assert_close(out, F.linear(x, lin.weight, lin.bias), rtol=1e-2, atol=1e-2)
+        fewer = x[: lin.widen_rows - 1]
+        torch.testing.assert_close(lin(fewer), F.linear(fewer, lin.weight, lin.bias), rtol=0, atol=0)
+    monkeypatch.setitem(small_linear._state, "amx", True)
+    lin.prepare()
+    assert lin.widen_rows == 0  # with AMX, oneDNN's bfloat16 kernels are kept
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_layer_ops_match_the_torch_operators(dtype):
     torch.manual_seed(1)

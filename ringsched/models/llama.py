@@ -18,7 +18,7 @@ from ringsched.models import layer_ops
 from ringsched.models.attention import ForwardBatch, paged_attention
 from ringsched.models.config import ModelConfig
 from ringsched.models.rope import RopeScaling
-from ringsched.models.small_linear import Linear
+from ringsched.models.small_linear import Linear, widened_linear
 from ringsched.parallel.rank import StageInfo
 from ringsched.parallel.tp import TPGroup
 
@@ -472,8 +472,9 @@ class StageModel(nn.Module):
             return
         w = head.weight
         chunk = HEAD_VOCAB_CHUNK if hidden.device.type == "cpu" else w.shape[0]
+        widen = head.widen_rows and hidden.shape[0] >= head.widen_rows and hidden.dtype == torch.bfloat16
         for start in range(0, w.shape[0], chunk):
             rows = w[start : start + chunk]
             if head.scales is not None:  # int8: this chunk's float rows
                 rows = rows.to(hidden.dtype) * head.scales[start : start + chunk, None].to(hidden.dtype)
-            yield start, F.linear(hidden, rows)
+            yield start, widened_linear(hidden, rows) if widen else F.linear(hidden, rows)

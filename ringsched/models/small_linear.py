@@ -14,6 +14,13 @@ measurement, rather than timed at start-up: the same batch then always takes the
 run. Within the kernel each output's sum is formed in the same order whatever the batch, so a row's result does
 not depend on the other rows. `RINGSCHED_NATIVE_LINEAR=0` turns the kernel off (int8 then takes torch's path
 everywhere).
+
+bfloat16 steps of many rows are compute-bound, and without AMX oneDNN's bfloat16 matmul runs at about half of
+MKL's float32 rate on the same cores (measured on an AVX-512 Xeon without AMX, SmolLM2's shapes, 1 and 2 threads:
+67-83 against 92-145 GFLOP/s). So on such a CPU a bfloat16 layer given at least `WIDEN_ROWS` rows widens its
+weight to float32 for the call and multiplies with MKL: 0.62-0.80x the time from 128 rows up (a widened weight is
+at most a few MiB, made and dropped per call; both paths sum in float32 and round the result to bfloat16).
+Where the CPU has AMX, oneDNN's bfloat16 kernels are the fast path and are kept.
 """
 
 from __future__ import annotations
@@ -42,6 +49,9 @@ LINK_FLAGS = ["-shared", "-fopenmp"]
 _W_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 # Rows up to which the kernel is used, by weight dtype (measured: docs/performance.md, "Small-batch linear").
 MAX_ROWS = {torch.float32: 8, torch.bfloat16: 16, torch.int8: 32}
+# bfloat16 steps of at least this many rows widen to float32 on CPUs without AMX (measured at 64 rows: 0.80-1.10x
+# the time, so not there); RINGSCHED_BF16_WIDEN_ROWS sets it, 0 turns widening off
+WIDEN_ROWS = int(os.environ.get("RINGSCHED_BF16_WIDEN_ROWS", "128"))
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -68,6 +78,24 @@ def _load() -> ctypes.CDLL | None:
     lib.linear_nk.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64]
     lib.linear_kn.restype = lib.linear_nk.restype = ctypes.c_int
     return lib
+
+
+def has_amx() -> bool:
+    """Whether this CPU has AMX's bfloat16 tiles (Linux: the `amx_bf16` flag in /proc/cpuinfo)."""
+    with _lock:
+        if "amx" not in _state:
+            try:
+                with open("/proc/cpuinfo") as f:
+                    _state["amx"] = any(ln.startswith("flags") and "amx_bf16" in ln.split() for ln in f)
+            except OSError:
+                _state["amx"] = False
+        return bool(_state["amx"])
+
+
+def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear` of bfloat16 `x` and `weight` computed in float32 (MKL's sgemm), rounded back to bfloat16;
+    `bias` float32 or None."""
+    return F.linear(x.float(), weight.float(), bias).to(x.dtype)
 
 
 def native_linear(
@@ -106,6 +134,7 @@ class Linear(nn.Linear):
     An int8 layer (`quantize_int8`) holds `weight` int8 [N, K] and `scales` float32 [N]."""
 
     max_rows: int = 0
+    widen_rows: int = 0  # bfloat16 on a CPU without AMX: steps of at least this many rows widen to float32
     scales: torch.Tensor | None = None
     bias_f32: torch.Tensor | None = None  # the kernel adds a float32 bias
 
@@ -113,11 +142,15 @@ class Linear(nn.Linear):
         w = self.weight
         usable = w.device.type == "cpu" and w.dtype in MAX_ROWS and library() is not None
         self.max_rows = MAX_ROWS[w.dtype] if usable else 0
+        widen = w.device.type == "cpu" and w.dtype == torch.bfloat16 and WIDEN_ROWS > 0 and not has_amx()
+        self.widen_rows = WIDEN_ROWS if widen else 0
         self.bias_f32 = None if self.bias is None else self.bias.detach().float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= self.max_rows and x.dtype in (torch.float32, torch.bfloat16):
             return native_linear(x, self.weight, self.bias_f32, self.scales)
+        if self.widen_rows and x.dim() == 2 and x.shape[0] >= self.widen_rows and x.dtype == torch.bfloat16:
+            return widened_linear(x, self.weight, self.bias_f32)
         if self.weight.dtype == torch.int8:
             w = self.weight.to(x.dtype) * self.scales.to(x.dtype)[:, None]
             return F.linear(x, w, self.bias)
