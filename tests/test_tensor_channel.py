@@ -6,7 +6,16 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from ringsched.comm.tensor_channel import HEADER_LEN, SequenceMismatch, TensorChannel, pack_header, unpack_header
+from ringsched.comm.tensor_channel import (
+    HEADER_LEN,
+    INLINE_BYTES,
+    SequenceMismatch,
+    TensorChannel,
+    inline_tensors,
+    inlines,
+    pack_header,
+    unpack_header,
+)
 from ringsched.process.supervisor import free_port
 
 pytestmark = pytest.mark.slow  # real model or several processes: the full suite's
@@ -18,6 +27,17 @@ def test_header_round_trip():
     assert (kind, slot, seq) == ("proxy", 2, 41)
     assert specs == [(torch.float32, (3, 5)), (torch.int64, (7,))]
     assert pack_header("output", 0, 0, []).shape == (HEADER_LEN,)
+
+
+def test_small_payloads_ride_in_the_header():
+    ts = [torch.randn(1, 576), torch.randn(3).bfloat16(), torch.arange(5), torch.empty(0, 4)]
+    assert inlines(ts)
+    header = pack_header("proxy", 1, 9, ts)
+    _, _, _, specs = unpack_header(header)
+    for got, sent in zip(inline_tensors(header, specs), ts, strict=True):
+        assert got.dtype == sent.dtype and torch.equal(got, sent)
+    # one byte past the room: the payloads go as tensors of their own
+    assert not inlines([torch.zeros(INLINE_BYTES // 4 - 1), torch.zeros(2)])
 
 
 def _peer(rank: int, port: int, q) -> None:
@@ -33,6 +53,7 @@ def _peer(rank: int, port: int, q) -> None:
             chan.send(1, "output", 1, 5, [torch.tensor([11, 12])])
             chan.send(1, "output", 0, 6, [])
             chan.send(1, "proxy", 1, 7, [torch.full((2, 3), 7.0), torch.ones(2, 3)])
+            chan.send(1, "proxy", 0, 8, [torch.full((40, 576), 8.0), torch.ones(40, 576)])  # beyond the header's room
             chan.wait_sent()
             q.put("sent")
         else:
@@ -41,6 +62,8 @@ def _peer(rank: int, port: int, q) -> None:
             stashed = chan.stashed
             out5 = chan.recv(0, "output", seq=5)
             out6 = chan.recv(0, "output", seq=6)
+            big = chan.recv(0, "proxy", seq=8).tensors
+            assert big[0].shape == (40, 576) and bool((big[0] == 8.0).all()) and bool((big[1] == 1.0).all())
             q.put((proxy.tensors[0].tolist(), proxy.slot, stashed, out5.tensors[0].tolist(), out6.tensors))
         dist.barrier()
     finally:
