@@ -6,7 +6,7 @@ the wire. Tensors never travel here (they go over `torch.distributed`, see `tens
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields, is_dataclass
 
 import msgpack
 
@@ -132,7 +132,27 @@ _TAGS = {cls: tag for tag, cls in _TYPES.items()}
 
 
 def encode(msg: object) -> bytes:
-    return msgpack.packb([_TAGS[type(msg)], asdict(msg)], use_bin_type=True)
+    return msgpack.packb([_TAGS[type(msg)], _plain(msg)], use_bin_type=True)
+
+
+def _plain(msg: object) -> dict:
+    """A message as the dicts msgpack packs: its dataclass fields, and those of the dataclasses it holds (directly
+    or in a list). `dataclasses.asdict` deep-copies every value, each token id of a prompt chunk a call: 3.7 ms
+    for a plan of 128 decodes and a 512-token chunk, on stage 0's path before it computes; lists of numbers go to
+    msgpack as they are here."""
+    names = _FIELD_NAMES.get(type(msg))
+    if names is None:
+        names = _FIELD_NAMES[type(msg)] = tuple(f.name for f in fields(msg))
+    d = {k: getattr(msg, k) for k in names}
+    for k, v in d.items():
+        if is_dataclass(v):
+            d[k] = _plain(v)
+        elif type(v) is list and v and is_dataclass(v[0]):
+            d[k] = [_plain(x) for x in v]
+    return d
+
+
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
 
 
 def decode(data: bytes) -> object:
