@@ -16,6 +16,7 @@ from torch import nn
 
 from ringsched.models import layer_ops
 from ringsched.models.attention import ForwardBatch, paged_attention
+from ringsched.models.decode_layers import DecodeLayers
 from ringsched.models.config import ModelConfig
 from ringsched.models.rope import RopeScaling
 from ringsched.models.small_linear import Linear, widened_linear
@@ -346,9 +347,16 @@ class StageModel(nn.Module):
         else:
             assert proxy is not None, "a non-first stage needs the previous stage's proxy tensors"
             hidden, residual = proxy["hidden_states"], proxy["residual"]
-        for i in layers if layers is not None else range(self.stage.start_layer, self.stage.end_layer):
-            kv = kv_caches[i - self.stage.start_layer] if kv_caches is not None else None
-            hidden, residual = self.model.layers[i](hidden, residual, batch, kv)
+        todo = layers if layers is not None else range(self.stage.start_layer, self.stage.end_layer)
+        # Every layer of a small decode step in one native call; a flexible cut's layers (an iterator that may
+        # decide the cut as it goes) run one by one.
+        whole = self.__dict__.get("decode_layers")
+        if layers is None and len(todo) and whole is not None and whole.usable(batch, hidden, residual, kv_caches):
+            hidden, residual = whole(batch, hidden, residual, kv_caches, todo)
+        else:
+            for i in todo:
+                kv = kv_caches[i - self.stage.start_layer] if kv_caches is not None else None
+                hidden, residual = self.model.layers[i](hidden, residual, batch, kv)
         if not self.stage.is_last:
             return {"hidden_states": hidden, "residual": residual}
         # Only the rows that sample need the final norm and the lm_head.
@@ -415,6 +423,7 @@ class StageModel(nn.Module):
             if quantization == "int8":
                 quantize_linear(self.lm_head)
             self.lm_head.prepare()
+        self.__dict__["decode_layers"] = DecodeLayers(self)
         return self
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

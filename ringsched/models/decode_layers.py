@@ -1,0 +1,163 @@
+"""A stage's decoder layers for a decode step of a few rows on CPU, as one native call (`decode_layers.c`).
+
+`DecoderLayer._small_step` already runs a small step as nine native calls a layer (two RMSNorms, four linear
+layers, rotary with the KV writes, decode attention, SiLU x up), but from Python: on SmolLM2 at one request the
+Python between those calls (module calls, allocations, ctypes conversions) was ~3 ms of a 26 ms step on two
+cores. Here one call runs every layer of the step: the same kernels (reached through function pointers into their
+own libraries, so each keeps its compile flags), in the same order, on the same buffers, so the results are the
+Python path's bit for bit (`tests/test_decode_layers.py`).
+
+It applies where every row is a decode that the attention kernel reads in place (`NativeDecode.all_rows`), with at
+most as many rows as every linear layer's kernel takes (`small_linear.MAX_ROWS`) and layers that take the small
+step (`DecoderLayer.small_ops`), without tensor or context parallelism. Anything else takes the per-layer path.
+`RINGSCHED_DECODE_LAYERS=0` turns it off (the per-layer path runs the same kernels); `RINGSCHED_NATIVE_LINEAR=0`
+turns it off with the kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+from ringsched.models import layer_ops, native, native_build, small_linear
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("decode_layers.c")
+# Sequencing and the bfloat16 conversions only (rounded as torch rounds): no fast-math, no contraction.
+COMPILE_FLAGS = ["-O2", "-ffp-contract=off", "-fPIC", "-c"]
+LINK_FLAGS = ["-shared"]
+
+_Y_WORDS = 4 + 4 * 7  # a layer's words in the descriptor: norms, caches, four linear layers (decode_layers.c)
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def library() -> tuple[ctypes.CDLL, ctypes.Array] | None:
+    """The driver and the kernels' addresses, or None (a kernel missing, no compiler, or switched off)."""
+    with _lock:
+        if "lib" not in _state:
+            _state["lib"] = _load()
+        return _state["lib"]  # type: ignore[return-value]
+
+
+def _load():
+    if os.environ.get("RINGSCHED_DECODE_LAYERS", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    kernels = small_linear.library(), layer_ops.library(), native._library()
+    if any(k is None for k in kernels):
+        return None
+    lib = native_build.load(SOURCE, COMPILE_FLAGS, LINK_FLAGS, logger, "decode layers", "running layer by layer")
+    if lib is None:
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.decode_layers.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, ctypes.c_float, i64, i64, i64]
+    lib.decode_layers.restype = ctypes.c_int
+    linear, ops, attention = kernels
+    fns = [linear.linear_kn, linear.linear_nk, ops.add_rmsnorm, ops.rope_store, ops.silu_mul, attention.paged_decode]
+    return lib, (ctypes.c_void_p * len(fns))(*[ctypes.cast(f, ctypes.c_void_p).value for f in fns])
+
+
+def _linear_words(lin: small_linear.Linear) -> list[int]:
+    w = lin.weight
+    n, k = w.shape
+    kn = w.dtype == torch.float32 and w.stride() == (1, n)
+    assert kn or w.is_contiguous(), "the kernel takes [N, K] or (float32) [K, N] weights"
+    scales = 0 if lin.scales is None else lin.scales.data_ptr()
+    bias = 0 if lin.bias_f32 is None else lin.bias_f32.data_ptr()
+    return [0 if kn else 1, w.data_ptr(), small_linear._W_CODE[w.dtype], scales, bias, n, k]
+
+
+class DecodeLayers:
+    """The descriptor of a stage's layers (weights, norms, caches: addresses that do not move), built once for a
+    KV pool, and the step call."""
+
+    def __init__(self, model) -> None:
+        stage = model.stage
+        self.start = stage.start_layer
+        held = [model.model.layers[i] for i in range(stage.start_layer, stage.end_layer)]
+        self.layers = held
+        attn = held[0].self_attn if held else None
+        self.ok = (
+            bool(held) and model.tp is None and all(getattr(y, "small_ops", False) for y in held)
+            and all(lin.max_rows > 0 for y in held for lin in (y.self_attn.qkv, y.self_attn.o_proj,
+                                                                y.mlp.gate_up, y.mlp.down_proj))
+        )  # fmt: skip
+        if not self.ok:
+            return
+        self.max_rows = min(layer_ops.MAX_ROWS, *(lin.max_rows for y in held for lin in (
+            y.self_attn.qkv, y.self_attn.o_proj, y.mlp.gate_up, y.mlp.down_proj)))  # fmt: skip
+        self.dtype = held[0].input_layernorm.weight.dtype
+        self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.hidden = held[0].input_layernorm.weight.shape[0]
+        self.inter = held[0].mlp.down_proj.weight.shape[1]
+        self.scale = attn.scale
+        self.rotary = attn.rotary
+        self.eps = torch.tensor([[y.input_layernorm.eps, y.post_attention_layernorm.eps] for y in held],
+                                dtype=torch.float32)  # fmt: skip
+        self._desc: torch.Tensor | None = None
+        self._caches_key: tuple | None = None
+
+    def usable(self, batch, hidden: torch.Tensor, residual: torch.Tensor | None, kv_caches) -> bool:
+        nd = batch.native_decode
+        return (
+            self.ok and kv_caches is not None and batch.cp is None and nd is not None and nd.all_rows
+            and 0 < hidden.shape[0] <= self.max_rows and hidden.dtype == self.dtype and hidden.is_contiguous()
+            and (residual is None or residual.is_contiguous()) and library() is not None
+        )  # fmt: skip
+
+    def _descriptor(self, kv_caches) -> torch.Tensor:
+        key = (id(kv_caches), kv_caches[0][0].data_ptr())
+        if self._desc is None or self._caches_key != key:
+            rows = []
+            for y, (kc, vc) in zip(self.layers, kv_caches, strict=True):
+                a, m = y.self_attn, y.mlp
+                words = [y.input_layernorm.weight.data_ptr(), y.post_attention_layernorm.weight.data_ptr(),
+                         kc.data_ptr(), vc.data_ptr()]  # fmt: skip
+                for lin in (a.qkv, a.o_proj, m.gate_up, m.down_proj):
+                    words += _linear_words(lin)
+                rows.append(words)
+            self._desc = torch.tensor(rows, dtype=torch.int64)
+            assert self._desc.shape[1] == _Y_WORDS
+            self._kv_bf16 = int(kv_caches[0][0].dtype == torch.bfloat16)
+            self._caches_key = key
+        return self._desc
+
+    def __call__(self, batch, hidden: torch.Tensor, residual: torch.Tensor | None, kv_caches, layers) -> tuple:
+        """The layers `layers` (global indices, in order) over the step: (output, residual), as the per-layer loop
+        returns them."""
+        lib, fns = library()
+        desc = self._descriptor(kv_caches)
+        idx = torch.tensor([i - self.start for i in layers], dtype=torch.int64)
+        nd = batch.native_decode
+        t, dt = hidden.shape[0], self.dtype
+        h, kvh, d = self.heads, self.kv_heads, self.head_dim
+        cos, sin = self.rotary.tables(batch.positions)
+        f32 = torch.float32
+        scratch = [
+            torch.empty(t, (h + 2 * kvh) * d, dtype=dt), torch.empty(t, h, d, dtype=dt),
+            torch.empty(t, h, d, dtype=f32) if dt != f32 else None, torch.empty(t, h, d, dtype=f32),
+            torch.empty(t, h * d, dtype=dt) if dt != f32 else None, torch.empty(t, self.hidden, dtype=dt),
+            torch.empty(t, 2 * self.inter, dtype=dt), torch.empty(t, self.inter, dtype=dt),
+            torch.empty(t, self.hidden, dtype=dt), torch.empty(t, self.hidden, dtype=dt),
+        ]  # fmt: skip
+        bufs = (ctypes.c_void_p * 12)(hidden.data_ptr(), 0 if residual is None else residual.data_ptr(),
+                                      *[0 if s is None else s.data_ptr() for s in scratch])  # fmt: skip
+        dims = torch.tensor([self.hidden, h, kvh, d, self.inter, nd.block_size, nd.tables.shape[1], nd.max_len],
+                            dtype=torch.int64)  # fmt: skip
+        slots = batch.slot_mapping
+        step = torch.tensor([batch.positions.data_ptr(), slots.data_ptr(), nd.tables.data_ptr(), nd.lens.data_ptr(),
+                             cos.data_ptr(), sin.data_ptr()], dtype=torch.int64)  # fmt: skip
+        rc = lib.decode_layers(
+            fns, desc.data_ptr(), self.eps.data_ptr(), idx.data_ptr(), idx.numel(), t, dims.data_ptr(),
+            step.data_ptr(), bufs, self.scale, int(dt == torch.bfloat16), self._kv_bf16, torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise MemoryError("decode_layers: a kernel could not allocate its buffers")
+        out = scratch[8] if idx.numel() % 2 else scratch[9]  # the layers' outputs alternate between the two
+        return out, hidden if residual is None else residual
