@@ -157,7 +157,7 @@ class DecodeLayers:
             fns, desc.data_ptr(), self.eps.data_ptr(), idx.data_ptr(), idx.numel(), t, dims.data_ptr(),
             step.data_ptr(), bufs, self.scale, int(dt == torch.bfloat16), self._kv_bf16, torch.get_num_threads(),
         )  # fmt: skip
-        if rc != 0:
-            raise MemoryError("decode_layers: a kernel could not allocate its buffers")
+        if rc != 0:  # paged_decode: no memory for a thread's score buffer; a linear layer: a weight dtype it lacks
+            raise RuntimeError(f"decode_layers: a kernel returned {rc}")
         out = scratch[8] if idx.numel() % 2 else scratch[9]  # the layers' outputs alternate between the two
         return out, hidden if residual is None else residual
