@@ -16,8 +16,8 @@ from torch import nn
 
 from ringsched.models import layer_ops
 from ringsched.models.attention import ForwardBatch, paged_attention
-from ringsched.models.decode_layers import DecodeLayers
 from ringsched.models.config import ModelConfig
+from ringsched.models.decode_layers import DecodeLayers
 from ringsched.models.rope import RopeScaling
 from ringsched.models.small_linear import Linear, widened_linear
 from ringsched.parallel.rank import StageInfo
