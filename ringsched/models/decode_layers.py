@@ -102,6 +102,7 @@ class DecodeLayers:
                                 dtype=torch.float32)  # fmt: skip
         self._desc: torch.Tensor | None = None
         self._caches_key: tuple | None = None
+        self._all: tuple[range, torch.Tensor] | None = None
 
     def usable(self, batch, hidden: torch.Tensor, residual: torch.Tensor | None, kv_caches) -> bool:
         nd = batch.native_decode
@@ -133,7 +134,10 @@ class DecodeLayers:
         returns them."""
         lib, fns = library()
         desc = self._descriptor(kv_caches)
-        idx = torch.tensor([i - self.start for i in layers], dtype=torch.int64)
+        # `StageModel.forward` passes the stage's whole range every step: its indices are made once
+        if self._all is None or layers != self._all[0]:
+            self._all = (layers, torch.tensor([i - self.start for i in layers], dtype=torch.int64))
+        idx = self._all[1]
         nd = batch.native_decode
         t, dt = hidden.shape[0], self.dtype
         h, kvh, d = self.heads, self.kv_heads, self.head_dim

@@ -84,11 +84,7 @@ def has_amx() -> bool:
     """Whether this CPU has AMX's bfloat16 tiles (Linux: the `amx_bf16` flag in /proc/cpuinfo)."""
     with _lock:
         if "amx" not in _state:
-            try:
-                with open("/proc/cpuinfo") as f:
-                    _state["amx"] = any(ln.startswith("flags") and "amx_bf16" in ln.split() for ln in f)
-            except OSError:
-                _state["amx"] = False
+            _state["amx"] = "amx_bf16" in native_build._cpu_flags().split()
         return bool(_state["amx"])
 
 
