@@ -339,11 +339,11 @@ class EngineConfig:
         text = self.pp_layer_partition if self.pp_layer_partition is not None else os.environ.get(ENV_OVERRIDE, "")
         return text.strip().lower() == "auto"
 
-    def check_partition(self, num_layers: int) -> None:
+    def check_partition(self, num_layers: int, head: float = 0.0) -> None:
         """Fail early, in the caller's process, on a bad `--pp-layer-partition` or `--pp-flex-layers` (`auto`
         is decided later)."""
         if not self.auto_partition:
-            self.flex_boundary(num_layers, self.partition(num_layers))
+            self.flex_boundary(num_layers, self.partition(num_layers, head))
 
     def flex_boundary(self, num_layers: int, counts: list[int]) -> FlexBoundary | None:
         """The cut range `--pp-flex-layers` gives around the partition's cut, or None for a fixed cut."""
@@ -354,11 +354,13 @@ class EngineConfig:
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
-    def partition(self, num_layers: int) -> list[int]:
+    def partition(self, num_layers: int, head: float = 0.0) -> list[int]:
+        """Layers per stage: `--pp-layer-partition`, else the default split with the last stage's head weighing
+        `head` layers (`parallel.partition.head_layers(model)`)."""
         if self.auto_partition:  # the launcher replaces "auto" by its measured decision before stages start
             raise ConfigError("--pp-layer-partition auto is decided by the launcher; no split is known yet")
         try:
-            return resolve_partition(num_layers, self.pp_size, self.pp_layer_partition)
+            return resolve_partition(num_layers, self.pp_size, self.pp_layer_partition, head)
         except PartitionError as e:
             raise ConfigError(str(e)) from None
 

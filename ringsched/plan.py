@@ -20,6 +20,7 @@ from ringsched.capacity import GPU_PRESETS, MODEL_PRESETS, CapacityError, Cluste
 from ringsched.capacity.launch_lines import launch_commands
 from ringsched.capacity.report import json_rows, text_report
 from ringsched.capacity.sweep import make_layouts
+from ringsched.parallel.partition import head_layers
 
 # flag dest -> ModelSpec / GpuSpec field it overrides
 _MODEL_FLAGS = {
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         launch = []
         if args.print_launch and plan.recommendation.row is not None:
             launch = launch_commands(plan.recommendation.row, args.model, args.gpus_per_node, model.dtype_bytes,
-                                     args.max_model_len, args.dist_init_addr)  # fmt: skip
+                                     args.max_model_len, args.dist_init_addr, head_layers(model))  # fmt: skip
     except CapacityError as err:
         print(f"ringsched.plan: error: {err}", file=sys.stderr)
         return 2

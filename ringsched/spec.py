@@ -14,7 +14,7 @@ from pathlib import Path
 from ringsched.config import ConfigError, EngineConfig
 from ringsched.models.config import ModelConfig
 from ringsched.models.fetch import resolve_model
-from ringsched.parallel.partition import default_partition
+from ringsched.parallel.partition import default_partition, head_layers
 from ringsched.parallel.tp import TPLayoutError, check_tp
 
 
@@ -32,13 +32,14 @@ class ModelSpec:
         UnsupportedModelError or FileNotFoundError with a message naming the flag."""
         model_dir = str(resolve_model(cfg.model, quiet=quiet))
         mcfg = ModelConfig.from_dir(model_dir)
-        cfg.check_partition(mcfg.num_layers)  # a bad --pp-layer-partition fails here, not in a child
+        head = head_layers(mcfg)
+        cfg.check_partition(mcfg.num_layers, head)  # a bad --pp-layer-partition fails here, not in a child
         try:
             check_tp(mcfg, cfg.tp_size)
         except TPLayoutError as e:
             raise ConfigError(str(e)) from None
         auto = cfg.auto_partition
-        counts = default_partition(mcfg.num_layers, cfg.pp_size) if auto else cfg.partition(mcfg.num_layers)
+        counts = default_partition(mcfg.num_layers, cfg.pp_size, head) if auto else cfg.partition(mcfg.num_layers, head)
         return cls(model_dir, mcfg, cfg.context_len(mcfg.max_position_embeddings), _eos_ids(model_dir, mcfg),
                    tuple(counts))  # fmt: skip
 

@@ -32,7 +32,8 @@ def _run(model, cfg, stage, dtype, plans, whole: bool, proxies):
         with torch.inference_mode():
             for plan, proxy in zip(plans, proxies, strict=True):
                 batch, ids = build_forward_batch(plan, blocks, torch.device("cpu"), native=True)
-                kw = {"input_ids": ids} if stage.is_first else {"proxy": {k: v.clone() if k != "kv" else v for k, v in proxy.items()}}
+                seam = {k: v.clone() if k != "kv" else v for k, v in proxy.items()} if not stage.is_first else None
+                kw = {"input_ids": ids} if stage.is_first else {"proxy": seam}
                 out = model(batch, kv_caches=pool.caches, **kw)
                 outs.append({k: v.clone() for k, v in out.items()} if isinstance(out, dict) else out.clone())
     finally:

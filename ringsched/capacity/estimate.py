@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from ringsched.capacity import memory, traffic
 from ringsched.capacity.presets import GIB, CapacityError, GpuSpec, ModelSpec
-from ringsched.parallel.partition import PartitionError, resolve_partition, uneven_loss
+from ringsched.parallel.partition import PartitionError, head_layers, resolve_partition, uneven_loss
 
 
 @dataclass(frozen=True)
@@ -164,7 +164,7 @@ def layout_row(
     """All figures of TP x PP (x CP); `partition` overrides the layer split as --pp-layer-partition does."""
     check_layout(model, cluster, tp, pp, cp)
     try:
-        counts = resolve_partition(model.num_layers, pp, partition)
+        counts = resolve_partition(model.num_layers, pp, partition, head_layers(model))
     except PartitionError as err:
         raise CapacityError(str(err)) from None
     stages = [_stage(model, cluster, tp, layers, s == 0, s == pp - 1, cp) for s, layers in enumerate(counts)]

@@ -16,7 +16,9 @@ from ringsched.parallel.partition import default_partition
 
 
 def launch_commands(row: LayoutRow, model: str, gpus_per_node: int, dtype_bytes: int, max_model_len: int,
-                    head_addr: str = "$HEAD_ADDR:29500") -> list[str]:  # fmt: skip
+                    head_addr: str = "$HEAD_ADDR:29500", head: float = 0.0) -> list[str]:  # fmt: skip
+    """`head`: the model's `parallel.partition.head_layers`, so that a row on the launcher's default split
+    prints no `--pp-layer-partition`."""
     if row.cp > 1 and row.tp > 1:
         raise CapacityError(
             f"--print-launch: TP={row.tp} x PP={row.pp} x CP={row.cp} is planned only: the engine runs a stage either "
@@ -41,7 +43,7 @@ def launch_commands(row: LayoutRow, model: str, gpus_per_node: int, dtype_bytes:
         flags += ["--cp-size", str(row.cp)]
     if dtype_bytes == 2:
         flags += ["--dtype", "bfloat16"]
-    if list(row.partition) != default_partition(sum(row.partition), row.pp):
+    if list(row.partition) != default_partition(sum(row.partition), row.pp, head):
         flags += ["--pp-layer-partition", ",".join(map(str, row.partition))]
     flags += ["--max-model-len", str(max_model_len)]
     base = "python -m ringsched.launch " + " ".join(shlex.quote(f) for f in flags)

@@ -25,7 +25,7 @@ from ringsched.comm.messages import Shutdown, StageStatus
 from ringsched.comm.tensor_channel import without_source_paths
 from ringsched.comm.zmq_io import Puller, Pusher, ipc_addr, new_ipc_dir
 from ringsched.config import EngineConfig
-from ringsched.parallel.partition import log_partition, partition_source
+from ringsched.parallel.partition import head_layers, log_partition, partition_source
 from ringsched.parallel.partition_auto import BatchShape, choose_partition
 from ringsched.parallel.rank import node_rank_infos
 from ringsched.process.affinity import stage_cpus
@@ -79,7 +79,7 @@ class Supervisor:
     def start(self, timeout: float = 600.0) -> None:
         """Meet the other nodes, spawn this node's stages, wait until each is ready."""
         partition = self._own_partition()
-        given = self.cfg.pp_layer_partition  # before the stages are told the decided split
+        given, auto = self.cfg.pp_layer_partition, self.cfg.auto_partition  # before the stages are told the split
         try:
             self.rendezvous = Rendezvous(self.cfg, self.cfg.model, self.spec.model_dir, partition)
             self.rendezvous.join()
@@ -92,7 +92,9 @@ class Supervisor:
             self.stop()
             raise
         if self.cfg.node_rank == 0:
-            log_partition(self.rendezvous.partition, partition_source(given))
+            # `auto` logged its measured costs; otherwise the head is weighed as the default split weighs it.
+            head = 0.0 if auto else head_layers(self.spec.config)
+            log_partition(self.rendezvous.partition, partition_source(given), head)
         if self.cfg.nnodes > 1:
             logger.info(
                 "node %d of %d joined the rendezvous at %s as %s; ranks %s run here",
@@ -141,7 +143,7 @@ class Supervisor:
         return None and take node 0's from the rendezvous)."""
         mcfg = self.spec.config
         if not self.cfg.auto_partition:
-            return self.cfg.partition(mcfg.num_layers)
+            return self.cfg.partition(mcfg.num_layers, head_layers(mcfg))
         if self.cfg.node_rank != 0:
             return None
         c = self.cfg
