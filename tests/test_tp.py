@@ -14,7 +14,7 @@ from ringsched.engine import Engine
 from ringsched.models.config import ModelConfig
 from ringsched.models.llama import StageModel
 from ringsched.models.random_model import random_config, write_random_model
-from ringsched.parallel.partition import resolve_partition, stage_ranges
+from ringsched.parallel.partition import head_layers, resolve_partition, stage_ranges
 from ringsched.parallel.rank import StageInfo
 from ringsched.sampling import SamplingParams
 
@@ -41,7 +41,7 @@ def _share_bytes(model_dir: str, pp: int, tp: int) -> list[float]:
     """What each rank of each stage should hold: 1/tp of the unsharded stage's weights (built on meta)."""
     cfg = ModelConfig.from_dir(model_dir)
     out = []
-    for k, (s, e) in enumerate(stage_ranges(resolve_partition(cfg.num_layers, pp, None))):
+    for k, (s, e) in enumerate(stage_ranges(resolve_partition(cfg.num_layers, pp, None, head_layers(cfg)))):
         with torch.device("meta"):
             model = StageModel(cfg, StageInfo(k, pp, s, e))
         if cfg.tie_word_embeddings and pp == 1:
@@ -138,6 +138,8 @@ def test_server_at_tp2_pp2_serves_greedy_and_reports_the_seam_per_rank(smollm2_d
         assert seam == {"0": 2304.0, "1": 2304.0, "2": 0.0, "3": 0.0}, text
         reduces = re.findall(r'^ringsched:tp_all_reduces_per_batch\{rank="(\d)",stage="(\d)",tp="\d"\} (\S+)$', text,
                              re.M)  # fmt: skip
-        # Two per layer (15 layers a stage), stage 0 one more for the embedding; the head's gather is not one.
-        assert {(r, s): float(v) for r, s, v in reduces} == {("0", "0"): 31, ("1", "0"): 31, ("2", "1"): 30,
-                                                               ("3", "1"): 30}  # fmt: skip
+        # Two per layer of the default split, stage 0 one more for the embedding; the head's gather is not one.
+        cfg = ModelConfig.from_dir(smollm2_dir)
+        first, last = resolve_partition(cfg.num_layers, 2, None, head_layers(cfg))
+        assert {(r, s): float(v) for r, s, v in reduces} == {("0", "0"): 2 * first + 1, ("1", "0"): 2 * first + 1,
+                                                               ("2", "1"): 2 * last, ("3", "1"): 2 * last}  # fmt: skip
