@@ -18,7 +18,7 @@ from ringsched.parallel.rank import StageInfo
 pytestmark = pytest.mark.skipif(decode_layers.library() is None, reason="no C compiler: the per-layer path runs")
 
 
-def _run(model, cfg, stage, dtype, plans, whole: bool, proxies):
+def _run(model, cfg, stage, dtype, plans, whole: bool, proxies, layers=None):
     pool = KVPool(cfg, stage.num_layers, 16, 4, dtype, "cpu")
     blocks = BlockTable(16, 4)
     blocks.assign("a", [0, 1, 2, 3])
@@ -34,7 +34,7 @@ def _run(model, cfg, stage, dtype, plans, whole: bool, proxies):
                 batch, ids = build_forward_batch(plan, blocks, torch.device("cpu"), native=True)
                 seam = {k: v.clone() if k != "kv" else v for k, v in proxy.items()} if not stage.is_first else None
                 kw = {"input_ids": ids} if stage.is_first else {"proxy": seam}
-                out = model(batch, kv_caches=pool.caches, **kw)
+                out = model(batch, kv_caches=pool.caches, layers=layers() if layers else None, **kw)
                 outs.append({k: v.clone() for k, v in out.items()} if isinstance(out, dict) else out.clone())
     finally:
         model.__dict__["decode_layers"] = saved
@@ -87,3 +87,32 @@ def test_steps_beyond_the_kernels_rows_take_the_layer_path(tmp_path):
     model = load_stage_model(write_random_model(tmp_path / "m", cfg_dict, seed=1), StageInfo(0, 1, 0, 2))
     whole = model.__dict__["decode_layers"]
     assert whole.max_rows == small_linear.MAX_ROWS[torch.float32]
+
+
+def test_a_flexible_cuts_range_runs_in_one_call_and_an_iterator_layer_by_layer(tmp_path):
+    """A flexible cut known before the step (a range of the held layers) takes the one call, with the per-layer
+    path's results; one decided while the layers run (an iterator) runs them one by one."""
+    cfg_dict = random_config("llama", layers=5, hidden=64, heads=4, kv_heads=2, intermediate=96, vocab=300, tie=True)
+    model_dir = write_random_model(tmp_path / "m", cfg_dict, seed=1)
+    cfg, stage = ModelConfig.from_dir(model_dir), StageInfo(0, 2, 0, 4)
+    model = load_stage_model(model_dir, stage)
+    plans = [BatchPlan(0, 0, [PlanEntry("a", 0, [5, 6, 7], True), PlanEntry("b", 0, [1, 2], True)])]
+    for s in range(3):
+        plans.append(BatchPlan(0, s + 1, [PlanEntry("a", 3 + s, [9], True), PlanEntry("b", 2 + s, [8], True)]))
+    proxies = [{}] * len(plans)
+    calls = []
+    real = decode_layers.DecodeLayers.__call__
+    decode_layers.DecodeLayers.__call__ = lambda self, *a: calls.append(list(a[-1])) or real(self, *a)
+    try:
+        got, got_kv = _run(model, cfg, stage, torch.float32, plans, True, proxies, layers=lambda: range(0, 3))
+        assert calls == [[0, 1, 2]] * 3  # the three decode steps, the cut's layers only
+        calls.clear()
+        it, it_kv = _run(model, cfg, stage, torch.float32, plans, True, proxies, layers=lambda: iter(range(0, 3)))
+        assert not calls
+    finally:
+        decode_layers.DecodeLayers.__call__ = real
+    for a, b in zip(got, it, strict=True):
+        assert torch.equal(a["hidden_states"], b["hidden_states"]) and torch.equal(a["residual"], b["residual"])
+    for i, ((k1, v1), (k2, v2)) in enumerate(zip(got_kv, it_kv, strict=True)):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+        assert (k1.abs().sum() > 0) == (i < 3)  # the layer past the cut was not run

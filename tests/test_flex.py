@@ -1,6 +1,8 @@
 """The flexible cut of a PP=2 ring (`--pp-flex-layers`): the ranges, the cut chooser and the K/V mirror.
 The ring end to end with a moving cut is in test_ring.py."""
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -234,3 +236,18 @@ def test_ready_policy_stage_1_reads_the_cut_and_reports_progress():
     assert 0.022 + 0.002 + 0.004 - 0.003 < last < 0.022 + 0.002 + 0.004 + 0.02, last
     with pytest.raises(RuntimeError, match="the plan cuts at layer 17, the proxy at 16"):
         s1.take_cut(BatchPlan(0, 4, [], cut=17), rows)
+
+
+def test_ready_policy_cuts_a_one_call_step_at_the_base_cut():
+    """A step the one-call decode layers can run (a few decodes) is cut at the base cut before its layers run, and
+    both stages get a range (so the model takes the one call); stage 1 sends no forecast for it."""
+    from ringsched.comm.messages import BatchPlan, PlanEntry, StageProgress
+
+    b = FlexBoundary(30, 15, 3)
+    s0, s1, progress_in, sent, _, _ = ready_rings(b)
+    plan = BatchPlan(0, 0, [PlanEntry("a", 4, [1], True)])
+    progress_in.queued.append(StageProgress(0, 0.0, done=True))  # stage 1 free: an iterator would cut at lo
+    assert s0.layers(plan, one_call=True) == range(0, 15) and plan.cut == 15
+    theirs = BatchPlan(0, 0, [PlanEntry("a", 4, [1], True)], cut=15)
+    assert s1.layers(theirs, one_call=True) == range(15, 30) and not sent
+    assert isinstance(s1.layers(theirs), Iterator)  # a step that does not take the one call: forecasts

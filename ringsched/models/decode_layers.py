@@ -104,12 +104,19 @@ class DecodeLayers:
         self._caches_key: tuple | None = None
         self._all: tuple[range, torch.Tensor] | None = None
 
-    def usable(self, batch, hidden: torch.Tensor, residual: torch.Tensor | None, kv_caches) -> bool:
+    def takes(self, batch) -> bool:
+        """Whether a step of `batch` runs here: every row a decode the attention kernel reads in place, at most
+        `max_rows` of them."""
         nd = batch.native_decode
         return (
-            self.ok and kv_caches is not None and batch.cp is None and nd is not None and nd.all_rows
-            and 0 < hidden.shape[0] <= self.max_rows and hidden.dtype == self.dtype and hidden.is_contiguous()
-            and (residual is None or residual.is_contiguous()) and library() is not None
+            self.ok and batch.cp is None and nd is not None and nd.all_rows
+            and 0 < batch.num_tokens <= self.max_rows and library() is not None
+        )  # fmt: skip
+
+    def usable(self, batch, hidden: torch.Tensor, residual: torch.Tensor | None, kv_caches) -> bool:
+        return (
+            kv_caches is not None and self.takes(batch) and hidden.shape[0] == batch.num_tokens
+            and hidden.dtype == self.dtype and hidden.is_contiguous() and (residual is None or residual.is_contiguous())
         )  # fmt: skip
 
     def _descriptor(self, kv_caches) -> torch.Tensor:

@@ -348,10 +348,11 @@ class StageModel(nn.Module):
             assert proxy is not None, "a non-first stage needs the previous stage's proxy tensors"
             hidden, residual = proxy["hidden_states"], proxy["residual"]
         todo = layers if layers is not None else range(self.stage.start_layer, self.stage.end_layer)
-        # Every layer of a small decode step in one native call; a flexible cut's layers (an iterator that may
-        # decide the cut as it goes) run one by one.
+        # Every layer of a small decode step in one native call, when the layers are known in advance (a range); a
+        # flexible cut decided as the layers run (an iterator) runs them one by one.
         whole = self.__dict__.get("decode_layers")
-        if layers is None and len(todo) and whole is not None and whole.usable(batch, hidden, residual, kv_caches):
+        if isinstance(todo, range) and len(todo) and whole is not None and whole.usable(batch, hidden, residual,
+                                                                                         kv_caches):  # fmt: skip
             hidden, residual = whole(batch, hidden, residual, kv_caches, todo)
         else:
             for i in todo:
@@ -363,6 +364,11 @@ class StageModel(nn.Module):
         rows = batch.logit_rows
         out, _ = self.model.norm.add_forward(hidden[rows], residual[rows])
         return out
+
+    def one_call(self, batch: ForwardBatch) -> bool:
+        """Whether a step of `batch` can run its layers in one native call (`models/decode_layers.py`)."""
+        whole = self.__dict__.get("decode_layers")
+        return whole is not None and whole.takes(batch)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if not self.tp:

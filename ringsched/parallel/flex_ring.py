@@ -50,7 +50,7 @@ class FixedCut:
     def before_layers(self, plan: BatchPlan, proxy: dict | None, slots: torch.Tensor) -> None:
         pass
 
-    def layers(self, plan: BatchPlan) -> Iterator[int] | None:
+    def layers(self, plan: BatchPlan, one_call: bool = False) -> Iterator[int] | range | None:
         return None  # all of this stage's layers
 
     def after_layers(self, plan: BatchPlan, slots: torch.Tensor) -> list[torch.Tensor]:
@@ -170,13 +170,18 @@ class FlexRing:
             self.reporter.done(plan)
 
     # -- both -----------------------------------------------------------------------------------------------
-    def layers(self, plan: BatchPlan) -> Iterator[int]:
-        """The layers this stage runs for `plan`, in order (policy `ready`, stage 0: `plan.cut` is set once the
-        last one has been asked for)."""
+    def layers(self, plan: BatchPlan, one_call: bool = False) -> Iterator[int] | range:
+        """The layers this stage runs for `plan`, in order: a range when the cut is known before they run (the
+        model may then run them in one native call), else an iterator (policy `ready`: stage 0 sets `plan.cut`
+        once the last one has been asked for). `one_call`: the step can take the one-call decode layers, so
+        `ready` does not decide as it goes: stage 0 cuts at the base cut (a step of a few decodes is short, and
+        a ring holding few requests gains little from moving its cut), stage 1 sends no forecast for it."""
         if self.ready_cut:
-            return self.ready_cut.layers(plan)
+            if not one_call:
+                return self.ready_cut.layers(plan)
+            plan.cut = self.b.base
         run = self.b.run_range(self.stage.rank, plan.cut)
-        return self.reporter.layers(plan, run) if self.reporter else iter(run)
+        return self.reporter.layers(plan, run) if self.reporter and not one_call else run
 
     def mirror_in(self, plan: BatchPlan, rows: list[torch.Tensor], slots: torch.Tensor) -> None:
         """Stage 1: write the K/V rows stage 0 ran for this micro-batch's shared layers."""

@@ -210,7 +210,7 @@ class StageLoop:
             self.cut.before_layers(plan, proxy, batch.slot_mapping)
             out = self.model(
                 batch, input_ids=ids if proxy is None else None, proxy=proxy, kv_caches=self.pool.caches,
-                layers=self.cut.layers(plan),  # policy ready: sets plan.cut as it runs
+                layers=self.cut.layers(plan, self.model.one_call(batch)),  # policy ready: may set plan.cut as it runs
             )  # fmt: skip
             if batch.cp is not None and self.stage.is_last:
                 out = batch.cp.gather_samples(out)
