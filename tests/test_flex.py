@@ -251,3 +251,29 @@ def test_ready_policy_cuts_a_one_call_step_at_the_base_cut():
     theirs = BatchPlan(0, 0, [PlanEntry("a", 4, [1], True)], cut=15)
     assert s1.layers(theirs, one_call=True) == range(15, 30) and not sent
     assert isinstance(s1.layers(theirs), Iterator)  # a step that does not take the one call: forecasts
+
+
+def test_a_chunk_is_cut_no_later_than_the_in_flight_chunks_it_reads():
+    """Stage 0 holds an in-flight micro-batch's shared-layer KV up to its cut only (the rest comes back with its
+    output): a plan that reads it (`plan.reads`, a prompt's next chunk) is cut no later, by every policy."""
+    from ringsched.comm.messages import BatchPlan, PlanEntry
+    from ringsched.parallel.flex import CYCLE
+    from ringsched.parallel.flex_ring import FlexRing
+    from ringsched.parallel.rank import StageInfo
+
+    b = FlexBoundary(30, 15, 3)
+    s0, _, _, _, _, _ = ready_rings(b)
+    first = BatchPlan(0, 0, [PlanEntry("a", 0, [1] * 8, False)])
+    assert list(s0.layers(first)) == list(range(b.lo)) and first.cut == b.lo  # stage 1 free: cut at lo
+    s0.computed(first, 0.01, torch.tensor([0]), [])
+    nxt = BatchPlan(1, 1, [PlanEntry("a", 8, [1] * 8, False)], reads=[0])
+    assert list(s0.layers(nxt)) == list(range(b.lo)) and nxt.cut == b.lo  # stage 1 never done: hi without it
+    caches = [(torch.zeros(8, 1, 2), torch.zeros(8, 1, 2)) for _ in range(b.hi)]
+    ring = FlexRing(b, StageInfo(0, 2, 0, b.hi), caches, torch.device("cpu"), CYCLE)
+    cuts = []
+    for seq in range(2 * len(range(b.lo, b.hi + 1))):
+        plan = BatchPlan(seq % 2, seq, [PlanEntry("a", 8 * seq, [1] * 8, False)], reads=[seq - 1] if seq else [])
+        ring.choose(plan)
+        ring.computed(plan, 0.01, torch.tensor([0]), [])  # never back: each reads the one before, in flight
+        cuts.append(plan.cut)
+    assert cuts == sorted(cuts, reverse=True) and cuts[0] > b.lo and cuts[-1] == b.lo, cuts

@@ -165,13 +165,18 @@ def test_a_long_prompt_fills_the_ring_and_only_its_first_decode_waits():
     assert p.plan(2, 7).entries == []  # a decode is in one micro-batch at a time
 
 
-def test_a_flexible_cut_keeps_one_chunk_in_flight():
-    p = Planner(BlockTable(64, 16), 4, 8, 100, eos_ids=(2,), max_len=4096, pipeline_prefill=False)
+def test_a_prompts_chunks_go_around_together_naming_the_micro_batches_they_read():
+    """With a flexible cut stage 0 cuts a chunk no later than the in-flight chunks before it (`plan.reads`)."""
+    p = Planner(BlockTable(64, 16), 4, 8, 100, eos_ids=(2,), max_len=4096, flexible_cut=True)
     p.add(req("long", 250))
-    assert len(p.plan(0, 0).entries) == 1
-    assert p.plan(1, 1).entries == []
+    p.add(req("short", 20))
+    first = p.plan(0, 0)
+    assert [(e.rid, e.start) for e in first.entries] == [("long", 0)] and first.reads == []
+    second = p.plan(1, 1)
+    assert [(e.rid, e.start) for e in second.entries] == [("long", 100)] and second.reads == [0]
     p.on_output(0, [])
-    assert [e.start for e in p.plan(0, 2).entries] == [100]
+    third = p.plan(0, 2)
+    assert [(e.rid, e.start) for e in third.entries] == [("long", 200), ("short", 0)] and third.reads == [1]
 
 
 def test_aborting_a_prompt_with_three_chunks_in_flight_frees_after_the_last():

@@ -13,9 +13,9 @@ from ringsched.stage.sampler_state import SamplerState
 BS = 16
 
 
-def planner(blocks=64, mbs=4, running=8, budget=512, pipeline_prefill=True):
+def planner(blocks=64, mbs=4, running=8, budget=512, flexible_cut=False):
     table = BlockTable(blocks, BS, prefix_caching=True)
-    return Planner(table, mbs, running, budget, eos_ids=(2,), max_len=4096, pipeline_prefill=pipeline_prefill)
+    return Planner(table, mbs, running, budget, eos_ids=(2,), max_len=4096, flexible_cut=flexible_cut)
 
 
 def req(rid, ids, max_tokens=4, **kw):
@@ -99,11 +99,12 @@ def test_siblings_compute_a_shared_prompt_once():
 
 
 def test_a_flexible_cut_indexes_blocks_when_their_micro_batch_is_back():
-    p = planner(budget=64, pipeline_prefill=False)
+    p = planner(budget=64, flexible_cut=True)
     p.add(req("a", prefix(100)))
     p.plan(0, 0)
     p.add(req("b", prefix(100)))
-    assert [(e.rid, e.start) for e in p.plan(1, 1).entries] == [("b", 0)]  # a's blocks are not back yet
+    # a's second chunk goes around behind its first; b starts from 0: a's blocks are not back yet
+    assert [(e.rid, e.start) for e in p.plan(1, 1).entries] == [("a", 64), ("b", 0)]
     hashes = block_hashes(prefix(64), BS, [])
     assert p.blocks.cache.lookup(hashes) == []
     p.on_output(0, [])

@@ -117,6 +117,24 @@ def test_cut_decided_while_running_gives_the_same_tokens(reference, smollm2_dir)
     assert not mismatched, f"requests {mismatched} differ from PP=1 with the cut decided while running"
 
 
+@pytest.mark.parametrize("policy", ["cycle", "ready"])
+def test_a_flexible_cut_pipelines_a_prompts_chunks(reference, smollm2_dir, policy):
+    """The longest prompts in 48-token chunks with the cut moving: a prompt's chunks go around together (each cut
+    no later than the chunk before it while that one is in flight), and the tokens are PP=1's."""
+    work = workload()
+    picked = sorted(range(48), key=lambda i: -len(work[i][0]))[:4]
+    kw = {**ENGINE_KW, "chunked_prefill_size": 48}
+    with Engine(pp_size=2, pp_flex_layers=2, pp_flex_policy=policy, **kw) as llm:
+        outs = run_staggered(llm, [work[i] for i in picked], gap=0.0)
+        sched = llm.wait_idle()
+        usage = stage_kv_usage(llm)
+        cuts = {int(c) for c in llm.supervisor.stats[0]["flex_cuts"]}
+    assert sched["pipelined_chunks"] >= 4, "no prompt had two chunks in flight"
+    assert usage == {0: 0.0, 1: 0.0}, f"KV not freed on every stage: {usage}"
+    assert len(cuts) > 1 and cuts <= flex_cuts(smollm2_dir, 2), cuts
+    assert [reference[i] for i in picked] == outs
+
+
 def test_lengths_and_variety(reference):
     work = workload()
     for (_ids, params), out in zip(work, reference, strict=True):

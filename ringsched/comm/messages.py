@@ -59,6 +59,9 @@ class BatchPlan:
     # ready) a cut stage 0 decides while it runs, which stage 1 reads from the proxy.
     cut: int = -1
     shutdown: bool = False
+    # Micro-batches still in flight when this one was planned whose KV it reads (a request's earlier prompt chunks):
+    # with a flexible cut stage 0 cuts this one no later than those (it holds their KV up to their cut only).
+    reads: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -33,17 +33,18 @@ class ReadyCut:
         self._done_upto = -1  # the newest micro-batch stage 1 has finished
         self._expected: tuple[int, float] = (-1, 0.0)  # (micro-batch, finish_at) of stage 1's latest forecast
 
-    def layers(self, plan: BatchPlan) -> Iterator[int]:
+    def layers(self, plan: BatchPlan, cap: int | None = None) -> Iterator[int]:
         """Layers `[0, lo)`, then each shared layer until `_cut_now`; `plan.cut` is set when the caller has run
-        the last layer (`hi` at the latest)."""
+        the last layer (`cap`, else `hi`, at the latest)."""
+        last = self.b.hi if cap is None else cap
         start = time.perf_counter()  # the caller asks for the first layer after the embedding
         yield from range(self.b.lo)
-        for i in range(self.b.lo, self.b.hi):  # lo >= 1 (FlexBoundary)
+        for i in range(self.b.lo, last):  # lo >= 1 (FlexBoundary)
             if self._cut_now(plan.seq, (time.perf_counter() - start) / i):
                 plan.cut = i
                 return
             yield i
-        plan.cut = self.b.hi
+        plan.cut = last
 
     def _cut_now(self, seq: int, layer_s: float) -> bool:
         if self._done_upto < seq - 1:

@@ -125,7 +125,12 @@ class FlexRing:
     def choose(self, plan: BatchPlan) -> None:
         """Before the plan leaves: `balance` and `cycle` set its cut; `ready` leaves it to the forward pass."""
         if plan.entries and self.chooser is not None:
-            plan.cut = self.chooser.choose(plan.num_tokens, plan.num_samples)
+            plan.cut = min(self.chooser.choose(plan.num_tokens, plan.num_samples), self._cap(plan))
+
+    def _cap(self, plan: BatchPlan) -> int:
+        """The latest cut `plan` may take on stage 0: no later than the in-flight micro-batches whose KV it reads
+        (stage 0 holds their shared layers' KV up to their cut until their outputs come back)."""
+        return min((self._sent[s].cut for s in plan.reads if s in self._sent), default=self.b.hi)
 
     def sent(self, plan: BatchPlan, compute_s: float, slots: torch.Tensor) -> None:
         self.cuts[plan.cut] = self.cuts.get(plan.cut, 0) + 1
@@ -178,8 +183,8 @@ class FlexRing:
         a ring holding few requests gains little from moving its cut), stage 1 sends no forecast for it."""
         if self.ready_cut:
             if not one_call:
-                return self.ready_cut.layers(plan)
-            plan.cut = self.b.base
+                return self.ready_cut.layers(plan, self._cap(plan))
+            plan.cut = min(self.b.base, self._cap(plan))
         run = self.b.run_range(self.stage.rank, plan.cut)
         return self.reporter.layers(plan, run) if self.reporter and not one_call else run
 

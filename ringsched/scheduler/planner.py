@@ -20,7 +20,9 @@ blocks, never its last token, which must run to give logits) and computes from t
 those blocks, so the other stages follow without hashing anything. A block is indexed once the micro-batch
 computing its KV is planned: every stage runs micro-batches in order, so a request in a later micro-batch reads
 it after it is written. With a flexible cut a shared layer's KV reaches stage 0 only with the micro-batch's
-output, so there blocks are indexed when their micro-batch comes back.
+output, so there blocks are indexed when their micro-batch comes back; a request's next prompt chunk still goes
+around while the one before is in flight, its plan naming that micro-batch in `reads` (stage 0 then cuts it no
+later, so every layer it runs on stage 0 has the earlier chunk's KV there).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ class Planner:
         max_len: int,
         rng: random.Random | None = None,
         vocab_size: int | None = None,
-        pipeline_prefill: bool = True,
+        flexible_cut: bool = False,
         chunker: ChunkSizer | None = None,
     ) -> None:
         self.blocks = blocks
@@ -61,10 +63,11 @@ class Planner:
             token_budget,
         )
         self.eos_ids, self.max_len, self.vocab_size = eos_ids, max_len, vocab_size
-        # False (a flexible cut): a request's chunks go around one at a time, since a shared layer's KV of one
-        # chunk reaches stage 0 only with that micro-batch's output.
-        self.pipeline_prefill, self.chunker = pipeline_prefill, chunker
+        # A flexible cut: blocks are indexed for the prefix cache when their micro-batch comes back (a shared
+        # layer's KV reaches stage 0 only then).
+        self.flexible_cut, self.chunker = flexible_cut, chunker
         self._decoding = 0  # decoding requests as this plan began (sizes chunks beside them)
+        self.pipelined_chunks = 0
         self.waiting: deque[Request] = deque()
         self.running: OrderedDict[str, Request] = OrderedDict()  # admission order
         self.requests: dict[str, Request] = {}
@@ -148,7 +151,7 @@ class Planner:
         for r in list(self.running.values()):
             if len(plan.entries) >= self.micro_batch_size:
                 break
-            if r.status is not Status.RUNNING or (r.in_flight and not self.pipeline_prefill):
+            if r.status is not Status.RUNNING:
                 continue
             n = 1 if r.remaining == 1 else min(self._chunk(r), budget)
             if n <= 0 or not self._grow(r, n, plan):
@@ -181,7 +184,7 @@ class Planner:
             planned |= self._planned_blocks(plan, plan.entries[-1:])
         if plan.entries:
             self.flight[seq] = plan.entries
-        if self._cache is not None and self.pipeline_prefill:
+        if self._cache is not None and not self.flexible_cut:
             # Indexed once the whole micro-batch is planned: only a later micro-batch may read these blocks.
             for e in plan.entries:
                 self._index(self.requests[e.rid], e.start + len(e.token_ids))
@@ -242,6 +245,9 @@ class Planner:
             blocks.update(cached_blocks=cached, cached_ids=r.all_ids[:start])
         plan.entries.append(PlanEntry(r.rid, start, r.all_ids[start : start + n], samples, **blocks))
         r.num_computed = start + n
+        if r.in_flight:  # its earlier chunks are still on the ring
+            plan.reads.extend(s for s in r.in_flight if s not in plan.reads)
+            self.pipelined_chunks += 1
         r.in_flight.add(seq)
         decode = n == 1 and start == len(r.all_ids) - 1 and bool(r.output_ids)
         if not decode and logger.isEnabledFor(logging.DEBUG):
@@ -291,7 +297,7 @@ class Planner:
         for e in entries:
             r = self.requests[e.rid]
             r.in_flight.discard(seq)
-            if self._cache is not None and not self.pipeline_prefill:  # its KV is on both stages now
+            if self._cache is not None and self.flexible_cut:  # its KV is on both stages now
                 self._index(r, e.start + len(e.token_ids))
             tok, lp = (next(it), next(logprobs)) if e.samples else (None, None)
             if r.aborted:
@@ -349,4 +355,5 @@ class Planner:
             "prefill_tokens": self.prefill_tokens,
             # the most in-flight micro-batches one request is in now (> 1: its prefill chunks fill the ring)
             "request_in_flight_max": max((len(r.in_flight) for r in self.requests.values()), default=0),
+            "pipelined_chunks": self.pipelined_chunks,  # chunks planned while the request's one before was in flight
         }

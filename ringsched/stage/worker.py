@@ -131,7 +131,7 @@ def _setup(cfg, spec: ModelSpec, where: RankInfo, addrs, ctx, ctl) -> tuple[Stag
             chunker = chunking.ChunkSizer(cost, cfg.chunked_prefill_size, decode=decode)
         planner = Planner(allocator, cfg.micro_batch_size, cfg.max_running_requests, cfg.chunked_prefill_size,
                           spec.eos_ids, spec.context_len, random.Random(cfg.seed), mcfg.vocab_size,
-                          pipeline_prefill=flex is None, chunker=chunker)  # fmt: skip
+                          flexible_cut=flex is not None, chunker=chunker)  # fmt: skip
     plan_in, plan_out = _plan_channels(cfg, where, addrs, ctx, store)
     progress_in, progress_out = _progress_channels(cfg, stage, addrs, ctx, store)
     io = StageIO(
