@@ -11,7 +11,9 @@ How: both stages hold the `2K` layers around the partition's cut (weights and KV
 `[base - K, base + K]` for each micro-batch. Stage 0 runs layers `[0, cut)`, stage 1 `[cut, L)`. The K/V rows a
 stage writes for the shared layers it ran are mirrored to the other stage (with the proxy tensors forward, with
 the sampled tokens back), so whichever stage runs a shared layer next finds the whole context in its own cache.
-A request is in at most one in-flight micro-batch, so the mirror lands before that request is computed again.
+A request decodes in at most one in-flight micro-batch, so the mirror lands before it is computed again; its prompt
+chunks may be in several, and stage 0 cuts a chunk no later than the in-flight chunks it reads (`plan.reads`): until
+their outputs are back it holds their shared layers' K/V only up to their cut.
 Stage 1 reads the cut from the proxy: the K/V rows stage 0 sends are those of layers `[base - K, cut)`.
 
 Two policies choose the cut (`--pp-flex-policy`; a third, `cycle`, is for tests and no flag offers it).
