@@ -10,6 +10,8 @@ both sockets, once.
 
 from __future__ import annotations
 
+import atexit
+
 import zmq
 
 from ringsched.comm.messages import OutputBatch
@@ -27,6 +29,9 @@ class RingLink:
         self.out = Puller(self.zctx, self.supervisor.addrs.front_out)
         self.inp = Pusher(self.zctx, self.supervisor.addrs.front_in)
         self.closed = False
+        # An engine still open when the interpreter exits (an uncaught error without `with`): stop the stages
+        # first, as multiprocessing's own exit hook would wait forever on daemon stages that ignore SIGTERM.
+        atexit.register(self.close)
         try:
             self.supervisor.start()
         except BaseException:  # Ctrl-C or SIGTERM while loading included: no stage may outlive us
@@ -48,6 +53,7 @@ class RingLink:
         if self.closed:
             return
         self.closed = True
+        atexit.unregister(self.close)
         self.supervisor.stop()
         self.inp.close(linger_ms=0)
         self.out.close()

@@ -153,3 +153,23 @@ def test_async_engine_streams_stops_and_aborts(hf_smol, smollm2_dir):
     assert stopped.finish_reason == "stop" and " five" not in stopped.text
     assert refused.finish_reason == "error" and "KV" in refused.error
     assert usage == [0.0, 0.0]
+
+
+def test_an_error_without_with_exits_and_leaves_no_stage(tiny_llama_dir):
+    """An engine left open by an uncaught error: the interpreter exits (multiprocessing's exit hook alone would
+    wait forever on stages that ignore SIGTERM) and no stage process outlives it."""
+    import psutil
+
+    script = (
+        "from ringsched.engine import Engine\n"
+        f"llm = Engine(model={str(tiny_llama_dir)!r}, pp_size=2, threads_per_stage=1, kv_cache_memory='16M', "
+        "log_level='warning')\n"
+        "print('pids', *[p.pid for p in llm.supervisor.procs], flush=True)\n"
+        "raise RuntimeError('boom')\n"
+    )
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and "RuntimeError: boom" in p.stderr, p.stderr
+    pids = [int(x) for x in p.stdout.split("pids", 1)[1].split()]
+    assert len(pids) == 2
+    alive = [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"stage processes {alive} outlived the interpreter"
