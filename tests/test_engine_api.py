@@ -171,5 +171,12 @@ def test_an_error_without_with_exits_and_leaves_no_stage(tiny_llama_dir):
     assert p.returncode == 1 and "RuntimeError: boom" in p.stderr, p.stderr
     pids = [int(x) for x in p.stdout.split("pids", 1)[1].split()]
     assert len(pids) == 2
-    alive = [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+
+    def running(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    alive = [pid for pid in pids if running(pid)]
     assert not alive, f"stage processes {alive} outlived the interpreter"
