@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 # JSON without optional whitespace: a small model given the choice otherwise pads with spaces and newlines.
 JSON_OPTIONS = {"whitespace_flexible": False}
@@ -94,11 +96,16 @@ class Constraint:
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
 
-    def allowed(self) -> torch.Tensor:
+    def mask(self) -> np.ndarray:
         """`[vocab]` bool: the tokens the grammar admits next (only EOS once it is complete)."""
         self._lnp.fill_next_token_bitmask(self.matcher, self._bitmask, 0)
-        bits = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")[: self.vocab_size]
-        return torch.from_numpy(bits.astype(bool))
+        return np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")[: self.vocab_size].astype(bool)
+
+    def allowed(self) -> torch.Tensor:
+        """`mask()` as a tensor."""
+        import torch  # here, not above: the grammar helper processes import this module and need no torch
+
+        return torch.from_numpy(self.mask())
 
     def advance(self, token: int) -> None:
         if not self.matcher.consume_token(token):

@@ -23,6 +23,8 @@ from ringsched.config import EngineConfig
 from ringsched.process.supervisor import StageFailure, free_port
 from ringsched.server.app import create_app
 from ringsched.server.engine_client import EngineClient
+from ringsched.server.grammar_pool import GrammarPool, PoolConfig
+from ringsched.server.http_limits import HttpLimits, uvicorn_config
 from ringsched.server.metrics import ServerMetrics
 from ringsched.server.protocol import Limits
 from ringsched.server.serving import ServerContext
@@ -140,17 +142,21 @@ class FrontEnd:
     """The real app on 127.0.0.1:`port` over a `FakeRing`; `ctx` is its `ServerContext` (tests may edit it)."""
 
     def __init__(self, model_dir: str, max_running: int = 16, max_queued: int | None = None,
-                 max_request_bytes: int = 1 << 20, max_len: int = 2048) -> None:  # fmt: skip
+                 max_request_bytes: int = 1 << 20, max_len: int = 2048, api_key: str | None = None,
+                 http: HttpLimits = HttpLimits(), grammar_workers: int = 1,
+                 max_request_tokens: int | None = None) -> None:  # fmt: skip
         self.supervisor = FakeSupervisor()
         self.ring = FakeRing(self.supervisor.addrs)
         cfg = EngineConfig(max_running_requests=max_running)
         client = EngineClient(cfg, None, supervisor=self.supervisor)
         tok = Tokenizer(model_dir)
-        limits = Limits(max_len, 1 << 20, tok.vocab_size, "m")
-        self.ctx = ServerContext(client, tok, ServerMetrics(), limits, None, max_queued, max_request_bytes)
+        limits = Limits(max_len, 1 << 20, tok.vocab_size, "m", max_request_tokens)
+        pool = GrammarPool(PoolConfig(model_dir, tok.vocab_size, (), grammar_workers)) if grammar_workers else None
+        self.ctx = ServerContext(client, tok, ServerMetrics(), limits, api_key, max_queued, max_request_bytes, http,
+                                 pool)  # fmt: skip
         self.port = free_port()
-        config = uvicorn.Config(create_app(self.ctx), host="127.0.0.1", port=self.port, log_config=None,
-                                lifespan="off", timeout_graceful_shutdown=1)  # fmt: skip
+        config = uvicorn_config(create_app(self.ctx), self.ctx.http, host="127.0.0.1", port=self.port,
+                                log_config=None, lifespan="off", timeout_graceful_shutdown=1)  # fmt: skip
         self.server = _Server(config)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_until_complete, args=(self._main(),), daemon=True)
@@ -166,6 +172,8 @@ class FrontEnd:
         try:
             await self.server.serve()
         finally:
+            if self.ctx.grammars is not None:
+                await self.ctx.grammars.close()
             await self.ctx.client.close()
 
     @property

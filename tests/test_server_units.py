@@ -166,7 +166,7 @@ PARSED = {
     "model": lambda r: True,  # the served name: checked against it (another gets a 404)
     "logprobs": lambda r: r.params.logprobs in (2, 0), "top_logprobs": lambda r: r.params.logprobs == 2,
     "n": lambda r: r.n == 2 and r.best_of == 2 and len(r.sequences("x")) == 2,
-    "response_format": lambda r: r.params.grammar is not None,
+    "response_format": lambda r: r.grammar is not None,
     "best_of": lambda r: r.n == 1 and r.best_of == 2 and r.params.logprobs == 0 and not r.logprobs_asked,
 }  # fmt: skip
 

@@ -33,21 +33,28 @@ ENGINE_FLAGS = tuple(f.name for f in _engine_fields())
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """One flag per `EngineConfig` field made with `_flag`: name, default, type, choices and help all come from
+    """One flag per `EngineConfig` field made with `_flag`."""
+    add_flags(p, _engine_fields())
+
+
+def add_flags(p: argparse.ArgumentParser, fields: list[dataclasses.Field]) -> None:
+    """One flag per field made with `config._flag`: name, default, type, choices, group and help all come from
     the field."""
-    groups = {name: p.add_argument_group(name) for name in ("engine", "nodes")}
-    for f in _engine_fields():
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for f in fields:
         meta = f.metadata
+        group = groups.get(meta["group"]) or groups.setdefault(meta["group"], p.add_argument_group(meta["group"]))
         kind = meta["type"] or type(f.default)
+        if kind is type(None):
+            raise TypeError(f"the flag of field {f.name} defaults to None: give its _flag a type")
         if kind is bool:  # --enable-x / --no-enable-x
-            groups[meta["group"]].add_argument(
+            group.add_argument(
                 "--" + f.name.replace("_", "-"), default=f.default, action=argparse.BooleanOptionalAction,
                 help=meta["help"] if f.default is None else f"{meta['help']} (default: {'on' if f.default else 'off'})",
             )  # fmt: skip
             continue
-        groups[meta["group"]].add_argument(
-            "--" + f.name.replace("_", "-"), default=f.default, type=kind, choices=meta["choices"], help=meta["help"]
-        )
+        group.add_argument("--" + f.name.replace("_", "-"), default=f.default, type=kind, choices=meta["choices"],
+                           help=meta["help"])  # fmt: skip
 
 
 def resolve_args(args: argparse.Namespace, **extra) -> tuple[EngineConfig, ModelSpec]:

@@ -1,8 +1,9 @@
 """The FastAPI app: routes, API-key check, and errors in OpenAI's shape.
 
-Contract: `create_app(ctx)` returns the ASGI app for one `ServerContext`. Every endpoint but `/health` needs
-`Authorization: Bearer KEY` when `ctx.api_key` is set. Every error a client can cause or see, unknown paths and
-server bugs included, is `{"error": {"message", "type", "param", "code"}}` with a fitting status.
+Contract: `create_app(ctx)` returns the ASGI app for one `ServerContext`. Every path but `/health`, `/openapi.json`
+included, needs `Authorization: Bearer KEY` (`bearer` in any case) when `ctx.api_key` is set. Every error a client can
+cause or see, unknown paths and server bugs included, is `{"error": {"message", "type", "param", "code"}}` with a
+fitting status.
 """
 
 from __future__ import annotations
@@ -10,12 +11,12 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ringsched.server import endpoints
 from ringsched.server.protocol import APIError
@@ -24,23 +25,31 @@ from ringsched.server.serving import ServerContext
 logger = logging.getLogger("ringsched.server")
 
 
-def _key_check(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
-    async def check_key(request: Request) -> None:
-        if api_key is None or request.url.path == "/health":
-            return
-        given = request.headers.get("authorization", "")
-        # Constant-time: the comparison must not tell an attacker how much of the key was right.
-        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-            raise APIError(
-                401, "Incorrect or missing API key: send `Authorization: Bearer <key>` with the server's --api-key",
-                code="invalid_api_key",
-            )  # fmt: skip
+class _KeyCheck:
+    """With `--api-key`, every path but `/health` (the OpenAPI schema and unknown paths too) answers 401 unless
+    the request carries `Authorization: Bearer KEY`; the scheme's case does not matter (RFC 9110), the key's
+    does, and it is compared in constant time so that the answer does not tell how much of it was right."""
 
-    return check_key
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app, self.key = app, api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] == "/health" or self._authorized(scope):
+            return await self.app(scope, receive, send)
+        e = APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>` with the server's "
+                     "--api-key", code="invalid_api_key")  # fmt: skip
+        await JSONResponse(e.body(), status_code=401)(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        scheme, _, token = given.strip().partition(b" ")
+        return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.key)
 
 
 def create_app(ctx: ServerContext) -> FastAPI:
-    app = FastAPI(title="ringsched", dependencies=[Depends(_key_check(ctx.api_key))], docs_url=None, redoc_url=None)
+    app = FastAPI(title="ringsched", docs_url=None, redoc_url=None)
+    if ctx.api_key is not None:
+        app.add_middleware(_KeyCheck, api_key=ctx.api_key)
     _add_error_handlers(app)
     started = int(time.time())
 

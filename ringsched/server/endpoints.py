@@ -21,12 +21,16 @@ from typing import TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from ringsched.server.engine_client import EngineError
+from ringsched.server.grammar_pool import GrammarBusy
+from ringsched.server.grammar_request import Asked
 from ringsched.server.json_body import load_json
 from ringsched.server.protocol import APIError, Prepared, parse_chat, parse_completion, parse_generate
 from ringsched.server.serving import Delta, ServerContext, collect, sse, text_deltas, usage
+from ringsched.structured import GrammarError
 from ringsched.tokenizer import Tokenizer
 
 logger = logging.getLogger("ringsched.server")
@@ -45,17 +49,29 @@ def admit(ctx: ServerContext, rid: str) -> None:
         raise APIError(e.status, str(e), e.type, code=e.code, headers=headers) from None
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, or a 413 once it passes `limit` bytes (at once when its Content-Length says so)."""
+class ClientGone(Exception):
+    """The client closed the connection before its request was read: nobody is left to answer."""
+
+
+async def read_body(request: Request, limit: int, timeout_s: float | None = None) -> bytes:
+    """The body, or a 413 once it passes `limit` bytes (at once when its Content-Length says so); a 408 when it
+    has not all come within `timeout_s` (`--http-body-timeout`); `ClientGone` when the client leaves."""
     declared = request.headers.get("content-length", "")
     size, chunks, too_big = 0, [], declared.isdigit() and int(declared) > limit
-    async for chunk in request.stream():
-        size += len(chunk)
-        too_big = too_big or size > limit
-        if too_big and size > _DRAIN_FACTOR * limit:
-            break
-        if not too_big:
-            chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                too_big = too_big or size > limit
+                if too_big and size > _DRAIN_FACTOR * limit:
+                    break
+                if not too_big:
+                    chunks.append(chunk)
+    except TimeoutError:
+        raise APIError(408, f"The request body did not arrive within {timeout_s:g} s (--http-body-timeout)",
+                       code="request_timeout", headers={"Connection": "close"}) from None  # fmt: skip
+    except ClientDisconnect:
+        raise ClientGone from None
     if too_big:
         raise APIError(
             413, f"The request body is larger than this server accepts ({limit} bytes, --max-request-bytes)",
@@ -82,10 +98,26 @@ async def until_disconnect(request: Request, work: Awaitable[T], poll_s: float =
 
 
 async def _prepare(request: Request, ctx: ServerContext, parse: Callable) -> Prepared:
-    raw = await read_body(request, ctx.max_request_bytes)
+    raw = await read_body(request, ctx.max_request_bytes, ctx.http.body_timeout)
     # Parsing, chat templates and tokenization run on a worker thread (long texts are tokenized without the GIL):
     # a big request must not stall the streams and health checks this loop serves.
-    return await asyncio.to_thread(lambda: parse(load_json(raw), ctx.tokenizer, ctx.limits))
+    req = await asyncio.to_thread(lambda: parse(load_json(raw), ctx.tokenizer, ctx.limits))
+    if req.grammar is None:
+        return req
+    return replace(req, params=replace(req.params, grammar=await _proven(ctx, req.grammar)))
+
+
+async def _proven(ctx: ServerContext, asked: Asked) -> str:
+    """The grammar of a request's constraint, proven in a helper process (a 400 naming its field if not)."""
+    if ctx.grammars is None:
+        raise APIError(400, "this server was started without structured outputs", param=asked.field)
+    try:
+        return await ctx.grammars.prove(asked.form)
+    except GrammarError as e:
+        raise APIError(400, f"{asked.field}: {e}", param=asked.field) from None
+    except GrammarBusy as e:
+        raise APIError(503, str(e), "service_unavailable_error", code="grammar_busy",
+                       headers={"Retry-After": "1"}) from None  # fmt: skip
 
 
 class _Stream(StreamingResponse):
@@ -116,6 +148,9 @@ async def _serve(request: Request, ctx: ServerContext, parse: Callable, prefix: 
         return await _serve_one(request, ctx, parse, prefix, events, whole)
     except APIError:
         raise
+    except ClientGone:  # a client may leave whenever it likes: nothing to log above debug
+        logger.debug("%s %s: the client left before its body was read", request.method, request.url.path)
+        return Response(status_code=499)
     except Exception as e:
         logger.exception("internal error in %s %s", request.method, request.url.path)
         raise APIError(500, f"internal server error: {type(e).__name__}: {e}", "internal_server_error",

@@ -19,3 +19,10 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def shown(value: object, limit: int = 100) -> str:
+    """A client's value as it is echoed back in an error: its repr, cut at `limit` characters (a megabyte of
+    model name must not come back whole)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"

@@ -15,9 +15,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ringsched import structured
 from ringsched.sampling import SamplingParams
-from ringsched.server.errors import APIError
+from ringsched.server.errors import APIError, shown
+from ringsched.server.grammar_request import Asked, asked_grammar
 from ringsched.tokenizer import ChatTemplateError, Tokenizer
 
 logger = logging.getLogger("ringsched.server")
@@ -130,6 +130,7 @@ class Prepared:
     n: int = 1
     best_of: int = 1  # sequences to run; the `n` with the highest cumulative log-probability are returned
     logprobs_asked: bool = True  # False: log-probabilities were added only to rank `best_of`; not returned
+    grammar: Asked | None = None  # a structured-output constraint, not yet proven (`grammar_pool.py`)
 
     def sequences(self, rid: str) -> list[tuple[str, SamplingParams]]:
         """(request id, params) of each sequence: `rid` alone for one; `rid-i` with seed + i (when seeded) else."""
@@ -149,6 +150,11 @@ class Limits:
     kv_tokens: int
     vocab_size: int
     model_name: str
+    max_request_tokens: int | None = None  # the work one request may start (None: 4 x max_len)
+
+    @property
+    def request_budget(self) -> int:
+        return 4 * self.max_len if self.max_request_tokens is None else self.max_request_tokens
 
 
 # -- parsing -------------------------------------------------------------------------------------------------
@@ -161,11 +167,6 @@ def _validate(model: type[BaseModel], body: dict) -> Any:
         got = repr(err.get("input"))
         got = got if len(got) <= 200 else got[:200] + f"... ({len(got)} characters)"
         raise APIError(400, f"{param}: {err['msg']} (got {got})", param=param) from None
-
-
-def _short(value: Any, limit: int = 100) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _param(loc: tuple) -> str:
@@ -181,14 +182,14 @@ def _param(loc: tuple) -> str:
 def _check_common(body: dict, req: _Sampling, limits: Limits, endpoint: str) -> None:
     for name, allowed in _UNSUPPORTED.items():
         if name in body and body[name] not in allowed:
-            raise APIError(400, f"{name}={_short(body[name])} is not supported by this server", param=name)
+            raise APIError(400, f"{name}={shown(body[name])} is not supported by this server", param=name)
     ignored = sorted(set(req.model_extra or ()) - set(OPENAI_FIELDS[endpoint]) - set(_UNSUPPORTED) - _ACCEPTED)
     if ignored:  # as vLLM: accepted, and said so
         logger.warning("The following fields were present in the request but ignored: %s", ignored)
     model = req.model
     if model is not None and model != limits.model_name:
         raise APIError(
-            404, f"The model `{model}` does not exist; this server serves `{limits.model_name}`",
+            404, f"The model {shown(model)} does not exist; this server serves `{limits.model_name}`",
             param="model", code="model_not_found",
         )  # fmt: skip
 
@@ -211,54 +212,8 @@ def _sampling_fields(req: _Sampling, max_tokens: int) -> dict[str, Any]:
         "min_p": req.min_p, "seed": req.seed, "stop": req.stop, "stop_token_ids": req.stop_token_ids,
         "ignore_eos": req.ignore_eos, "repetition_penalty": req.repetition_penalty, "min_tokens": req.min_tokens,
         "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
-        "logit_bias": req.logit_bias, "grammar": _grammar(req),
+        "logit_bias": req.logit_bias,
     }  # fmt: skip
-
-
-def _grammar(req: _Sampling) -> str | None:
-    """The llguidance grammar a request's `response_format` or vLLM's guided fields ask for; a 400 naming the field
-    for a malformed one, or for more than one."""
-    asked: list[tuple[str, dict[str, Any]]] = []
-    rf = req.response_format
-    if rf is not None:
-        kind = rf.get("type")
-        if kind == "json_object":
-            asked.append(("response_format", {"json_object": True}))
-        elif kind == "json_schema":
-            spec = rf.get("json_schema")
-            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-                raise APIError(400, "response_format.json_schema must be an object with a `schema` object",
-                               param="response_format")  # fmt: skip
-            asked.append(("response_format", {"json_schema": spec.get("schema", {})}))
-        elif kind != "text":
-            raise APIError(400, f"response_format.type must be text, json_object or json_schema, got {kind!r}",
-                           param="response_format")  # fmt: skip
-    forms = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "lark"}
-    for name, form in forms.items():
-        if getattr(req, name) is not None:
-            asked.append((name, {form: getattr(req, name)}))
-    if req.structured_outputs is not None:
-        keys = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "lark",
-                "json_object": "json_object"}  # fmt: skip
-        given = {keys[k]: v for k, v in req.structured_outputs.items() if k in keys and v not in (None, False)}
-        unknown = sorted(set(req.structured_outputs) - set(keys))
-        if unknown or len(given) != 1:
-            raise APIError(400, f"structured_outputs takes exactly one of {sorted(keys)}", param="structured_outputs")
-        asked.append(("structured_outputs", given))
-    if not asked:
-        return None
-    if len(asked) > 1:
-        names = [name for name, _ in asked]
-        raise APIError(400, f"give one structured-output constraint, got {names}", param=names[1])
-    name, form = asked[0]
-    try:
-        grammar = structured.grammar_for(**form)
-    except structured.GrammarError as e:
-        raise APIError(400, f"{name}: {e}", param=name) from None
-    error = structured.check(grammar)
-    if error:
-        raise APIError(400, f"{name}: the constraint is not valid: {error}", param=name)
-    return grammar
 
 
 def _counts(n: int | None, best_of: int | None, stream: bool) -> tuple[int, int]:
@@ -293,6 +248,20 @@ def check_context(prompt_len: int, max_tokens: int, limits: Limits, where: str) 
             "the server with a larger --kv-cache-memory.",
             param="max_tokens",
         )
+
+
+def check_budget(prompt_len: int, max_tokens: int, n: int, best_of: int, limits: Limits) -> None:
+    """Every sequence a request starts computes its prompt and up to `max_tokens`: together at most the budget
+    (`--max-request-tokens`), so that one request cannot take more than its share of the ring (as vLLM caps
+    `best_of`)."""
+    work = best_of * (prompt_len + max_tokens)
+    if work > limits.request_budget:
+        param = "best_of" if best_of > n else "n"
+        raise APIError(
+            400, f"The request asks for {best_of} sequence(s) x ({prompt_len} prompt + {max_tokens} completion "
+            f"tokens) = {work} tokens of work; one request may ask for at most {limits.request_budget} "
+            "(--max-request-tokens). Lower n, best_of or max_tokens.", param=param, code="request_too_large",
+        )  # fmt: skip
 
 
 def _check_stop_ids(params: SamplingParams, limits: Limits) -> SamplingParams:
@@ -346,8 +315,9 @@ def parse_completion(body: dict, tok: Tokenizer, limits: Limits) -> Prepared:
     logprobs = req.logprobs if req.logprobs is not None or best_of == n else 0  # best_of ranks by them
     params = _check_stop_ids(_params({**_sampling_fields(req, max_tokens), "logprobs": logprobs}), limits)
     check_context(len(ids), max_tokens, limits, "prompt")
+    check_budget(len(ids), max_tokens, n, best_of, limits)
     return Prepared(ids, params, req.stream, bool(req.stream_options and req.stream_options.include_usage), n,
-                    best_of, req.logprobs is not None)  # fmt: skip
+                    best_of, req.logprobs is not None, asked_grammar(req))  # fmt: skip
 
 
 def parse_chat(body: dict, tok: Tokenizer, limits: Limits) -> Prepared:
@@ -357,7 +327,7 @@ def parse_chat(body: dict, tok: Tokenizer, limits: Limits) -> Prepared:
     for i, m in enumerate(req.messages):
         if m.role not in ROLES:
             raise APIError(
-                400, f"messages[{i}].role {m.role!r} is not a known role; use one of {', '.join(ROLES)}",
+                400, f"messages[{i}].role {shown(m.role)} is not a known role; use one of {', '.join(ROLES)}",
                 param=f"messages[{i}].role",
             )  # fmt: skip
         text = m.content if isinstance(m.content, str) or m.content is None else "".join(p.text for p in m.content)
@@ -389,7 +359,9 @@ def parse_chat(body: dict, tok: Tokenizer, limits: Limits) -> Prepared:
     params = _check_stop_ids(params, limits)
     check_context(len(ids), max_tokens, limits, "messages")
     n, _ = _counts(req.n, None, req.stream)
-    return Prepared(ids, params, req.stream, bool(req.stream_options and req.stream_options.include_usage), n, n)
+    check_budget(len(ids), max_tokens, n, n, limits)
+    return Prepared(ids, params, req.stream, bool(req.stream_options and req.stream_options.include_usage), n, n,
+                    grammar=asked_grammar(req))  # fmt: skip
 
 
 _GENERATE_RENAME = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_seed": "seed"}
@@ -416,4 +388,5 @@ def parse_generate(body: dict, tok: Tokenizer, limits: Limits) -> Prepared:
     shown = {_GENERATE_RENAME[k]: k for k in req.sampling_params if k in _GENERATE_RENAME}  # the name it came as
     params = _check_stop_ids(_params(fields, shown), limits)
     check_context(len(ids), params.max_tokens, limits, "prompt")
+    check_budget(len(ids), params.max_tokens, 1, 1, limits)
     return Prepared(ids, params, req.stream)

@@ -1,11 +1,12 @@
-"""`run_server(cfg, ...)`: start the stages, serve HTTP on uvicorn with uvloop, and leave nothing behind.
+"""`run_server(cfg, spec, opts)`: take the HTTP port, start the stages, serve HTTP on uvicorn with uvloop, and leave
+nothing behind.
 
-Contract: blocks until the server stops and returns the process exit code: 0 after SIGTERM or Ctrl-C, 1 when a
-stage failed (the error is logged), 130 when SIGTERM or Ctrl-C came while the stages were still loading. On the
-first SIGTERM or SIGINT it stops accepting connections, lets running requests finish for up to
-`shutdown_timeout` seconds, ends the rest with an error chunk, and stops every stage process; a second signal
-skips the wait. Logs: each stage's layers, weights and KV capacity (from the Supervisor), the URL, then a
-throughput line every few seconds while busy.
+Contract: raises `PortInUse` before any stage starts when the HTTP port (or, on node 0 of several, the rendezvous port)
+is taken. Otherwise blocks until the server stops and returns the process exit code: 0 after SIGTERM or Ctrl-C, 1 when a
+stage failed (the error is logged), 130 when SIGTERM or Ctrl-C came while the stages were still loading. On the first
+SIGTERM or SIGINT it stops accepting connections, lets running requests finish for up to `shutdown_timeout` seconds,
+ends the rest with an error chunk, and stops every stage process; a second signal skips the wait. Logs: each stage's
+layers, weights and KV capacity (from the Supervisor), the URL, then a throughput line every few seconds while busy.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -25,9 +27,12 @@ from ringsched.config import EngineConfig
 from ringsched.models.fetch import DEFAULT_MODEL
 from ringsched.server.app import create_app
 from ringsched.server.engine_client import EngineClient
+from ringsched.server.grammar_pool import GrammarPool, PoolConfig
+from ringsched.server.http_limits import uvicorn_config
 from ringsched.server.metrics import ServerMetrics, log_throughput
+from ringsched.server.options import ServerOptions
 from ringsched.server.protocol import Limits
-from ringsched.server.serving import DEFAULT_MAX_REQUEST_BYTES, ServerContext
+from ringsched.server.serving import ServerContext
 from ringsched.spec import ModelSpec
 from ringsched.tokenizer import Tokenizer
 
@@ -48,30 +53,52 @@ def default_model_name(model: str, model_dir: str) -> str:
     return DEFAULT_MODEL if model == DEFAULT_MODEL else Path(model_dir).name
 
 
-def run_server(
-    cfg: EngineConfig,
-    spec: ModelSpec | None = None,
-    host: str = "127.0.0.1",
-    port: int = 30000,
-    api_key: str | None = None,
-    served_model_name: str | None = None,
-    max_queued_requests: int | None = None,
-    shutdown_timeout: float = 30.0,
-    log_level: str = "info",
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-) -> int:
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if max_queued_requests is not None and max_queued_requests < 0:
-        raise ValueError(f"--max-queued-requests must be >= 0, got {max_queued_requests}")
-    if shutdown_timeout < 0:
-        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {shutdown_timeout}")
-    if max_request_bytes < 1:
-        raise ValueError(f"--max-request-bytes must be >= 1, got {max_request_bytes}")
+class PortInUse(RuntimeError):
+    """A port the server must listen on is taken; raised before any stage starts."""
+
+
+def listen_socket(host: str, port: int, flag: str) -> socket.socket:
+    """A socket bound to `host:port` and listening, or `PortInUse` naming the flag. The HTTP port is taken before
+    any stage loads, and the same socket is served on, so no one can take it in between."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise PortInUse(f"cannot listen on {host}:{port} ({flag}): {e.strerror}; stop what holds it or pick "
+                        f"another {flag}") from None  # fmt: skip
+    return sock
+
+
+def check_rendezvous_port(cfg: EngineConfig) -> None:
+    """Node 0 hosts the rendezvous store at `--dist-init-addr`: its port must be free before any stage starts."""
+    if cfg.nnodes > 1 and cfg.node_rank == 0 and cfg.dist_init_addr:
+        host, _, port = cfg.dist_init_addr.rpartition(":")
+        if port.isdigit():
+            listen_socket("0.0.0.0", int(port), "--dist-init-addr").close()
+
+
+def run_server(cfg: EngineConfig, spec: ModelSpec | None = None, opts: ServerOptions | None = None) -> int:
+    opts = opts or ServerOptions()
+    logging.basicConfig(level=opts.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    port = 30000 if opts.port is None else opts.port
+    sock = listen_socket(opts.host, port, "--port")
+    try:
+        check_rendezvous_port(cfg)
+        return _run(cfg, spec, opts, sock)
+    finally:
+        sock.close()
+
+
+def _run(cfg: EngineConfig, spec: ModelSpec | None, opts: ServerOptions, sock: socket.socket) -> int:
     spec = spec or ModelSpec.resolve(cfg, quiet=False)  # the launcher resolved it already
     model_dir = spec.model_dir
-    cfg = replace(cfg, log_level=log_level)  # the stages log at the server's level
+    cfg = replace(cfg, log_level=opts.log_level)  # the stages log at the server's level
     tokenizer = Tokenizer(model_dir)
-    name = served_model_name or default_model_name(cfg.model, model_dir)
+    name = opts.served_model_name or default_model_name(cfg.model, model_dir)
 
     # Until the event loop owns the signals, SIGTERM interrupts loading like Ctrl-C: the stages are stopped.
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
@@ -83,11 +110,15 @@ def run_server(
     finally:
         signal.signal(signal.SIGTERM, previous)
     try:
-        limits = Limits(spec.context_len, client.kv_capacity_tokens(), spec.config.vocab_size, name)
-        ctx = ServerContext(
-            client, tokenizer, ServerMetrics(), limits, api_key, max_queued_requests, max_request_bytes
-        )
-        return uvloop.run(_serve(ctx, host, port, shutdown_timeout, log_level))
+        limits = Limits(spec.context_len, client.kv_capacity_tokens(), spec.config.vocab_size, name,
+                        opts.max_request_tokens)  # fmt: skip
+        grammars = None
+        if opts.grammar_workers:
+            grammars = GrammarPool(PoolConfig(model_dir, spec.config.vocab_size, spec.eos_ids, opts.grammar_workers,
+                                              opts.grammar_timeout, opts.grammar_memory_mb))  # fmt: skip
+        ctx = ServerContext(client, tokenizer, ServerMetrics(), limits, opts.api_key, opts.max_queued_requests,
+                            opts.max_request_bytes, opts.http, grammars)  # fmt: skip
+        return uvloop.run(_serve(ctx, sock, opts))
     finally:
         client.close_sync()  # a no-op after a normal exit; stops the stages after an exception
 
@@ -96,15 +127,14 @@ def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-async def _serve(ctx: ServerContext, host: str, port: int, shutdown_timeout: float, log_level: str) -> int:
-    client = ctx.client
-    config = uvicorn.Config(
+async def _serve(ctx: ServerContext, sock: socket.socket, opts: ServerOptions) -> int:
+    client, shutdown_timeout = ctx.client, opts.shutdown_timeout
+    config = uvicorn_config(
         create_app(ctx),
-        host=host,
-        port=port,
+        ctx.http,
         log_config=None,  # keep the process's logging setup
-        log_level=log_level,
-        access_log=log_level == "debug",
+        log_level=opts.log_level,
+        access_log=opts.log_level == "debug",
         timeout_graceful_shutdown=5,
     )
     server = _Server(config)
@@ -130,9 +160,12 @@ async def _serve(ctx: ServerContext, host: str, port: int, shutdown_timeout: flo
     client.on_failure = on_failure
     client.start_routing()
     throughput = loop.create_task(log_throughput(client))
-    serving = loop.create_task(server.serve())
+    if ctx.grammars is not None:
+        ctx.grammars.start()
+    serving = loop.create_task(server.serve(sockets=[sock]))
     await _until(lambda: server.started or serving.done(), 600)
     if server.started:
+        host, port = sock.getsockname()[:2]
         logger.info("serving %s at http://%s:%d (OpenAI API under /v1)", ctx.model_name, host, port)
     try:
         await serving  # uvicorn's own startup failures (port in use) raise SystemExit here
@@ -140,6 +173,8 @@ async def _serve(ctx: ServerContext, host: str, port: int, shutdown_timeout: flo
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
         throughput.cancel()
+        if ctx.grammars is not None:
+            await ctx.grammars.close()
         await client.close()
         logger.info("stopped: every stage process has exited")
     return exit_code

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 from ringsched.server.detokenizer import TextStream
 from ringsched.server.engine_client import EngineClient, EngineError
+from ringsched.server.grammar_pool import GrammarPool
+from ringsched.server.http_limits import HttpLimits
 from ringsched.server.metrics import ServerMetrics
 from ringsched.server.protocol import Limits, Prepared
 from ringsched.tokenizer import Tokenizer
@@ -40,6 +42,8 @@ class ServerContext:
     api_key: str | None = None
     max_queued_requests: int | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    http: HttpLimits = HttpLimits()  # connection and read timeouts, the open-connection limit
+    grammars: GrammarPool | None = None  # proves structured-output grammars; None: they are refused
 
     @property
     def model_name(self) -> str:

@@ -239,11 +239,14 @@ def _start_heartbeat(ctx: zmq.Context, addr: str, rank: int, loop: StageLoop) ->
     are not thread-safe) and dies with the process."""
 
     def beat() -> None:
-        sock = Pusher(ctx, addr)
-        while True:
-            info = {"sent_at": time.monotonic(), "steps": loop.steps, "in_step": loop.in_step}
-            sock.send(StageStatus(rank, "heartbeat", info))
-            time.sleep(HEARTBEAT_PERIOD_S)
+        try:
+            sock = Pusher(ctx, addr)
+            while True:
+                info = {"sent_at": time.monotonic(), "steps": loop.steps, "in_step": loop.in_step}
+                sock.send(StageStatus(rank, "heartbeat", info))
+                time.sleep(HEARTBEAT_PERIOD_S)
+        except zmq.ZMQError:  # the process is closing its sockets on the way down: nothing left to tell
+            return
 
     threading.Thread(target=beat, name=f"heartbeat-{rank}", daemon=True).start()
 
