@@ -6,13 +6,15 @@ in torch's compile stack and a C++ build of each grammar).
 a Lark grammar) into one llguidance grammar string, which travels in `SamplingParams.grammar`; `check(grammar)`
 returns the error a request should be refused with. On the last stage, `Constraint` holds one request's matcher:
 `allowed()` is the boolean mask of the tokens the grammar admits next and `advance(token)` moves it on. The
-matcher is built when the plan announces the request, on the last stage, in plan order: every stage therefore
-sees the grammar ready at the same plan, and stage 0 schedules the request as soon as it is admitted.
+matcher is built when the plan announces the request, on the last stage, in plan order, on a worker thread
+(`Grammars.build`); the request's first sampling waits for it, so every stage sees the grammar ready at the same
+plan, and stage 0 schedules the request as soon as it is admitted.
 """
 
 from __future__ import annotations
 
 import json
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -71,11 +73,25 @@ def check(grammar: str) -> str:
 
 class Grammars:
     """The last stage's llguidance tokenizer, built on the first structured request (~0.4 s for a 49k vocabulary),
-    and a `Constraint` per request."""
+    and a `Constraint` per request: `build` makes one on a worker thread, so the stage's loop goes on with its
+    steps while a grammar compiles; the request's first sampling waits for it (a grammar the server proved
+    in a helper process compiles within `--grammar-timeout`)."""
 
     def __init__(self, model_dir: str | Path, vocab_size: int, eos_ids: tuple[int, ...]) -> None:
         self.path, self.vocab_size, self.eos_ids = Path(model_dir) / "tokenizer.json", vocab_size, eos_ids
         self._tokenizer = None
+        self._worker: ThreadPoolExecutor | None = None
+
+    def build(self, grammar: str) -> Future[Constraint]:
+        """`constraint(grammar)` with its first mask computed, on this stage's grammar thread."""
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        return self._worker.submit(self._ready, grammar)
+
+    def _ready(self, grammar: str) -> Constraint:
+        c = self.constraint(grammar)
+        c.mask()
+        return c
 
     def constraint(self, grammar: str) -> Constraint:
         llg = _llguidance()
@@ -93,13 +109,17 @@ class Constraint:
 
         self.matcher, self.vocab_size, self._lnp = matcher, vocab_size, lnp
         self._bitmask = lnp.allocate_token_bitmask(1, vocab_size)
+        self._next: np.ndarray | None = None  # the mask until the next `advance`
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
 
     def mask(self) -> np.ndarray:
         """`[vocab]` bool: the tokens the grammar admits next (only EOS once it is complete)."""
-        self._lnp.fill_next_token_bitmask(self.matcher, self._bitmask, 0)
-        return np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")[: self.vocab_size].astype(bool)
+        if self._next is None:
+            self._lnp.fill_next_token_bitmask(self.matcher, self._bitmask, 0)
+            bits = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")[: self.vocab_size]
+            self._next = bits.astype(bool)
+        return self._next
 
     def allowed(self) -> torch.Tensor:
         """`mask()` as a tensor."""
@@ -108,5 +128,6 @@ class Constraint:
         return torch.from_numpy(self.mask())
 
     def advance(self, token: int) -> None:
+        self._next = None
         if not self.matcher.consume_token(token):
             raise GrammarError(f"token {token} broke the grammar: {self.matcher.get_error()}")

@@ -70,11 +70,34 @@ _BAD_SAMPLING = [
     ("guided_choice", []), ("guided_choice", [""]), ("structured_outputs", {"regex": "a+", "choice": ["a"]}),
     ("structured_outputs", {"xml": "a"}), ("response_format", {"type": "yaml"}),
     ("response_format", {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}),
+    # grammars that crash or stall a grammar engine: each is refused by a bound before any compiler sees it
+    ("guided_json", None), ("guided_grammar", None), ("guided_regex", "(a{1000}){1000}"),
+    ("guided_choice", [f"c{i}" for i in range(20_000)]), ("guided_regex", "(" * 200 + "a" + ")" * 200),
+    ("structured_outputs", {"json": None}), ("response_format", None),
+    ("n", 16),  # the work budget: 16 x (prompt + 1,000) tokens is past 4 x a 2,048 context (`_WITH`)
 ]  # fmt: skip
 
 
+def ref_chain(depth: int) -> dict:
+    """A JSON schema whose `$defs` chain `$ref` `depth` levels deep (flat JSON, deep to a schema compiler)."""
+    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(depth)}
+    defs[f"d{depth}"] = {"type": "string"}
+    return {"$ref": "#/$defs/d0", "$defs": defs}
+
+
+def right_recursive_rules(n: int) -> str:
+    """A Lark grammar of `n` right-recursive rules, each one level deeper to the parser."""
+    return "start: r0\n" + "\n".join(f'r{i}: "t{i}" r{i + 1} | "u{i}"' for i in range(n)) + f'\nr{n}: "z"'
+
+
+_HOSTILE = {"guided_json": ref_chain(3000), "guided_grammar": right_recursive_rules(20_000),
+            "structured_outputs": {"json": ref_chain(3000)},
+            "response_format": {"type": "json_schema", "json_schema": {"schema": ref_chain(3000)}}}  # fmt: skip
+_BAD_SAMPLING = [(k, _HOSTILE[k] if v is None else v) for k, v in _BAD_SAMPLING]
+
+
 def _openai_cases(path: str, base: dict) -> list[Case]:
-    out = [Case(path, {**base, k: v}, 400, k) for k, v in _BAD_SAMPLING]
+    out = [Case(path, {**base, k: v, **_WITH.get(k, {})}, 400, k) for k, v in _BAD_SAMPLING]
     out += [
         Case(path, {**base, "model": "gpt-4"}, 404, "model"),
         # JSON the parser takes but we refuse: non-finite numbers, huge literals, deep nesting, lone surrogates.
@@ -99,6 +122,8 @@ def _raw(base: dict, key: str, value_json: str) -> bytes:
     return f'{head}, "{key}": {value_json}}}'.encode()
 
 
+# What a case of `_BAD_SAMPLING` is sent with besides its field.
+_WITH = {"n": {"max_tokens": 1000}}
 _CMPL_BASE = {"prompt": "hi", "max_tokens": 4}
 _CHAT_BASE = {"messages": MSGS, "max_tokens": 4}
 

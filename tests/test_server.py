@@ -223,6 +223,29 @@ def test_json_schema_answers_parse_and_validate(server):
     check_server(server.url)
 
 
+def test_a_grammar_helper_that_dies_costs_only_its_request(server, reference, client):
+    """Both grammar helpers are killed (as a native crash would): the two structured requests that meet them get a
+    400 naming their field, the replacements serve the next one, and the server never stops serving."""
+    helpers = [p for p in server.descendants() if "ringsched.server.grammar_helper" in " ".join(p.cmdline())]
+    assert len(helpers) == 2, [p.cmdline() for p in server.descendants()]
+    for p in helpers:
+        p.kill()
+    body = {"model": MODEL, "prompt": "Is Paris in France? Answer:", "max_tokens": 3, "temperature": 0,
+            "guided_choice": ["yes", "no"]}  # fmt: skip
+    with httpx.Client(base_url=server.url, headers=server.headers, timeout=60) as hc:
+        for _ in range(2):
+            err = _assert_error(hc.post(CMPL, json=body), 400, "guided_choice")
+            assert "crashed the process that checks grammars (exit code -9)" in err["message"], err
+            assert hc.get("/health").status_code == 200
+        r = hc.post(CMPL, json=body)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("yes", "no"), r.text
+    now = [p for p in server.descendants() if "ringsched.server.grammar_helper" in " ".join(p.cmdline())]
+    assert len(now) == 2 and not {p.pid for p in now} & {p.pid for p in helpers}
+    assert client.completions.create(model=MODEL, prompt=COMPLETION_PROMPT, **GREEDY).choices[0].text == (
+        reference["completion"]
+    )
+
+
 def test_64_concurrent_streams(server):
     before = metrics(server)
     prompts = [f"Request {i}: tell me about the number {i}." for i in range(64)]
@@ -381,12 +404,15 @@ def test_malformed_json_and_context_messages(server, reference, client):
 
 def test_api_key(server):
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
-        for method, path in (("GET", "/v1/models"), ("GET", "/metrics"), ("POST", CMPL), ("POST", "/generate")):
+        for method, path in (("GET", "/v1/models"), ("GET", "/metrics"), ("POST", CMPL), ("POST", "/generate"),
+                             ("GET", "/openapi.json")):  # fmt: skip
             r = httpx.request(method, server.url + path, json={"prompt": "hi"}, headers=headers, timeout=30)
             assert _assert_error(r, 401, None, "invalid_api_key")
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200  # no key needed
     models = httpx.get(f"{server.url}/v1/models", headers=server.headers, timeout=10).json()
     assert [m["id"] for m in models["data"]] == [MODEL]
+    lower = {"Authorization": f"bearer {KEY}"}
+    assert httpx.get(f"{server.url}/openapi.json", headers=lower, timeout=10).status_code == 200
 
 
 def test_fuzz_table_against_the_real_server(server, reference, client):

@@ -199,3 +199,21 @@ def test_every_openai_field_is_honoured_or_refused_by_name(tok, endpoint, caplog
         e = _err(parse, {**base, "top_logprobs": 2}, tok, LIMITS)
         assert e.param == "top_logprobs" and "logprobs" in str(e)
         assert _err(parse, {**base, "logprobs": True, "top_logprobs": 21}, tok, LIMITS).param == "top_logprobs"
+
+
+def test_the_work_budget_counts_every_sequence_and_names_the_flag(tok):
+    from dataclasses import replace
+
+    limits = Limits(max_len=2048, kv_tokens=1 << 20, vocab_size=49152, model_name="m")  # budget 4 x 2048
+    ok = parse_completion({"prompt": "hi", "n": 4, "max_tokens": 2000}, tok, limits)
+    assert (ok.n, ok.best_of) == (4, 4)
+    e = _err(parse_completion, {"prompt": "hi", "n": 5, "max_tokens": 2000}, tok, limits)
+    assert (e.status, e.param, e.code) == (400, "n", "request_too_large")
+    assert "5 sequence(s) x (1 prompt + 2000 completion tokens) = 10005" in e.message
+    assert "at most 8192 (--max-request-tokens)" in e.message
+    e = _err(parse_completion, {"prompt": "hi", "n": 1, "best_of": 16, "max_tokens": 1000}, tok, limits)
+    assert (e.status, e.param) == (400, "best_of")
+    small = replace(limits, max_request_tokens=100)
+    e = _err(parse_chat, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 200}, tok, small)
+    assert (e.status, e.param) == (400, "n") and "at most 100" in e.message
+    assert parse_generate({"text": "hi", "sampling_params": {"max_new_tokens": 90}}, tok, small)

@@ -78,7 +78,7 @@ class _Helper:
         except asyncio.TimeoutError:
             await self.kill()
             raise _HelperGone(f"checking it took longer than {timeout_s:g} s") from None
-        except (ConnectionError, BrokenPipeError):
+        except (OSError, RuntimeError):  # its pipe is gone (uvloop says so with a RuntimeError): it died
             line = b""
         if not line:
             code = await self.kill()

@@ -8,6 +8,7 @@ preemption, batch composition or the number of stages.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 
 import torch
 
@@ -23,8 +24,9 @@ FAILED = -1  # the token of a row whose request could not be sampled: stage 0 en
 class SamplerState:
     def __init__(self, device: torch.device, eos_ids: tuple[int, ...] = (), grammars: Grammars | None = None) -> None:
         self.device, self.eos_ids, self.grammars = device, eos_ids, grammars
-        # structured requests: their grammar state, or why it could not be built (they fail when they sample)
-        self.constraints: dict[str, Constraint | Exception] = {}
+        # structured requests: their grammar state, built on the grammar thread (a failed build fails its
+        # request when it samples)
+        self.constraints: dict[str, Future[Constraint]] = {}
         self.prompt_len: dict[str, int] = {}
         self.params: dict[str, SamplingParams] = {}
         self.generators: dict[str, torch.Generator | None] = {}
@@ -45,18 +47,20 @@ class SamplerState:
             self.history[new.rid] = []
             self.prompt_len[new.rid] = new.prompt_len
             if p.grammar is not None:
-                try:
-                    if self.grammars is None:
-                        raise GrammarError("this stage was started without structured-output support")
-                    self.constraints[new.rid] = self.grammars.constraint(p.grammar)
-                except Exception as e:  # a bad grammar fails its own request, never the stage
-                    self.constraints[new.rid] = e
+                self.constraints[new.rid] = self._build(p.grammar)
         for e in plan.entries:
             h = self.history[e.rid]
             if e.cached_ids:  # a prefix this entry does not compute
                 h[:] = e.cached_ids
             del h[e.start :]
             h.extend(e.token_ids)
+
+    def _build(self, grammar: str) -> Future[Constraint]:
+        if self.grammars is not None:
+            return self.grammars.build(grammar)
+        failed: Future[Constraint] = Future()
+        failed.set_exception(GrammarError("this stage was started without structured-output support"))
+        return failed
 
     def greedy_only(self, plan: BatchPlan) -> bool:
         """Every row that samples takes the plain argmax (no penalty, nothing banned): the last stage can then
@@ -86,10 +90,14 @@ class SamplerState:
             return None
         out = []
         for rid in rids:
-            c = self.constraints.get(rid)
-            if isinstance(c, Exception):
-                raise GrammarError(f"its grammar could not be used: {c}")
-            out.append(None if c is None else c.allowed())
+            built = self.constraints.get(rid)
+            if built is None:
+                out.append(None)
+                continue
+            try:
+                out.append(built.result().allowed())
+            except GrammarError as e:  # a bad grammar fails its own request, never the stage
+                raise GrammarError(f"its grammar could not be used: {e}") from None
         return out
 
     def _advance(self, rids: list[str], tokens: torch.Tensor) -> torch.Tensor:
@@ -97,11 +105,11 @@ class SamplerState:
         whose grammar refuses it fails alone (`FAILED`)."""
         if self.constraints:
             for i, (rid, tok) in enumerate(zip(rids, tokens.tolist(), strict=True)):
-                c = self.constraints.get(rid)
-                if c is None:
+                built = self.constraints.get(rid)
+                if built is None:
                     continue
                 try:
-                    c.advance(tok)
+                    built.result().advance(tok)
                 except Exception as e:
                     logger.error("request %s: its grammar refused token %d, it ends with an error: %s", rid, tok, e)
                     tokens[i] = FAILED
