@@ -1,11 +1,11 @@
 """The generation endpoints: `/v1/completions`, `/v1/chat/completions` (OpenAI) and `/generate` (SGLang).
 
-Each handler reads the body (413 past `--max-request-bytes`), validates and tokenizes it off the event loop
-(protocol.py), admits it (the open count is taken here, before any await: 503 when shutting down, unhealthy or
-when running plus queued requests are full), then streams server-sent events or waits for the whole text. The
-request is released (its count, and on the ring its KV) on every path: `_Stream` releases it once its response
-is over, even one that never started; a non-streaming request whose client goes away is aborted too
-(`until_disconnect` polls the connection while the request runs).
+Each handler takes the request in (intake.py: the body read within its limits, validated and tokenized off the event
+loop, its grammar proven), admits it (the open count is taken here, before any await: 503 when shutting down, unhealthy
+or when running plus queued requests are full), then streams server-sent events or waits for the whole text. The request
+is released (its count, and on the ring its KV) on every path: `_Stream` releases it once its response is over, even one
+that never started; a non-streaming request whose client goes away is aborted too (`until_disconnect` polls the
+connection while the request runs).
 """
 
 from __future__ import annotations
@@ -21,24 +21,17 @@ from typing import TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from ringsched.server.engine_client import EngineError
-from ringsched.server.grammar_pool import GrammarBusy
-from ringsched.server.grammar_request import Asked
-from ringsched.server.json_body import load_json
+from ringsched.server.intake import ClientGone, prepare
 from ringsched.server.protocol import APIError, Prepared, parse_chat, parse_completion, parse_generate
 from ringsched.server.serving import Delta, ServerContext, collect, sse, text_deltas, usage
-from ringsched.structured import GrammarError
 from ringsched.tokenizer import Tokenizer
 
 logger = logging.getLogger("ringsched.server")
 T = TypeVar("T")
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-# A refused body is read on (and dropped) up to this many times the limit, so that a client still sending it
-# gets to read the 413 instead of a reset connection; past that the connection is closed.
-_DRAIN_FACTOR = 4
 
 
 def admit(ctx: ServerContext, rid: str) -> None:
@@ -47,37 +40,6 @@ def admit(ctx: ServerContext, rid: str) -> None:
     except EngineError as e:
         headers = {"Retry-After": "1"} if e.code == "queue_full" else None
         raise APIError(e.status, str(e), e.type, code=e.code, headers=headers) from None
-
-
-class ClientGone(Exception):
-    """The client closed the connection before its request was read: nobody is left to answer."""
-
-
-async def read_body(request: Request, limit: int, timeout_s: float | None = None) -> bytes:
-    """The body, or a 413 once it passes `limit` bytes (at once when its Content-Length says so); a 408 when it
-    has not all come within `timeout_s` (`--http-body-timeout`); `ClientGone` when the client leaves."""
-    declared = request.headers.get("content-length", "")
-    size, chunks, too_big = 0, [], declared.isdigit() and int(declared) > limit
-    try:
-        async with asyncio.timeout(timeout_s):
-            async for chunk in request.stream():
-                size += len(chunk)
-                too_big = too_big or size > limit
-                if too_big and size > _DRAIN_FACTOR * limit:
-                    break
-                if not too_big:
-                    chunks.append(chunk)
-    except TimeoutError:
-        raise APIError(408, f"The request body did not arrive within {timeout_s:g} s (--http-body-timeout)",
-                       code="request_timeout", headers={"Connection": "close"}) from None  # fmt: skip
-    except ClientDisconnect:
-        raise ClientGone from None
-    if too_big:
-        raise APIError(
-            413, f"The request body is larger than this server accepts ({limit} bytes, --max-request-bytes)",
-            code="request_too_large",
-        )  # fmt: skip
-    return b"".join(chunks)
 
 
 async def until_disconnect(request: Request, work: Awaitable[T], poll_s: float = 0.5) -> T | None:
@@ -95,29 +57,6 @@ async def until_disconnect(request: Request, work: Awaitable[T], poll_s: float =
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, EngineError):
                 await task
-
-
-async def _prepare(request: Request, ctx: ServerContext, parse: Callable) -> Prepared:
-    raw = await read_body(request, ctx.max_request_bytes, ctx.http.body_timeout)
-    # Parsing, chat templates and tokenization run on a worker thread (long texts are tokenized without the GIL):
-    # a big request must not stall the streams and health checks this loop serves.
-    req = await asyncio.to_thread(lambda: parse(load_json(raw), ctx.tokenizer, ctx.limits))
-    if req.grammar is None:
-        return req
-    return replace(req, params=replace(req.params, grammar=await _proven(ctx, req.grammar)))
-
-
-async def _proven(ctx: ServerContext, asked: Asked) -> str:
-    """The grammar of a request's constraint, proven in a helper process (a 400 naming its field if not)."""
-    if ctx.grammars is None:
-        raise APIError(400, "this server was started without structured outputs", param=asked.field)
-    try:
-        return await ctx.grammars.prove(asked.form)
-    except GrammarError as e:
-        raise APIError(400, f"{asked.field}: {e}", param=asked.field) from None
-    except GrammarBusy as e:
-        raise APIError(503, str(e), "service_unavailable_error", code="grammar_busy",
-                       headers={"Retry-After": "1"}) from None  # fmt: skip
 
 
 class _Stream(StreamingResponse):
@@ -159,7 +98,7 @@ async def _serve(request: Request, ctx: ServerContext, parse: Callable, prefix: 
 
 async def _serve_one(request: Request, ctx: ServerContext, parse: Callable, prefix: str, events: Events,
                      whole: Whole) -> Response:  # fmt: skip
-    req = await _prepare(request, ctx, parse)
+    req = await prepare(request, ctx, parse)
     rid = f"{prefix}-{uuid.uuid4().hex}"
     sequences = req.sequences(rid)
     admitted: list[str] = []

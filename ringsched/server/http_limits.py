@@ -7,7 +7,7 @@ headers must be complete within `header_timeout` seconds of the connection openi
 after a previous response; otherwise the client gets a 408 and the connection is closed (a client that sends
 nothing, or a byte a second, holds nothing for long). An idle keep-alive connection is closed after
 `keep_alive_timeout` (uvicorn's own timer). The body's deadline, `body_timeout`, is the endpoints' (it is
-read there, as a stream: `endpoints.read_body`).
+read there, as a stream: `intake.read_body`).
 """
 
 from __future__ import annotations
