@@ -29,6 +29,8 @@ UNBOUNDED = GrammarLimits(max_ref_depth=10**6, max_rules=10**6, max_repetition=1
     ({"regex": "(a{1000}){1000}"}, "repeats 1000000 times"),
     ({"regex": "((a{10}){10}){101}"}, "repeats 10100 times"),
     ({"regex": "(" * 100 + "a" + ")" * 100}, "nests brackets 100 deep"),
+    ({"lark": 'start: ("a" ~ 100) ~ 101'}, "grammar repeats 10100 times"),
+    ({"lark": "start: /(a{1000}){1000}/"}, "grammar repeats 1000000 times"),
     ({"choice": [f"c{i}" for i in range(20_000)]}, "20000 strings"),
     ({"choice": ["x" * 300_000]}, "300000 bytes"),
     ({"json_schema": {"enum": ["x" * 300_000]}}, "bytes; at most"),
@@ -45,6 +47,7 @@ def test_each_bound_refuses_its_form_and_names_the_limit(form, bound):
                      "items": {"$ref": "#/$defs/node"}}}}}, "$ref": "#/$defs/node"}},  # recursive: a cycle
     {"lark": right_recursive_rules(998)},
     {"lark": 'start: "(" "(" "(" ' * 40},  # brackets inside literals are text
+    {"lark": 'start: "a" ~ 3..5 /[0-9]{2,4}/'},
     {"regex": r"(a{100}){100}"}, {"regex": r"\\d{3}-[a-z{}]{2,4}\\p{L}{5}"},
     {"choice": ["yes", "no"]}, {"json_object": True},
 ])  # fmt: skip

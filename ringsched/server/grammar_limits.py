@@ -39,6 +39,7 @@ def check_form(form: dict[str, Any], limits: GrammarLimits) -> None:
         _check_repetition(form["regex"], limits)
     elif "lark" in form:
         _check_text("grammar", form["lark"], limits)
+        _check_repetition(form["lark"], limits, "grammar")  # its /regex/ terminals and `item ~ n..m`
         rules = _count_rules(form["lark"])
         if rules > limits.max_rules:
             raise GrammarError(f"the grammar has {rules} rules; at most {limits.max_rules} are accepted")
@@ -123,10 +124,10 @@ def _check_text(name: str, text: Any, limits: GrammarLimits) -> None:
                            "accepted")  # fmt: skip
 
 
-_COUNTED = re.compile(r"\{(\d*)(?:,(\d*))?\}")
+_COUNTED = re.compile(r"\{(\d*)(?:,(\d*))?\}|~\s*(\d+)(?:\s*\.\.\s*(\d+))?")  # x{n,m}; Lark's x ~ n..m
 
 
-def _check_repetition(regex: Any, limits: GrammarLimits) -> None:
+def _check_repetition(regex: Any, limits: GrammarLimits, name: str = "regex") -> None:
     """Counted repetitions (`x{n}`, `x{n,m}`, `x{n,}`) multiply through the groups they repeat: `(a{1000}){1000}`
     is a million copies of `a` to the regex compiler. Brackets and escapes are skipped."""
     if not isinstance(regex, str):
@@ -151,16 +152,16 @@ def _check_repetition(regex: Any, limits: GrammarLimits) -> None:
         elif ch == ")" and len(frames) > 1:
             last = frames.pop()
             frames[-1] = max(frames[-1], last)
-        elif ch == "{" and (m := _COUNTED.match(regex, i)):
-            bound = max(int(m.group(1) or 0), int(m.group(2) or 0))
+        elif ch in "{~" and (m := _COUNTED.match(regex, i)):
+            bound = max(int(g) for g in m.groups(default="0") if g.isdigit())
             last *= max(bound, 1)
             frames[-1] = max(frames[-1], last)
             if last > limits.max_repetition:
-                raise GrammarError(f"the regex repeats {last} times through nested counted repetitions; at most "
+                raise GrammarError(f"the {name} repeats {last} times through nested counted repetitions; at most "
                                    f"{limits.max_repetition} are accepted")  # fmt: skip
             i = m.end()
             continue
-        else:
+        elif not (ch.isspace() and name == "grammar"):  # Lark puts spaces before `~`; a regex's are atoms
             last = 1
         i += 1
 

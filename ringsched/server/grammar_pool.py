@@ -1,13 +1,13 @@
 """Every user grammar is proven in a helper process before its request is accepted.
 
-Contract: `await pool.prove(form)` returns the llguidance grammar of a `grammar_for` form, or raises
-`GrammarError` (the request's 400): a bound of `grammar_limits` passed (checked here, in linear time), or the
-helper's own refusal, or the helper died on it (a native stack overflow, its memory cap) or took longer than
-`timeout_s`; a dead or timed-out helper is replaced. `GrammarBusy` (503) when no helper could be had within
-`timeout_s`. The helpers (`grammar_helper.py`, `workers` of them) are separate Python processes, started with
-`start()` or on the first `prove`, ended by `close()` and by the kernel when this process dies. A grammar the
-pool returned has already built a matcher and its first token mask with the same tokenizer and code the last
-stage uses, within the time and memory caps, so the last stage builds only proven grammars.
+Contract: `await pool.prove(form)` returns the llguidance grammar of a `grammar_for` form, or raises `GrammarError` (the
+request's 400): a bound of `grammar_limits` passed (checked here, in linear time), or the helper's own refusal, or the
+helper died on it (a native stack overflow, its memory cap) or took longer than `timeout_s`; a dead or timed-out helper
+is replaced. `GrammarBusy` (503) when no helper could be had within `timeout_s` (plus a start-up's while one is
+starting). The helpers (`grammar_helper.py`, `workers` of them) are separate Python processes, started with `start()` or
+on the first `prove`, ended by `close()` and by the kernel when this process dies. A grammar the pool returned has
+already built a matcher and its first token mask with the same tokenizer and code the last stage uses, within the time
+and memory caps, so the last stage builds only proven grammars.
 """
 
 from __future__ import annotations
@@ -124,10 +124,11 @@ class GrammarPool:
     async def prove(self, form: dict) -> str:
         check_form(form, self.cfg.limits)
         self.start()
+        wait = self.cfg.timeout_s + (_READY_S if self._spawning else 0.0)  # a helper starting is worth waiting for
         try:
-            helper = await asyncio.wait_for(self._idle.get(), self.cfg.timeout_s)
+            helper = await asyncio.wait_for(self._idle.get(), wait)
         except asyncio.TimeoutError:
-            raise GrammarBusy(f"every grammar checker was busy for {self.cfg.timeout_s:g} s; try again") from None
+            raise GrammarBusy(f"every grammar checker was busy for {wait:g} s; try again") from None
         try:
             answer = await helper.ask(form, self.cfg.timeout_s)
         except _HelperGone as e:
