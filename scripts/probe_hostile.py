@@ -29,6 +29,11 @@ HOSTILE = {
     "n=16 best_of=16 max_tokens=8180": {"prompt": "hi", "n": 16, "best_of": 16, "max_tokens": 8180},
     "model name of 1 MB": {**BASE, "model": "m" * 2**20},
     "guided_json a valid schema": {**BASE, "guided_json": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+    # the heaviest of each form the bounds let through: proven in a helper while the streams run
+    "guided_regex (a{100}){100}": {**BASE, "guided_regex": "(a{100}){100}"},
+    "guided_grammar 998 rules": {**BASE, "guided_grammar": right_recursive_rules(998)},
+    "guided_choice x1000": {**BASE, "guided_choice": [f"choice number {i}" for i in range(1000)]},
+    "guided_json $ref x63": {**BASE, "guided_json": ref_chain(63)},
 }
 
 

@@ -61,7 +61,7 @@ class ServerProcess:
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "ringsched.server.serve_cli", *self.args],
+                [sys.executable, "-m", "ringsched.launch", *self.args],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
