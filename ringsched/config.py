@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from ringsched.parallel.flex import CYCLE, FLEX_POLICIES, FlexBoundary
-from ringsched.parallel.partition import ENV_OVERRIDE, PartitionError, resolve_partition
-from ringsched.parallel.rank import Layout
+from ringsched.layout.flex import CYCLE, FLEX_POLICIES, FlexBoundary
+from ringsched.layout.partition import ENV_OVERRIDE, PartitionError, resolve_partition
+from ringsched.layout.rank import Layout
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -110,7 +110,7 @@ class EngineConfig:
         type=str,
     )  # fmt: skip
     # PP=2: layers on each side of the cut that both stages hold, so stage 0 can move the cut per micro-batch
-    # (parallel/flex.py). "balance" predicts each micro-batch's cut from the measured stage times; "ready" cuts
+    # (layout/flex.py). "balance" predicts each micro-batch's cut from the measured stage times; "ready" cuts
     # when stage 1 is ready for the micro-batch (CPU stages); "cycle" (tests only, no flag) visits every cut in turn.
     pp_flex_layers: int = _flag(0, "PP=2: both stages hold this many layers on each side of the cut, and stage 0 "
                                 "moves the cut per micro-batch to balance prefill- and decode-heavy batches; costs "

@@ -20,7 +20,7 @@ from ringsched.capacity import GPU_PRESETS, MODEL_PRESETS, CapacityError, Cluste
 from ringsched.capacity.launch_lines import launch_commands
 from ringsched.capacity.report import json_rows, text_report
 from ringsched.capacity.sweep import make_layouts
-from ringsched.parallel.partition import head_layers
+from ringsched.layout.partition import head_layers
 
 # flag dest -> ModelSpec / GpuSpec field it overrides
 _MODEL_FLAGS = {

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ringsched.config import ConfigError, EngineConfig
+from ringsched.layout.partition import default_partition, head_layers
 from ringsched.models.config import ModelConfig
 from ringsched.models.fetch import resolve_model
-from ringsched.parallel.partition import default_partition, head_layers
-from ringsched.parallel.tp import TPLayoutError, check_tp
+from ringsched.models.tp import TPLayoutError, check_tp
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from ringsched import Engine
 from ringsched.models.attention import ForwardBatch
 from ringsched.models.fetch import resolve_model
 from ringsched.models.loader import load_stage_model
-from ringsched.parallel.rank import StageInfo
+from ringsched.layout.rank import StageInfo
 from ringsched.sampling import SamplingParams
 from ringsched.tokenizer import Tokenizer
 

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from ringsched.comm.messages import BatchPlan, PlanEntry
-from ringsched.kv_cache import BlockTable
+from ringsched.kv.cache import BlockTable
 from ringsched.models.attention import paged_attention
 from ringsched.models.batch import build_forward_batch
 
@@ -72,9 +72,9 @@ def test_prefill_attention_does_not_materialise_the_scores():
 
 
 def test_one_rotary_table_per_stage():
+    from ringsched.layout.rank import StageInfo
     from ringsched.models.config import ModelConfig
     from ringsched.models.llama import StageModel
-    from ringsched.parallel.rank import StageInfo
 
     cfg = ModelConfig.from_dict({
         "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 3, "hidden_size": 16, "intermediate_size": 32,

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ringsched.comm.messages import NewRequest
-from ringsched.kv_cache import BlockTable
+from ringsched.kv.cache import BlockTable
 from ringsched.models.config import ModelConfig
 from ringsched.sampling import SamplingParams
 from ringsched.scheduler.chunking import ChunkCost, ChunkSizer, DecodeCost, probe

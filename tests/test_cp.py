@@ -11,18 +11,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from cp_reference import ring_attention, ring_attention_sim, split_kv_decode
 
-from ringsched.parallel.cp import (
-    attend_block,
-    causal_pairs,
-    contiguous_split,
-    merge,
-    merge_all,
-    ring_attention,
-    ring_attention_sim,
-    split_kv_decode,
-    zigzag_split,
-)
+from ringsched.layout.cp_split import causal_pairs, contiguous_split, zigzag_split
+from ringsched.models.ring_attention import attend_block, merge, merge_all
 
 
 def reference(q, k, v, scale):

@@ -13,13 +13,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from ringsched.comm.cp_group import CPGroup
 from ringsched.comm.messages import BatchPlan, PlanEntry
-from ringsched.kv_cache import BlockTable
+from ringsched.kv.cache import BlockTable
+from ringsched.kv.cp_blocks import CPBlocks, CPPlacement
 from ringsched.models import native
-from ringsched.parallel.cp import attend_block
-from ringsched.parallel.cp_attention import Visibility, build_cp_batch, partial_attention
-from ringsched.parallel.cp_blocks import CPBlocks, CPPlacement
-from ringsched.parallel.cp_group import CPGroup
+from ringsched.models.cp_attention import Visibility, build_cp_batch, partial_attention
+from ringsched.models.ring_attention import attend_block
 
 HEADS, KV_HEADS, DIM, BLOCK = 6, 2, 16, 4
 SCALE = DIM**-0.5
@@ -152,7 +152,7 @@ def test_partial_attention_with_its_lse(dtype):
 def test_the_gpu_path_attends_in_key_chunks(monkeypatch):
     """Off the CPU partial attention runs `attend_block` a bounded number of keys at a time, merged by LSE: the
     same output and LSE as over all keys at once (run here on CPU tensors)."""
-    from ringsched.parallel import cp_attention
+    from ringsched.models import cp_attention
 
     monkeypatch.setattr(cp_attention, "KEY_CHUNK", 5)
     q, k, v = qkv_of("g", 23)

@@ -7,10 +7,10 @@ import random
 import pytest
 
 from ringsched.comm.messages import BatchPlan, NewRequest, PlanEntry, decode, encode
-from ringsched.kv_cache import BlockTable
-from ringsched.parallel.cp import zigzag_pieces, zigzag_split
-from ringsched.parallel.cp_blocks import CPBlocks, CPPlacement, is_split, request_capacity, shares_for
-from ringsched.parallel.rank import Layout, rank_infos
+from ringsched.kv.cache import BlockTable
+from ringsched.kv.cp_blocks import CPBlocks, CPPlacement, is_split, request_capacity, shares_for
+from ringsched.layout.cp_split import zigzag_pieces, zigzag_split
+from ringsched.layout.rank import Layout, rank_infos
 from ringsched.scheduler.planner import Planner
 from ringsched.stage.plans import FollowPlans
 

@@ -12,9 +12,9 @@ from ring_utils import abort_with_chunks_in_flight, stage_kv_usage
 from test_model_reference import hf_greedy, prompt_ids
 
 from ringsched.engine import Engine
-from ringsched.kv_cache import kv_bytes_per_token
+from ringsched.kv.cache import kv_bytes_per_token
+from ringsched.kv.cp_blocks import request_capacity
 from ringsched.models.config import ModelConfig
-from ringsched.parallel.cp_blocks import request_capacity
 from ringsched.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow

@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from ringsched.comm.messages import BatchPlan, PlanEntry
-from ringsched.kv_cache import BlockTable, KVPool
+from ringsched.kv.cache import BlockTable, KVPool
+from ringsched.layout.rank import StageInfo
 from ringsched.models import decode_layers, small_linear
 from ringsched.models.batch import build_forward_batch
 from ringsched.models.config import ModelConfig
 from ringsched.models.loader import load_stage_model
 from ringsched.models.random_model import random_config, write_random_model
-from ringsched.parallel.rank import StageInfo
 
 pytestmark = pytest.mark.skipif(decode_layers.library() is None, reason="no C compiler: the per-layer path runs")
 

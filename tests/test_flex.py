@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from ringsched.config import ConfigError, EngineConfig
-from ringsched.parallel.flex import WARMUP_OBSERVATIONS, CutChooser, FlexBoundary, gather_kv, scatter_kv
+from ringsched.layout.flex import WARMUP_OBSERVATIONS, CutChooser, FlexBoundary
+from ringsched.stage.flex_ring import gather_kv, scatter_kv
 
 
 def test_ranges():
@@ -106,8 +107,8 @@ def test_time_outside_the_model_counts_in_the_balance():
     """The ring's pace is each stage's whole time per micro-batch: a stage 0 that also spends time planning and
     delivering outputs gets fewer layers than compute alone would give it, and stage 1 reports its own."""
     from ringsched.comm.messages import BatchPlan, PlanEntry
-    from ringsched.parallel.flex_ring import FlexRing
-    from ringsched.parallel.rank import StageInfo
+    from ringsched.layout.rank import StageInfo
+    from ringsched.stage.flex_ring import FlexRing
 
     b, cpu = FlexBoundary(30, 15, 3), torch.device("cpu")
 
@@ -147,8 +148,8 @@ class FakeProgressIn:
 
 
 def ready_rings(b: FlexBoundary):
-    from ringsched.parallel.flex_ring import FlexRing
-    from ringsched.parallel.rank import StageInfo
+    from ringsched.layout.rank import StageInfo
+    from ringsched.stage.flex_ring import FlexRing
 
     cpu = torch.device("cpu")
     caches0 = [(torch.arange(8.0).view(8, 1, 1).repeat(1, 1, 2) + i, torch.zeros(8, 1, 2)) for i in range(b.hi)]
@@ -257,9 +258,9 @@ def test_a_chunk_is_cut_no_later_than_the_in_flight_chunks_it_reads():
     """Stage 0 holds an in-flight micro-batch's shared-layer KV up to its cut only (the rest comes back with its
     output): a plan that reads it (`plan.reads`, a prompt's next chunk) is cut no later, by every policy."""
     from ringsched.comm.messages import BatchPlan, PlanEntry
-    from ringsched.parallel.flex import CYCLE
-    from ringsched.parallel.flex_ring import FlexRing
-    from ringsched.parallel.rank import StageInfo
+    from ringsched.layout.flex import CYCLE
+    from ringsched.layout.rank import StageInfo
+    from ringsched.stage.flex_ring import FlexRing
 
     b = FlexBoundary(30, 15, 3)
     s0, _, _, _, _, _ = ready_rings(b)

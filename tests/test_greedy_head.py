@@ -4,9 +4,9 @@ needed whole."""
 
 import torch
 
+from ringsched.layout.rank import StageInfo
 from ringsched.models.config import ModelConfig
 from ringsched.models.llama import HEAD_VOCAB_CHUNK, StageModel
-from ringsched.parallel.rank import StageInfo
 
 
 def _head_model(vocab: int) -> StageModel:

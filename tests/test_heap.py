@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from ringsched.process.heap import STAGE_ALLOCATOR_ENV, stage_allocator_env
+from ringsched.stage.heap import STAGE_ALLOCATOR_ENV, stage_allocator_env
 
 pytestmark = pytest.mark.slow  # real model or several processes: the full suite's
 
@@ -22,7 +22,7 @@ def _has_mallinfo2() -> bool:
 
 _GROWING_BUFFERS = """
 import resource, sys, torch
-from ringsched.process.heap import keep_heap
+from ringsched.stage.heap import keep_heap
 if sys.argv[1] == "keep":
     assert keep_heap()
 torch.ones(1)
@@ -51,7 +51,7 @@ def test_kept_heap_faults_each_page_once():
 _MANY_SHAPES = """
 import ctypes, torch
 import torch.nn.functional as F
-from ringsched.process.heap import keep_heap
+from ringsched.stage.heap import keep_heap
 
 
 class MallInfo2(ctypes.Structure):

@@ -15,11 +15,11 @@ import torch
 from ringsched.comm.messages import NewRequest, OutputBatch, Shutdown
 from ringsched.comm.tensor_channel import SequenceMismatch, TensorMessage
 from ringsched.config import EngineConfig
-from ringsched.kv_cache import BlockTable, KVPool, blocks_for_memory
+from ringsched.kv.cache import BlockTable, KVPool, blocks_for_memory
+from ringsched.layout.partition import stage_ranges
+from ringsched.layout.rank import StageInfo
 from ringsched.models.config import ModelConfig
 from ringsched.models.loader import load_stage_model
-from ringsched.parallel.partition import stage_ranges
-from ringsched.parallel.rank import StageInfo
 from ringsched.sampling import SamplingParams
 from ringsched.scheduler.planner import Planner
 from ringsched.stage.loop import StageIO, StageLoop

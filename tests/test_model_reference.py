@@ -4,12 +4,12 @@ import pytest
 import torch
 
 from ringsched.comm.messages import BatchPlan, PlanEntry
-from ringsched.kv_cache import BlockTable, KVPool
+from ringsched.kv.cache import BlockTable, KVPool
+from ringsched.layout.rank import StageInfo
 from ringsched.models.attention import ForwardBatch
 from ringsched.models.batch import build_forward_batch
 from ringsched.models.config import ModelConfig
 from ringsched.models.loader import load_stage_model
-from ringsched.parallel.rank import StageInfo
 
 pytestmark = pytest.mark.slow  # real model or several processes: the full suite's
 

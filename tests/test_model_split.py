@@ -3,11 +3,11 @@
 import pytest
 import torch
 
+from ringsched.layout.partition import resolve_partition, stage_ranges
+from ringsched.layout.rank import StageInfo
 from ringsched.models.attention import ForwardBatch
 from ringsched.models.llama import MissingLayer
 from ringsched.models.loader import load_stage_model
-from ringsched.parallel.partition import resolve_partition, stage_ranges
-from ringsched.parallel.rank import StageInfo
 
 pytestmark = pytest.mark.slow  # real model or several processes: the full suite's
 
@@ -78,7 +78,7 @@ def test_loading_stage_0_keeps_the_torch_compiler_out(tiny_llama_dir):
 
     code = (
         "import sys; from ringsched.models.loader import load_stage_model;"
-        "from ringsched.parallel.rank import StageInfo;"
+        "from ringsched.layout.rank import StageInfo;"
         f"m = load_stage_model({str(tiny_llama_dir)!r}, StageInfo(0, 2, 0, 3));"
         "assert m.model.embed_tokens.weight.abs().sum() > 0;"
         "print('dynamo' if 'torch._dynamo' in sys.modules else 'clean')"

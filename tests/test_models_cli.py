@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from ringsched.layout.rank import StageInfo
 from ringsched.models.attention import ForwardBatch
 from ringsched.models.config import ModelConfig
 from ringsched.models.fetch import KNOWN_MODELS, FetchError, resolve_model
 from ringsched.models.loader import load_stage_model
-from ringsched.parallel.rank import StageInfo
 from ringsched.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow  # real model or several processes: the full suite's

@@ -11,13 +11,13 @@ import torch
 import torch.nn.functional as F
 
 from ringsched.comm.messages import BatchPlan, PlanEntry
-from ringsched.kv_cache import BlockTable, KVPool
+from ringsched.kv.cache import BlockTable, KVPool
+from ringsched.layout.rank import StageInfo
 from ringsched.models import native
 from ringsched.models.attention import paged_attention
 from ringsched.models.batch import build_forward_batch
 from ringsched.models.config import ModelConfig
 from ringsched.models.loader import load_stage_model
-from ringsched.parallel.rank import StageInfo
 from ringsched.tokenizer import Tokenizer
 
 HAS_CC = bool(shutil.which("cc") or shutil.which("gcc"))

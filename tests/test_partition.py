@@ -1,6 +1,6 @@
 import pytest
 
-from ringsched.parallel.partition import (
+from ringsched.layout.partition import (
     ENV_OVERRIDE,
     PartitionError,
     default_partition,
@@ -75,10 +75,10 @@ def test_more_stages_than_layers_and_bad_size():
 def test_an_uneven_override_warns_and_the_default_says_its_balance(caplog, monkeypatch):
     import logging
 
-    from ringsched.parallel.partition import log_partition, partition_source
+    from ringsched.layout.partition import log_partition, partition_source
 
     monkeypatch.delenv(ENV_OVERRIDE, raising=False)
-    with caplog.at_level(logging.INFO, logger="ringsched.parallel.partition"):
+    with caplog.at_level(logging.INFO, logger="ringsched.layout.partition"):
         log_partition([30], partition_source(None))
         assert caplog.records == []  # one stage: nothing to say
         log_partition([15, 15], partition_source("15,15"))

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from ringsched.config import ConfigError, EngineConfig
+from ringsched.layout.partition import ENV_OVERRIDE
 from ringsched.models.config import ModelConfig
-from ringsched.parallel.partition import ENV_OVERRIDE
-from ringsched.parallel.partition_auto import BatchShape, StageCosts, balance_loss, best_partition, choose_partition
+from ringsched.process.partition_auto import BatchShape, StageCosts, balance_loss, best_partition, choose_partition
 
 pytestmark = pytest.mark.slow  # real model or several processes: the full suite's
 
@@ -69,7 +69,7 @@ def test_measured_costs_grow_with_the_work(tiny_llama_dir):
     """Costs come from timing real layers: a bigger batch costs more, and the head scales with the vocab."""
     mcfg = ModelConfig.from_dir(tiny_llama_dir)
     small, big = BatchShape(2, 0, 16), BatchShape(64, 256, 64)
-    from ringsched.parallel.partition_auto import CostProbe
+    from ringsched.process.partition_auto import CostProbe
 
     # The least of nine measurements each, taken in turns: the small probe's seven repeats take ~3 ms in all,
     # and a busy moment of the host (CI) once made three of them in a row 3.8 ms against the big probe's 1.1.
@@ -86,7 +86,7 @@ def test_choose_partition_logs_the_decision_and_restores_threads(tiny_llama_dir,
     mcfg = ModelConfig.from_dir(tiny_llama_dir)
     threads = torch.get_num_threads()
     cpus = sorted(os.sched_getaffinity(0))
-    with caplog.at_level(logging.INFO, logger="ringsched.parallel.partition_auto"):
+    with caplog.at_level(logging.INFO, logger="ringsched.process.partition_auto"):
         counts, costs = choose_partition(
             mcfg, 2, SHAPE, torch.float32, torch.device("cpu"), threads=1, stage_cpus=[cpus[:1], cpus[-1:]]
         )
@@ -157,7 +157,7 @@ def test_engine_with_auto_runs_the_measured_split(tiny_llama_dir, caplog):
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     with Engine(str(tiny_llama_dir), pp_size=1, threads_per_stage=1, kv_cache_memory="16M") as llm:
         want = [o.token_ids for o in llm.generate(prompts, params)]
-    with caplog.at_level(logging.INFO, logger="ringsched.parallel.partition_auto"):
+    with caplog.at_level(logging.INFO, logger="ringsched.process.partition_auto"):
         with Engine(str(tiny_llama_dir), pp_size=2, threads_per_stage=1, kv_cache_memory="16M",
                     pp_layer_partition="auto") as llm:  # fmt: skip
             got = [o.token_ids for o in llm.generate(prompts, params)]
@@ -169,7 +169,7 @@ def test_engine_with_auto_runs_the_measured_split(tiny_llama_dir, caplog):
 
 
 def test_cores_count_as_unequal_only_when_every_round_says_so():
-    from ringsched.parallel.partition_auto import cores_layer_ms
+    from ringsched.process.partition_auto import cores_layer_ms
 
     # Overlapping rounds (one noisy 65 ms round on core 0): the cores share the pooled median.
     assert cores_layer_ms([[51.0, 65.0, 53.0], [51.5, 52.0, 54.0]]) == (52.5, 52.5)
@@ -180,7 +180,7 @@ def test_cores_count_as_unequal_only_when_every_round_says_so():
 
 
 def test_probe_spans_more_than_the_cache_but_at_most_a_stage(tiny_llama_dir):
-    from ringsched.parallel.partition_auto import PROBE_BYTES, probe_layers
+    from ringsched.process.partition_auto import PROBE_BYTES, probe_layers
 
     mcfg = ModelConfig.from_dir(tiny_llama_dir)
     shape = BatchShape(64, 64, 256)

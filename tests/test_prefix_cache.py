@@ -4,7 +4,7 @@ use of it, and a follower stage that applies the same plans holding the same tab
 import random
 
 from ringsched.comm.messages import NewRequest
-from ringsched.kv_cache import BlockTable, block_hashes
+from ringsched.kv.cache import BlockTable, block_hashes
 from ringsched.sampling import SamplingParams
 from ringsched.scheduler.planner import Planner
 from ringsched.stage.plans import FollowPlans

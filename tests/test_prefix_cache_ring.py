@@ -9,7 +9,7 @@ import torch
 from ring_utils import run_staggered, stage_kv_usage
 
 from ringsched.engine import Engine
-from ringsched.kv_cache import kv_bytes_per_token
+from ringsched.kv.cache import kv_bytes_per_token
 from ringsched.models.config import ModelConfig
 from ringsched.sampling import SamplingParams
 

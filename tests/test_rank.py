@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ringsched.parallel.rank import Layout, StageInfo, node_rank_infos, rank_infos
+from ringsched.layout.rank import Layout, StageInfo, node_rank_infos, rank_infos
 
 
 def test_pipeline_only_is_one_rank_per_stage():

@@ -11,8 +11,8 @@ import torch
 from ring_utils import children_of, mixed_workload, run_staggered, stage_kv_usage
 
 from ringsched.engine import Engine
+from ringsched.layout.partition import default_partition, head_layers
 from ringsched.models.config import ModelConfig
-from ringsched.parallel.partition import default_partition, head_layers
 from ringsched.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow  # real model or several processes: the full suite's

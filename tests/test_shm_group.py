@@ -14,7 +14,7 @@ import uuid
 import pytest
 import torch
 
-from ringsched.parallel.shm_group import SHM_DIR, ShmCollectives, shm_usable
+from ringsched.comm.shm_group import SHM_DIR, ShmCollectives, shm_usable
 
 pytestmark = pytest.mark.skipif(not shm_usable(torch.device("cpu")), reason="shared-memory collectives: x86-64 CPUs")
 

@@ -128,10 +128,10 @@ def test_layer_ops_match_the_torch_operators(dtype):
 def test_an_int8_model_computes_with_its_dequantized_weights(tmp_path):
     """`--quantization int8`: every projection and the lm_head hold int8 rows and scales; a forward (the kernel
     for few rows, torch beyond) equals a float32 model given the dequantized weights."""
+    from ringsched.layout.rank import StageInfo
     from ringsched.models.attention import ForwardBatch
     from ringsched.models.loader import load_stage_model
     from ringsched.models.random_model import random_config, write_random_model
-    from ringsched.parallel.rank import StageInfo
 
     cfg = random_config("llama", layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, vocab=512, tie=True)
     model_dir = write_random_model(tmp_path / "m", cfg, seed=0)

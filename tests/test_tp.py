@@ -11,11 +11,11 @@ import torch
 from test_model_reference import hf_greedy, prompt_ids
 
 from ringsched.engine import Engine
+from ringsched.layout.partition import head_layers, resolve_partition, stage_ranges
+from ringsched.layout.rank import StageInfo
 from ringsched.models.config import ModelConfig
 from ringsched.models.llama import StageModel
 from ringsched.models.random_model import random_config, write_random_model
-from ringsched.parallel.partition import head_layers, resolve_partition, stage_ranges
-from ringsched.parallel.rank import StageInfo
 from ringsched.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow  # several processes and real weights

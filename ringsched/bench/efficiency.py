@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ringsched.models.config import ModelConfig, layer_matmul_params
-from ringsched.process.affinity import restored_threads_and_cpus
+from ringsched.stage.affinity import restored_threads_and_cpus
 
 
 @dataclass(frozen=True)

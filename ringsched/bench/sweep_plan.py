@@ -13,7 +13,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ringsched.parallel.flex import FLEX_POLICIES
+from ringsched.layout.flex import FLEX_POLICIES
 
 # --config key -> launcher flag.
 CONFIG_FLAGS = {

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from ringsched.capacity import memory, traffic
 from ringsched.capacity.presets import GIB, CapacityError, GpuSpec, ModelSpec
-from ringsched.parallel.partition import PartitionError, head_layers, resolve_partition, uneven_loss
+from ringsched.layout.partition import PartitionError, head_layers, resolve_partition, uneven_loss
 
 
 @dataclass(frozen=True)

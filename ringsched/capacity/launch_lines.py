@@ -12,7 +12,7 @@ import shlex
 
 from ringsched.capacity.estimate import LayoutRow
 from ringsched.capacity.presets import CapacityError
-from ringsched.parallel.partition import default_partition
+from ringsched.layout.partition import default_partition
 
 
 def launch_commands(row: LayoutRow, model: str, gpus_per_node: int, dtype_bytes: int, max_model_len: int,

@@ -39,7 +39,7 @@ class PlanEntry:
     # [0, start), computed by earlier requests) and their token ids (the last stage's sampling history)
     cached_blocks: list[int] = field(default_factory=list)
     cached_ids: list[int] = field(default_factory=list)
-    # --cp-size > 1 (parallel/cp_blocks.py): the tokens each CP rank of a stage computes and stores, and each
+    # --cp-size > 1 (kv/cp_blocks.py): the tokens each CP rank of a stage computes and stores, and each
     # rank's new blocks (`new_blocks` then stays empty)
     cp_counts: list[int] = field(default_factory=list)
     cp_blocks: list[list[int]] = field(default_factory=list)

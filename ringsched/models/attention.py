@@ -46,7 +46,7 @@ class ForwardBatch:
     native_decode: NativeDecode | None = None  # the decodes, for the CPU kernel (then `decodes` is empty)
     prefills: list[PrefillSeq] = field(default_factory=list)
     # --cp-size > 1: this CP rank's rows of the micro-batch, and the attention over the group's split KV
-    # (`parallel/cp_attention.CPForward`); None otherwise
+    # (`models/cp_attention.CPForward`); None otherwise
     cp: Any = None
 
     @property

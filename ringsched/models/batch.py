@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ringsched.comm.messages import BatchPlan
-from ringsched.kv_cache import BlockTable
+from ringsched.kv.cache import BlockTable
 from ringsched.models.attention import DecodeGroup, ForwardBatch, PrefillSeq
 from ringsched.models.native import NativeDecode
 

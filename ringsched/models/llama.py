@@ -14,14 +14,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ringsched.layout.rank import StageInfo
 from ringsched.models import layer_ops
 from ringsched.models.attention import ForwardBatch, paged_attention
 from ringsched.models.config import ModelConfig
 from ringsched.models.decode_layers import DecodeLayers
 from ringsched.models.rope import RopeScaling
 from ringsched.models.small_linear import Linear, widened_linear
-from ringsched.parallel.rank import StageInfo
-from ringsched.parallel.tp import TPGroup
+from ringsched.models.tp import TPGroup
 
 # Vocabulary rows of the lm_head per step of `compute_logits` / `greedy_tokens` on CPU. Measured (one thread, a
 # process per setting, AMD EPYC Zen 4): 1024 words against 8192 took SmolLM2's greedy head from 81 to 65 ms at

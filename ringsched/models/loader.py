@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from ringsched.layout.rank import StageInfo
 from ringsched.models.config import ModelConfig
 from ringsched.models.llama import StageModel, cpu_layout
-from ringsched.parallel.rank import StageInfo
-from ringsched.parallel.tp import TPGroup, TPShard
+from ringsched.models.tp import TPGroup, TPShard
 
 logger = logging.getLogger(__name__)
 

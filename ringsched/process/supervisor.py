@@ -25,14 +25,14 @@ from ringsched.comm.messages import Shutdown, StageStatus
 from ringsched.comm.tensor_channel import without_source_paths
 from ringsched.comm.zmq_io import Puller, Pusher, ipc_addr, new_ipc_dir
 from ringsched.config import EngineConfig
-from ringsched.parallel.partition import head_layers, log_partition, partition_source
-from ringsched.parallel.partition_auto import BatchShape, choose_partition
-from ringsched.parallel.rank import node_rank_infos
-from ringsched.process.affinity import stage_cpus
-from ringsched.process.heap import stage_allocator_env
+from ringsched.layout.partition import head_layers, log_partition, partition_source
+from ringsched.layout.rank import node_rank_infos
+from ringsched.process.partition_auto import BatchShape, choose_partition
 from ringsched.process.rendezvous import Rendezvous
 from ringsched.process.spawn import stop_resource_tracker, without_main_module
 from ringsched.spec import ModelSpec
+from ringsched.stage.affinity import stage_cpus
+from ringsched.stage.heap import stage_allocator_env
 from ringsched.stage.worker import StageAddrs, process_name, stage_main
 
 logger = logging.getLogger("ringsched.launch")

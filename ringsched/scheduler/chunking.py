@@ -125,11 +125,11 @@ def probe(mcfg, dtype: torch.dtype, device: torch.device, first: int, max_len: i
     context (eight first chunks, within the context length), and on decode steps of 1 and 16 requests, on this
     process's threads; fit `ChunkCost` and `DecodeCost`."""
     from ringsched.comm.messages import BatchPlan, PlanEntry
-    from ringsched.kv_cache import BlockTable, KVPool
+    from ringsched.kv.cache import BlockTable, KVPool
+    from ringsched.layout.rank import StageInfo
     from ringsched.models import native
     from ringsched.models.batch import build_forward_batch
     from ringsched.models.llama import StageModel
-    from ringsched.parallel.rank import StageInfo
 
     first = max(1, min(first, max_len - 1))
     context = max(0, min(8 * first, max_len - first))

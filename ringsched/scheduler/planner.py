@@ -33,8 +33,8 @@ import random
 from collections import OrderedDict, deque
 
 from ringsched.comm.messages import BatchPlan, NewRequest, PlanEntry, TokenOutput
-from ringsched.kv_cache import BlockTable, block_hashes
-from ringsched.parallel.cp_blocks import CPBlocks
+from ringsched.kv.cache import BlockTable, block_hashes
+from ringsched.kv.cp_blocks import CPBlocks
 from ringsched.sampling import SamplingParams, logprob_width, unpack_logprobs
 from ringsched.scheduler.chunking import ChunkSizer
 from ringsched.scheduler.request import Request, Status

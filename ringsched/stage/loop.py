@@ -26,22 +26,22 @@ from dataclasses import dataclass
 
 import torch
 
+from ringsched.comm.cp_group import CPGroup
 from ringsched.comm.messages import BatchPlan, OutputBatch
 from ringsched.comm.tensor_channel import SequenceMismatch, TensorChannel, without_source_paths
 from ringsched.comm.zmq_io import Fanout, Puller, Pusher
 from ringsched.config import EngineConfig
-from ringsched.kv_cache import BlockTable, KVPool
+from ringsched.kv.cache import BlockTable, KVPool
+from ringsched.kv.cp_blocks import CPPlacement
+from ringsched.layout.flex import FlexBoundary
+from ringsched.layout.rank import Layout, RankInfo, StageInfo, rank_infos
 from ringsched.models import native
 from ringsched.models.batch import build_forward_batch
+from ringsched.models.cp_attention import build_cp_batch
 from ringsched.models.llama import StageModel
-from ringsched.parallel.cp_attention import build_cp_batch
-from ringsched.parallel.cp_blocks import CPPlacement
-from ringsched.parallel.cp_group import CPGroup
-from ringsched.parallel.flex import FlexBoundary
-from ringsched.parallel.flex_ring import FixedCut, FlexRing
-from ringsched.parallel.rank import Layout, RankInfo, StageInfo, rank_infos
-from ringsched.parallel.tp import TPGroup
+from ringsched.models.tp import TPGroup
 from ringsched.scheduler.planner import Planner
+from ringsched.stage.flex_ring import FixedCut, FlexRing
 from ringsched.stage.gc_policy import GcPolicy
 from ringsched.stage.outputs import outputs_for
 from ringsched.stage.plans import FollowPlans, LeadPlans

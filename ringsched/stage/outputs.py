@@ -25,9 +25,9 @@ import torch
 
 from ringsched.comm.messages import OutputBatch
 from ringsched.config import EngineConfig
-from ringsched.parallel.flex_ring import FixedCut, FlexRing
-from ringsched.parallel.rank import RankInfo
+from ringsched.layout.rank import RankInfo
 from ringsched.scheduler.planner import Planner
+from ringsched.stage.flex_ring import FixedCut, FlexRing
 from ringsched.stage.times import StageTimes
 
 PeerCall = Callable[..., object]

@@ -14,10 +14,10 @@ from collections.abc import Callable
 from ringsched.comm.messages import AbortRequest, BatchPlan, NewRequest, OutputBatch, Shutdown
 from ringsched.comm.tensor_channel import SequenceMismatch
 from ringsched.config import EngineConfig
-from ringsched.kv_cache import BlockTable
-from ringsched.parallel.flex_ring import FixedCut, FlexRing
-from ringsched.parallel.rank import RankInfo
+from ringsched.kv.cache import BlockTable
+from ringsched.layout.rank import RankInfo
 from ringsched.scheduler.planner import Planner
+from ringsched.stage.flex_ring import FixedCut, FlexRing
 from ringsched.stage.gc_policy import GcPolicy
 from ringsched.stage.times import StageTimes
 

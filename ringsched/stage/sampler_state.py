@@ -16,7 +16,7 @@ from ringsched.comm.messages import BatchPlan
 from ringsched.sampling import SamplingParams, logprob_values, make_generator, sample
 from ringsched.structured import Constraint, GrammarError, Grammars
 
-logger = logging.getLogger("ringsched.parallel.rank")
+logger = logging.getLogger("ringsched.layout.rank")
 
 FAILED = -1  # the token of a row whose request could not be sampled: stage 0 ends that request with an error
 

@@ -17,8 +17,8 @@ import torch
 
 from ringsched.comm.messages import BatchPlan
 from ringsched.models.llama import StageModel
-from ringsched.parallel.flex_ring import FixedCut, FlexRing
-from ringsched.parallel.tp import TPGroup
+from ringsched.models.tp import TPGroup
+from ringsched.stage.flex_ring import FixedCut, FlexRing
 from ringsched.stage.sampler_state import SamplerState
 from ringsched.stage.times import StageTimes
 

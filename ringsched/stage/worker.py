@@ -21,27 +21,27 @@ import torch
 import zmq
 from torch.distributed import PrefixStore
 
+from ringsched.comm.cp_group import CPGroup
 from ringsched.comm.messages import StageStatus
+from ringsched.comm.shm_group import SHM_DIR, ShmCollectives, shm_usable
+from ringsched.comm.store import connect_store, interface_of
 from ringsched.comm.tensor_channel import TensorChannel
 from ringsched.comm.zmq_io import Fanout, Puller, Pusher
 from ringsched.config import EngineConfig, parse_memory
-from ringsched.kv_cache import BlockTable, KVPool, blocks_for_memory
+from ringsched.kv.cache import BlockTable, KVPool, blocks_for_memory
+from ringsched.kv.cp_blocks import CPBlocks, request_capacity
+from ringsched.layout.rank import RankInfo, StageInfo
 from ringsched.models.config import ModelConfig
 from ringsched.models.loader import load_stage_model, weights_bytes
-from ringsched.parallel.cp_blocks import CPBlocks, request_capacity
-from ringsched.parallel.cp_group import CPGroup
-from ringsched.parallel.rank import RankInfo, StageInfo
-from ringsched.parallel.shm_group import SHM_DIR, ShmCollectives, shm_usable
-from ringsched.parallel.tp import TPGroup, TPShard
-from ringsched.process.affinity import stage_cpus
-from ringsched.process.heap import keep_heap
-from ringsched.process.rendezvous import connect_store, interface_of
+from ringsched.models.tp import TPGroup, TPShard
 from ringsched.scheduler import chunking
 from ringsched.scheduler.planner import Planner
 from ringsched.spec import ModelSpec
+from ringsched.stage.affinity import stage_cpus
+from ringsched.stage.heap import keep_heap
 from ringsched.stage.loop import StageIO, StageLoop
 
-logger = logging.getLogger("ringsched.parallel.rank")
+logger = logging.getLogger("ringsched.layout.rank")
 
 
 @dataclass(frozen=True)

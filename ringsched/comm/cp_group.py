@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from ringsched.parallel.shm_group import ShmCollectives
+from ringsched.comm.shm_group import ShmCollectives
 
 
 class CPGroup:

@@ -28,13 +28,13 @@ from dataclasses import dataclass
 import torch
 
 from ringsched.comm.messages import BatchPlan, PlanEntry
-from ringsched.kv_cache import BlockTable, KVPool, kv_bytes_per_token
+from ringsched.kv.cache import BlockTable, KVPool, kv_bytes_per_token
+from ringsched.layout.rank import StageInfo
 from ringsched.models import native
 from ringsched.models.batch import build_forward_batch
 from ringsched.models.config import ModelConfig, layer_matmul_params
 from ringsched.models.llama import StageModel
-from ringsched.parallel.rank import StageInfo
-from ringsched.process.affinity import restored_threads_and_cpus
+from ringsched.stage.affinity import restored_threads_and_cpus
 
 logger = logging.getLogger(__name__)
 

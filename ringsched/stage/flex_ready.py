@@ -1,4 +1,4 @@
-"""`--pp-flex-policy ready`: the cut of a micro-batch decided while it runs (`ringsched/parallel/flex.py` says why).
+"""`--pp-flex-policy ready`: the cut of a micro-batch decided while it runs (`ringsched/layout/flex.py` says why).
 
 Stage 1 tells stage 0, before each of its layers, when it expects to finish the micro-batch it is computing
 (`StageProgress`: its pace so far in this micro-batch times the layers left, plus the head's time per sampled
@@ -22,7 +22,7 @@ from collections.abc import Iterator
 
 from ringsched.comm.messages import BatchPlan, StageProgress
 from ringsched.comm.zmq_io import Puller, Pusher
-from ringsched.parallel.flex import FlexBoundary
+from ringsched.layout.flex import FlexBoundary
 
 
 class ReadyCut:

@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 
 from ringsched.comm.messages import BatchPlan
-from ringsched.kv_cache import BlockTable
-from ringsched.parallel.cp import zigzag_pieces
+from ringsched.kv.cache import BlockTable
+from ringsched.layout.cp_split import zigzag_pieces
 
 
 def shares_for(have: list[int], n: int) -> list[int]:

@@ -15,10 +15,12 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
-from ringsched.models.config import ModelConfig
+if TYPE_CHECKING:
+    from ringsched.models.config import ModelConfig
 
 
 def block_hashes(ids: Sequence[int], block_size: int, have: list[bytes]) -> list[bytes]:

@@ -1,8 +1,8 @@
-"""A stage's side of the flexible cut (`--pp-flex-layers`, `parallel/flex.py`): which layers a micro-batch runs
+"""A stage's side of the flexible cut (`--pp-flex-layers`, `layout/flex.py`): which layers a micro-batch runs
 here, the K/V rows mirrored to and from the other stage, and (stage 0) the cut of each new micro-batch.
 
 Wire format, PP=2 only: the proxy of micro-batch `t` is `[hidden_states, residual, kv?]`, `kv` being the K/V
-rows of the shared layers stage 0 ran (`[lo, cut)`, `flex.gather_kv`'s one tensor, absent when there are none);
+rows of the shared layers stage 0 ran (`[lo, cut)`, `gather_kv`'s one tensor, absent when there are none);
 the output message is `[meta, tokens?, kv?]` with `meta` = `[number of sampled tokens, stage 1's time for the
 micro-batch in microseconds]`, the tokens when there are any, and the K/V rows of the shared layers stage 1 ran
 (`[cut, hi)`).
@@ -17,9 +17,9 @@ import torch
 
 from ringsched.comm.messages import BatchPlan
 from ringsched.comm.zmq_io import Puller, Pusher
-from ringsched.parallel.flex import CutChooser, FlexBoundary, gather_kv, scatter_kv
-from ringsched.parallel.flex_ready import ProgressReporter, ReadyCut
-from ringsched.parallel.rank import StageInfo
+from ringsched.layout.flex import CutChooser, FlexBoundary
+from ringsched.layout.rank import StageInfo
+from ringsched.stage.flex_ready import ProgressReporter, ReadyCut
 
 # Memory of the per-micro-batch overhead's average (about 20 micro-batches).
 OVERHEAD_DECAY = 0.95
@@ -232,3 +232,36 @@ class FlexRing:
     def stats(self) -> dict:
         """Stage 0: how many micro-batches were cut where (msgpack keys are strings)."""
         return {"flex_cuts": {str(c): n for c, n in sorted(self.cuts.items())}} if self.stage.is_first else {}
+
+
+def gather_kv(
+    caches: list[tuple[torch.Tensor, torch.Tensor]], first_held: int, layers: range, slots: torch.Tensor
+) -> list[torch.Tensor]:
+    """The K and V rows just written at `slots` for `layers`, as one tensor `[2 * layers, T, heads, dim]` (K, V
+    per layer, in layer order), or no tensor when `layers` is empty."""
+    if not len(layers):
+        return []
+    k0 = caches[layers[0] - first_held][0]
+    out = k0.new_empty((2 * len(layers), slots.numel(), *k0.shape[1:]))
+    for j, i in enumerate(layers):
+        k, v = caches[i - first_held]
+        torch.index_select(k, 0, slots, out=out[2 * j])
+        torch.index_select(v, 0, slots, out=out[2 * j + 1])
+    return [out]
+
+
+def scatter_kv(
+    caches: list[tuple[torch.Tensor, torch.Tensor]],
+    first_held: int,
+    layers: range,
+    slots: torch.Tensor,
+    rows: list[torch.Tensor],
+) -> None:
+    """Write the other stage's K/V rows (`gather_kv`'s output) into this stage's cache."""
+    got = rows[0].shape[0] // 2 if len(rows) == 1 else 0
+    if len(rows) > 1 or got != len(layers):
+        raise RuntimeError(f"expected K/V rows for {len(layers)} shared layers, got {got} in {len(rows)} tensors")
+    for j, i in enumerate(layers):
+        k, v = caches[i - first_held]
+        k.index_copy_(0, slots, rows[0][2 * j].to(k.device))
+        v.index_copy_(0, slots, rows[0][2 * j + 1].to(v.device))

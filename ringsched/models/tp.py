@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ringsched.comm.shm_group import ShmCollectives
 from ringsched.models.config import ModelConfig
-from ringsched.parallel.shm_group import ShmCollectives
 
 
 class TPLayoutError(ValueError):
@@ -142,7 +142,7 @@ class TPShard:
 class TPGroup:
     """The collectives of one rank of a stage's tensor-parallel group, counted (calls and bytes) for the
     benchmarks and `/metrics`. `group` is the torch.distributed group of the stage's ranks; `shm`, where given
-    (CPU ranks of one node), carries them instead through shared memory (`parallel/shm_group.py`)."""
+    (CPU ranks of one node), carries them instead through shared memory (`comm/shm_group.py`)."""
 
     def __init__(self, shard: TPShard, group, shm: ShmCollectives | None = None) -> None:
         self.shard, self.group, self.shm = shard, group, shm

@@ -22,7 +22,7 @@ layers, stage 1 reports its compute time with the sampled tokens, each adding it
 outside the model (`FlexRing.note_overhead`); from the two
 times of each micro-batch `CutChooser` learns which cut would have balanced it, as a function of the micro-batch's
 sampled rows per token. `ready` decides it while the micro-batch runs: stage 0 runs the shared layers one at a time
-until stage 1 is ready for it, or about to be (`scheduler/flex_ready.py`). Why: at depth 0 the two micro-batches
+until stage 1 is ready for it, or about to be (`stage/flex_ready.py`). Why: at depth 0 the two micro-batches
 alternate in lock-step, and the moment stage 1 is free is also the moment stage 0 gets the sampled tokens it needs
 to plan its next micro-batch. Cutting earlier leaves stage 0 waiting for those tokens, cutting later leaves stage 1
 waiting; a predicted cut cannot follow a step that runs 10% slow on a noisy host, a measured one can. It needs each
@@ -33,8 +33,6 @@ check would come too early).
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
 
 FLEX_POLICIES = ("balance", "ready")  # --pp-flex-policy's choices
 CYCLE = "cycle"  # every cut in turn: tests set it through EngineConfig; no flag offers it
@@ -143,36 +141,3 @@ class CutChooser:
         self._s1, self._sx, self._sxx = d * self._s1 + 1, d * self._sx + x, d * self._sxx + x * x
         self._sy, self._sxy = d * self._sy + ideal, d * self._sxy + x * ideal
         self._n += 1
-
-
-def gather_kv(
-    caches: list[tuple[torch.Tensor, torch.Tensor]], first_held: int, layers: range, slots: torch.Tensor
-) -> list[torch.Tensor]:
-    """The K and V rows just written at `slots` for `layers`, as one tensor `[2 * layers, T, heads, dim]` (K, V
-    per layer, in layer order), or no tensor when `layers` is empty."""
-    if not len(layers):
-        return []
-    k0 = caches[layers[0] - first_held][0]
-    out = k0.new_empty((2 * len(layers), slots.numel(), *k0.shape[1:]))
-    for j, i in enumerate(layers):
-        k, v = caches[i - first_held]
-        torch.index_select(k, 0, slots, out=out[2 * j])
-        torch.index_select(v, 0, slots, out=out[2 * j + 1])
-    return [out]
-
-
-def scatter_kv(
-    caches: list[tuple[torch.Tensor, torch.Tensor]],
-    first_held: int,
-    layers: range,
-    slots: torch.Tensor,
-    rows: list[torch.Tensor],
-) -> None:
-    """Write the other stage's K/V rows (`gather_kv`'s output) into this stage's cache."""
-    got = rows[0].shape[0] // 2 if len(rows) == 1 else 0
-    if len(rows) > 1 or got != len(layers):
-        raise RuntimeError(f"expected K/V rows for {len(layers)} shared layers, got {got} in {len(rows)} tensors")
-    for j, i in enumerate(layers):
-        k, v = caches[i - first_held]
-        k.index_copy_(0, slots, rows[0][2 * j].to(k.device))
-        v.index_copy_(0, slots, rows[0][2 * j + 1].to(v.device))

@@ -25,14 +25,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ringsched.comm.cp_group import CPGroup
 from ringsched.comm.messages import BatchPlan
-from ringsched.kv_cache import BlockTable
+from ringsched.kv.cache import BlockTable
+from ringsched.kv.cp_blocks import CPPlacement, is_split
+from ringsched.layout.cp_split import zigzag_pieces
 from ringsched.models import native
 from ringsched.models.attention import ForwardBatch
 from ringsched.models.native import NativeDecode
-from ringsched.parallel.cp import attend_block, merge_all, zigzag_pieces
-from ringsched.parallel.cp_blocks import CPPlacement, is_split
-from ringsched.parallel.cp_group import CPGroup
+from ringsched.models.ring_attention import attend_block, merge_all
 
 
 @dataclass
