@@ -118,11 +118,11 @@ def test_mixed_batch_prefill_rows_untouched_by_the_kernel():
 
 
 def test_switched_off_or_unbuildable_means_the_torch_path(monkeypatch, tmp_path, caplog):
-    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setattr(native, "LIBRARY", native.LIBRARY.fresh())
     monkeypatch.setenv(native.ENV_SWITCH, "0")
     assert not native.usable_for(torch.float32, "cpu")
 
-    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setattr(native, "LIBRARY", native.LIBRARY.fresh())
     monkeypatch.setenv(native.ENV_SWITCH, "1")
     monkeypatch.setenv("RINGSCHED_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails

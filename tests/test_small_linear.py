@@ -155,8 +155,8 @@ def test_an_int8_model_computes_with_its_dequantized_weights(tmp_path):
 
 def test_switched_off_the_torch_path_runs_every_dtype(monkeypatch):
     """`RINGSCHED_NATIVE_LINEAR=0`: no kernel, and an int8 layer still computes (a float copy of its weight)."""
-    monkeypatch.setattr(small_linear, "_state", {})
-    monkeypatch.setattr(layer_ops, "_state", {})
+    monkeypatch.setattr(small_linear, "LIBRARY", small_linear.LIBRARY.fresh())
+    monkeypatch.setattr(layer_ops, "LIBRARY", layer_ops.LIBRARY.fresh())
     monkeypatch.setenv(small_linear.ENV_SWITCH, "0")
     assert small_linear.library() is None and not layer_ops.usable(torch.float32, torch.device("cpu"))
     lin = small_linear.Linear(64, 32)

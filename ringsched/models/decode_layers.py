@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
-import threading
 from pathlib import Path
 
 import torch
@@ -34,33 +32,25 @@ COMPILE_FLAGS = ["-O2", "-ffp-contract=off", "-fPIC", "-c"]
 LINK_FLAGS = ["-shared"]
 
 _Y_WORDS = 4 + 4 * 7  # a layer's words in the descriptor: norms, caches, four linear layers (decode_layers.c)
-_lock = threading.Lock()
-_state: dict[str, object] = {}
 
 
 def library() -> tuple[ctypes.CDLL, ctypes.Array] | None:
     """The driver and the kernels' addresses, or None (a kernel missing, no compiler, or switched off)."""
-    with _lock:
-        if "lib" not in _state:
-            _state["lib"] = _load()
-        return _state["lib"]  # type: ignore[return-value]
+    return LIBRARY.get()
 
 
-def _load():
-    if os.environ.get("RINGSCHED_DECODE_LAYERS", "1").strip().lower() in ("0", "false", "no", "off"):
-        return None
-    kernels = small_linear.library(), layer_ops.library(), native._library()
-    if any(k is None for k in kernels):
-        return None
-    lib = native_build.load(SOURCE, COMPILE_FLAGS, LINK_FLAGS, logger, "decode layers", "running layer by layer")
-    if lib is None:
-        return None
+def _declare(lib: ctypes.CDLL) -> tuple[ctypes.CDLL, ctypes.Array]:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.decode_layers.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, ctypes.c_float, i64, i64, i64]
     lib.decode_layers.restype = ctypes.c_int
-    linear, ops, attention = kernels
+    linear, ops, attention = small_linear.library(), layer_ops.library(), native._library()
     fns = [linear.linear_kn, linear.linear_nk, ops.add_rmsnorm, ops.rope_store, ops.silu_mul, attention.paged_decode]
     return lib, (ctypes.c_void_p * len(fns))(*[ctypes.cast(f, ctypes.c_void_p).value for f in fns])
+
+
+LIBRARY = native_build.NativeLibrary(SOURCE, COMPILE_FLAGS, LINK_FLAGS, logger, "decode layers",
+                                     "running layer by layer", _declare, "RINGSCHED_DECODE_LAYERS",
+                                     needs=(small_linear.library, layer_ops.library, native._library))  # fmt: skip
 
 
 def _linear_words(lin: small_linear.Linear) -> list[int]:

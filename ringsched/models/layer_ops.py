@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import threading
 from pathlib import Path
 
 import torch
@@ -27,22 +26,14 @@ COMPILE_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-c"]
 LINK_FLAGS = ["-shared", "-lm"]
 MAX_ROWS = 32  # steps of more rows keep torch's operators
 
-_lock = threading.Lock()
-_state: dict[str, object] = {}
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
 def library() -> ctypes.CDLL | None:
-    with _lock:
-        if "lib" not in _state:
-            _state["lib"] = _load() if small_linear.enabled() else None
-        return _state["lib"]  # type: ignore[return-value]
+    return LIBRARY.get()
 
 
-def _load() -> ctypes.CDLL | None:
-    lib = native_build.load(SOURCE, COMPILE_FLAGS, LINK_FLAGS, logger, "layer ops", "using torch's operators")
-    if lib is None:
-        return None
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     lib.add_rmsnorm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32, i64, i64]
     lib.rope_store.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64]
@@ -50,6 +41,11 @@ def _load() -> ctypes.CDLL | None:
     for f in (lib.add_rmsnorm, lib.rope_store, lib.silu_mul):
         f.restype = None
     return lib
+
+
+# Switched by RINGSCHED_NATIVE_LINEAR with the linear kernel: the two are one path.
+LIBRARY = native_build.NativeLibrary(SOURCE, COMPILE_FLAGS, LINK_FLAGS, logger, "layer ops",
+                                     "using torch's operators", _declare, small_linear.ENV_SWITCH)  # fmt: skip
 
 
 def usable(dtype: torch.dtype, device: torch.device) -> bool:

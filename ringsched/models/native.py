@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,8 +29,6 @@ SOURCE = Path(__file__).with_name("paged_decode.c")
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC", "-c"]
 LINK_FLAGS = ["-shared", "-lm", "-lpthread"]
 
-_lock = threading.Lock()
-_state: dict[str, object] = {}
 
 
 @dataclass
@@ -48,7 +44,7 @@ class NativeDecode:
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+    return native_build.switched_on(ENV_SWITCH)
 
 
 KV_DTYPES = (torch.float32, torch.bfloat16)
@@ -93,21 +89,19 @@ def paged_decode(
 
 def _library() -> ctypes.CDLL | None:
     """The loaded kernel, or None (disabled, no compiler, build failed): decided once per process."""
-    with _lock:
-        if "lib" not in _state:
-            _state["lib"] = _load() if enabled() else None
-        return _state["lib"]  # type: ignore[return-value]
+    return LIBRARY.get()
 
 
-def _load() -> ctypes.CDLL | None:
-    lib = native_build.load(SOURCE, COMPILE_FLAGS, LINK_FLAGS, logger, "decode attention", "using the torch path")
-    if lib is None:
-        return None
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.paged_decode.argtypes = [ptr] * 5 + [i64] * 7 + [ctypes.c_float, ptr, i64, i64, ptr]
     lib.paged_decode.restype = ctypes.c_int
     logger.info("decode attention: native CPU kernel %s", Path(lib._name).name)
     return lib
+
+
+LIBRARY = native_build.NativeLibrary(SOURCE, COMPILE_FLAGS, LINK_FLAGS, logger, "decode attention",
+                                     "using the torch path", _declare, ENV_SWITCH)  # fmt: skip
 
 
 def _build() -> Path:

@@ -16,7 +16,10 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from ringsched.models.fetch import cache_dir
 
@@ -63,3 +66,42 @@ def _cpu_flags() -> str:
             return next((line for line in f if line.startswith(("flags", "Features"))), "")
     except OSError:
         return ""
+
+
+def switched_on(env: str) -> bool:
+    """An on/off environment switch, on unless set to 0, false, no or off."""
+    return os.environ.get(env, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+class NativeLibrary:
+    """One native kernel library of this process, decided once on first use (thread-safe): `get()` is
+    `prepare(lib)` of the loaded library (its ctypes signatures declared; by default the library itself), or None
+    when the `switch` variable is off, one of `needs` (callables of other libraries' `get`) is None, there is no
+    compiler or the build failed (a warning names `what` and the `fallback`)."""
+
+    def __init__(self, source: Path, compile_flags: list[str], link_flags: list[str], log: logging.Logger, what: str,
+                 fallback: str, prepare: Callable[[ctypes.CDLL], Any] = lambda lib: lib, switch: str | None = None,
+                 needs: tuple[Callable[[], Any], ...] = ()) -> None:  # fmt: skip
+        self.source, self.compile_flags, self.link_flags, self.log = source, compile_flags, link_flags, log
+        self.what, self.fallback, self.prepare, self.switch, self.needs = what, fallback, prepare, switch, needs
+        self._lock = threading.Lock()
+        self._decided, self._value = False, None
+
+    def get(self) -> Any:
+        with self._lock:
+            if not self._decided:
+                self._value, self._decided = self._load(), True
+            return self._value
+
+    def fresh(self) -> NativeLibrary:
+        """The same library, undecided (tests change the environment, then decide again)."""
+        return NativeLibrary(self.source, self.compile_flags, self.link_flags, self.log, self.what, self.fallback,
+                             self.prepare, self.switch, self.needs)  # fmt: skip
+
+    def _load(self) -> Any:
+        if self.switch is not None and not switched_on(self.switch):
+            return None
+        if any(need() is None for need in self.needs):
+            return None
+        lib = load(self.source, self.compile_flags, self.link_flags, self.log, self.what, self.fallback)
+        return None if lib is None else self.prepare(lib)

@@ -58,26 +58,24 @@ _state: dict[str, object] = {}
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+    return native_build.switched_on(ENV_SWITCH)
 
 
 def library() -> ctypes.CDLL | None:
     """The loaded kernel, or None (disabled, no compiler, build failed): decided once per process."""
-    with _lock:
-        if "lib" not in _state:
-            _state["lib"] = _load() if enabled() else None
-        return _state["lib"]  # type: ignore[return-value]
+    return LIBRARY.get()
 
 
-def _load() -> ctypes.CDLL | None:
-    lib = native_build.load(SOURCE, COMPILE_FLAGS, LINK_FLAGS, logger, "linear layers", "using torch's path")
-    if lib is None:
-        return None
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.linear_kn.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64]
     lib.linear_nk.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64]
     lib.linear_kn.restype = lib.linear_nk.restype = ctypes.c_int
     return lib
+
+
+LIBRARY = native_build.NativeLibrary(SOURCE, COMPILE_FLAGS, LINK_FLAGS, logger, "linear layers",
+                                     "using torch's path", _declare, ENV_SWITCH)  # fmt: skip
 
 
 def has_amx() -> bool:
