@@ -173,7 +173,7 @@ PARSED = {
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_every_openai_field_is_honoured_or_refused_by_name(tok, endpoint, caplog):
-    from ringsched.server.protocol import _ACCEPTED, _UNSUPPORTED, OPENAI_FIELDS
+    from ringsched.server.request_bodies import ACCEPTED, OPENAI_FIELDS, UNSUPPORTED
 
     parse, base = {"completions": (parse_completion, {"prompt": "hi"}),
                    "chat": (parse_chat, {"messages": NON_DEFAULT["messages"]})}[endpoint]  # fmt: skip
@@ -182,13 +182,13 @@ def test_every_openai_field_is_honoured_or_refused_by_name(tok, endpoint, caplog
         body = {**base, field: NON_DEFAULT[field]}
         if endpoint == "chat" and field in ("logprobs", "top_logprobs"):  # chat's logprobs is a switch
             body["logprobs"] = True
-        if field in _UNSUPPORTED:
+        if field in UNSUPPORTED:
             e = _err(parse, body, tok, LIMITS)
             assert (e.status, e.param) == (400, field), (field, e)
             assert field in str(e)
             continue
         r = parse(body, tok, LIMITS)
-        assert field in _ACCEPTED or PARSED[field](r), field
+        assert field in ACCEPTED or PARSED[field](r), field
         honoured.append(field)
     assert {"frequency_penalty", "presence_penalty", "logit_bias", "seed", "stop", "logprobs", "n"} <= set(honoured)
     assert not caplog.records  # OpenAI's own fields are never "ignored"

@@ -11,112 +11,27 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ValidationError
 
 from ringsched.sampling import SamplingParams
 from ringsched.server.errors import APIError, shown
 from ringsched.server.grammar_request import Asked, asked_grammar
+from ringsched.server.request_bodies import (
+    ACCEPTED,
+    MAX_N,
+    OPENAI_FIELDS,
+    ROLES,
+    UNSUPPORTED,
+    ChatRequest,
+    CompletionRequest,
+    GenerateRequest,
+    SamplingBody,
+)
 from ringsched.tokenizer import ChatTemplateError, Tokenizer
 
 logger = logging.getLogger("ringsched.server")
-
-ROLES = ("system", "developer", "user", "assistant", "tool")
-
-# Every field OpenAI's API reference defines for the two endpoints. Each is either honoured or, in `_UNSUPPORTED`,
-# accepted only with its default (any other value gets a 400 naming it: ignoring it would return something other
-# than what was asked for). Identifiers and hints that cannot change the output (`user`, `metadata`,
-# `safety_identifier`, `prompt_cache_key`, `parallel_tool_calls` without tools) are honoured by accepting them.
-OPENAI_FIELDS = {
-    "completions": ("model", "prompt", "best_of", "echo", "frequency_penalty", "logit_bias", "logprobs", "max_tokens",
-                    "n", "presence_penalty", "seed", "stop", "stream", "stream_options", "suffix", "temperature",
-                    "top_p", "user"),
-    "chat": ("messages", "model", "audio", "frequency_penalty", "function_call", "functions", "logit_bias",
-             "logprobs", "max_completion_tokens", "max_tokens", "metadata", "modalities", "n", "parallel_tool_calls",
-             "prediction", "presence_penalty", "prompt_cache_key", "reasoning_effort", "response_format",
-             "safety_identifier", "seed", "service_tier", "stop", "store", "stream", "stream_options", "temperature",
-             "tool_choice", "tools", "top_logprobs", "top_p", "user", "verbosity", "web_search_options"),
-}  # fmt: skip
-_UNSUPPORTED = {"echo": (False, None), "suffix": (None, ""), "tools": (None, []),
-                "audio": (None,), "function_call": (None, "none"),
-                "functions": (None, []), "modalities": (None, ["text"]), "prediction": (None,),
-                "reasoning_effort": (None,), "service_tier": (None, "auto", "default"), "store": (None, False),
-                "tool_choice": (None, "none"), "verbosity": (None,), "web_search_options": (None,)}  # fmt: skip
-# vLLM's structured-output fields (beside OpenAI's `response_format`)
-_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
-_ACCEPTED = {"user", "metadata", "safety_identifier", "prompt_cache_key", "parallel_tool_calls", *_GUIDED}
-
-
-# -- request bodies ------------------------------------------------------------------------------------------
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
-
-
-class StreamOptions(_Strict):
-    include_usage: bool = False
-
-
-class _Sampling(_Strict):
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    min_tokens: int = 0
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: int | None = None
-    response_format: dict[str, Any] | None = None
-    guided_json: dict[str, Any] | str | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
-    structured_outputs: dict[str, Any] | None = None
-
-
-class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None  # the sampled token's and this many most likely tokens' log-probabilities
-    best_of: int | None = None
-
-
-class ContentPart(_Strict):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(_Strict):
-    role: str
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
-
-
-class ChatRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
-
-
-class GenerateRequest(_Strict):
-    text: str | None = None
-    input_ids: list[int] | None = None
-    sampling_params: dict[str, Any] = Field(default_factory=dict)
-    stream: bool = False
-
-
-MAX_N = 16  # sequences one request may ask for (n, best_of)
-
 
 @dataclass
 class Prepared:
@@ -179,11 +94,11 @@ def _param(loc: tuple) -> str:
     return out
 
 
-def _check_common(body: dict, req: _Sampling, limits: Limits, endpoint: str) -> None:
-    for name, allowed in _UNSUPPORTED.items():
+def _check_common(body: dict, req: SamplingBody, limits: Limits, endpoint: str) -> None:
+    for name, allowed in UNSUPPORTED.items():
         if name in body and body[name] not in allowed:
             raise APIError(400, f"{name}={shown(body[name])} is not supported by this server", param=name)
-    ignored = sorted(set(req.model_extra or ()) - set(OPENAI_FIELDS[endpoint]) - set(_UNSUPPORTED) - _ACCEPTED)
+    ignored = sorted(set(req.model_extra or ()) - set(OPENAI_FIELDS[endpoint]) - set(UNSUPPORTED) - ACCEPTED)
     if ignored:  # as vLLM: accepted, and said so
         logger.warning("The following fields were present in the request but ignored: %s", ignored)
     model = req.model
@@ -206,7 +121,7 @@ def _params(fields: dict[str, Any], rename: dict[str, str] | None = None) -> Sam
         raise APIError(400, shown + msg[len(name) :], param=shown or None) from None
 
 
-def _sampling_fields(req: _Sampling, max_tokens: int) -> dict[str, Any]:
+def _sampling_fields(req: SamplingBody, max_tokens: int) -> dict[str, Any]:
     return {
         "max_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
         "min_p": req.min_p, "seed": req.seed, "stop": req.stop, "stop_token_ids": req.stop_token_ids,
