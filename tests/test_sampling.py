@@ -4,7 +4,8 @@ import msgpack
 import pytest
 import torch
 
-from ringsched.sampling import SamplingParams, apply_repetition_penalty, make_generator, sample
+from ringsched.sampler import apply_repetition_penalty, make_generator, sample
+from ringsched.sampling import SamplingParams
 
 RANDOM = SamplingParams(temperature=1.0)
 
@@ -248,7 +249,7 @@ def _reference_penalised(row, p, history, prompt_len):
 
 
 def test_penalties_and_bias_match_the_formulas():
-    from ringsched.sampling import apply_logit_bias, apply_openai_penalties, apply_repetition_penalty
+    from ringsched.sampler import apply_logit_bias, apply_openai_penalties, apply_repetition_penalty
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(5, 50, generator=g) * 3

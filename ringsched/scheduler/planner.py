@@ -35,7 +35,8 @@ from collections import OrderedDict, deque
 from ringsched.comm.messages import BatchPlan, NewRequest, PlanEntry, TokenOutput
 from ringsched.kv.cache import BlockTable, block_hashes
 from ringsched.kv.cp_blocks import CPBlocks
-from ringsched.sampling import SamplingParams, logprob_width, unpack_logprobs
+from ringsched.sampler import logprob_width, unpack_logprobs
+from ringsched.sampling import SamplingParams
 from ringsched.scheduler.chunking import ChunkSizer
 from ringsched.scheduler.request import Request, Status
 
@@ -282,7 +283,7 @@ class Planner:
     # -- results ---------------------------------------------------------------------------------------
     def on_output(self, seq: int, tokens: list[int]) -> list[TokenOutput]:
         """`tokens`: the sampled id of each entry that samples, then the log-probabilities they asked for
-        (`sampling.logprob_values`)."""
+        (`sampler.logprob_values`)."""
         entries = self.flight.pop(seq, [])
         sampled = [e for e in entries if e.samples]
         ks = [self.requests[e.rid].params.logprobs for e in sampled]

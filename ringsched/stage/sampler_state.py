@@ -13,7 +13,8 @@ from concurrent.futures import Future
 import torch
 
 from ringsched.comm.messages import BatchPlan
-from ringsched.sampling import SamplingParams, logprob_values, make_generator, sample
+from ringsched.sampler import logprob_values, make_generator, sample
+from ringsched.sampling import SamplingParams
 from ringsched.structured import Constraint, GrammarError, Grammars
 
 logger = logging.getLogger("ringsched.layout.rank")
@@ -116,7 +117,7 @@ class SamplerState:
         return tokens
 
     def logprobs(self, plan: BatchPlan, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """The log-probabilities the sampling rows ask for, packed (`sampling.logprob_values`); empty if none."""
+        """The log-probabilities the sampling rows ask for, packed (`sampler.logprob_values`); empty if none."""
         ks = [self.params[e.rid].logprobs for e in plan.entries if e.samples]
         return logprob_values(logits, tokens, ks)
 
