@@ -10,40 +10,17 @@ import torch
 import torch.distributed as dist
 
 from ringsched.comm.shm_group import ShmCollectives
+from ringsched.comm.stage_group import StageGroup
 
 
-class CPGroup:
+class CPGroup(StageGroup):
     """`rank` of `size` CP ranks of a stage; `ranks` their global ranks in CP order; `group` their process group;
-    `shm`, where given, carries the collectives."""
+    `shm`, where given, carries the collectives (`StageGroup`); the ring's exchange is this class's own."""
 
     def __init__(self, rank: int, ranks: tuple[int, ...], group, shm: ShmCollectives | None = None) -> None:
-        self.rank, self.size, self.ranks, self.group, self.shm = rank, len(ranks), ranks, group, shm
-        self.collectives = 0
+        super().__init__(rank, len(ranks), group, shm, prefix="cp")
+        self.ranks = ranks
         self.ring_bytes = 0  # K/V bytes this rank sent round the ring
-
-    @property
-    def leads(self) -> bool:
-        return self.rank == 0
-
-    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum `t` (contiguous) over the group, in place."""
-        if self.shm:
-            self.shm.all_reduce(t)
-        else:
-            dist.all_reduce(t, group=self.group)
-        self.collectives += 1
-        return t
-
-    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
-        """`[size, *t.shape]`: every rank's `t` (the same shape on all), in rank order."""
-        out = t.new_empty(self.size, *t.shape)
-        t = t.contiguous()
-        if self.shm:
-            self.shm.all_gather_into(t, out)
-        else:
-            dist.all_gather(list(out.unbind(0)), t, group=self.group)
-        self.collectives += 1
-        return out
 
     def exchange(self, send: list[torch.Tensor], recv_shape: tuple[int, ...]) -> Callable[[], list[torch.Tensor]]:
         """Post the ring step: the tensors `send` to the next rank, as many tensors of `recv_shape` (and dtype) from
@@ -68,5 +45,4 @@ class CPGroup:
         return wait
 
     def stats(self) -> dict:
-        return {"cp_collectives": self.collectives, "cp_ring_bytes": self.ring_bytes,
-                "cp_wait_s": self.shm.wait_s if self.shm else 0.0}  # fmt: skip
+        return {**super().stats(), "cp_ring_bytes": self.ring_bytes}
