@@ -19,16 +19,11 @@ from ringsched.models import layer_ops
 from ringsched.models.attention import ForwardBatch, paged_attention
 from ringsched.models.config import ModelConfig
 from ringsched.models.decode_layers import DecodeLayers
+from ringsched.models.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from ringsched.models.rope import RopeScaling
-from ringsched.models.small_linear import Linear, widened_linear
-from ringsched.models.tp import TPGroup
-
-# Vocabulary rows of the lm_head per step of `compute_logits` / `greedy_tokens` on CPU. Measured (one thread, a
-# process per setting, AMD EPYC Zen 4): 1024 words against 8192 took SmolLM2's greedy head from 81 to 65 ms at
-# 86 rows, 104-109 to 91-98 at 128 and 18 to 14 at 4; a 1B Llama's (32000 x 2048) from 87 to 66 ms at 32 rows;
-# and the step's peak memory from 17-21 to 6-9 MiB (likely MKL's copy of the weight chunk it multiplies). 512
-# was no faster.
-HEAD_VOCAB_CHUNK = 1024
+from ringsched.models.small_linear import Linear
+from ringsched.models.tp import SoloGroup, TPGroup
+from ringsched.models.vocab import lm_head, vocab_embedding
 
 
 def cpu_layout(name: str, weight: torch.Tensor) -> torch.Tensor:
@@ -180,18 +175,19 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class Attention(nn.Module):
-    """`cfg` is the rank's shard under tensor parallelism (its heads, `TPShard.local_config`); `tp` then sums the
-    row-parallel o_proj's partial outputs."""
+    """The rank's heads of a layer's attention (`group.shard`: all of them on a stage of one rank): q/k/v
+    column-parallel, o_proj row-parallel. `cfg` is the whole model's."""
 
-    def __init__(self, cfg: ModelConfig, rotary: Rotary | None = None, tp: TPGroup | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: Rotary | None = None, group: TPGroup | None = None) -> None:
         super().__init__()
-        self.tp = tp
-        h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        group = group if group is not None else SoloGroup()
+        (q0, h), (k0, kvh) = group.shard.heads(cfg), group.shard.kv_heads(cfg)
+        d, hidden, bias = cfg.head_dim, cfg.hidden_size, cfg.attention_bias
         self.num_heads, self.num_kv_heads, self.head_dim = h, kvh, d
-        self.q_proj = Linear(cfg.hidden_size, h * d, bias=cfg.attention_bias)
-        self.k_proj = Linear(cfg.hidden_size, kvh * d, bias=cfg.attention_bias)
-        self.v_proj = Linear(cfg.hidden_size, kvh * d, bias=cfg.attention_bias)
-        self.o_proj = Linear(h * d, cfg.hidden_size, bias=False)
+        self.q_proj = ColumnParallelLinear(hidden, (q0 * d, h * d), cfg.num_heads * d, bias)
+        self.k_proj = ColumnParallelLinear(hidden, (k0 * d, kvh * d), cfg.num_kv_heads * d, bias)
+        self.v_proj = ColumnParallelLinear(hidden, (k0 * d, kvh * d), cfg.num_kv_heads * d, bias)
+        self.o_proj = RowParallelLinear((q0 * d, h * d), cfg.num_heads * d, hidden, group)
         self.__dict__["qkv"] = None  # `fuse_linears` of q/k/v once the weights are in (not a submodule)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -215,22 +211,24 @@ class Attention(nn.Module):
         q, k = self.rotary(batch.positions, q, k)
         k_cache, v_cache = kv if kv is not None else (None, None)
         out = paged_attention(q, k, v, batch, k_cache, v_cache, self.scale)
-        out = self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
-        return self.tp.all_reduce(out) if self.tp else out
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
+    """The rank's rows of a layer's MLP (`group.shard.intermediate`): gate/up column-parallel, down_proj
+    row-parallel. `cfg` is the whole model's."""
+
+    def __init__(self, cfg: ModelConfig, group: TPGroup | None = None) -> None:
         super().__init__()
-        self.tp = tp
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        group = group if group is not None else SoloGroup()
+        part, hidden, inter = group.shard.intermediate(cfg), cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = ColumnParallelLinear(hidden, part, inter, bias=False)
+        self.up_proj = ColumnParallelLinear(hidden, part, inter, bias=False)
+        self.down_proj = RowParallelLinear(part, inter, hidden, group)
         self.__dict__["gate_up"] = None  # `fuse_linears` of gate/up once the weights are in (not a submodule)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self._slices(x)
-        return self.tp.all_reduce(out) if self.tp else out  # row-parallel down_proj: one sum per layer
+        return self.down_proj.reduce(self._slices(x))  # one sum per layer, after every row slice
 
     def _slices(self, x: torch.Tensor) -> torch.Tensor:
         pieces = mlp_slices(x.shape[0], self.gate_proj.out_features, x.element_size())
@@ -251,7 +249,7 @@ class MLP(nn.Module):
         else:
             h, up = self.gate_proj(x), self.up_proj(x)
         F.silu(h, inplace=True)
-        return self.down_proj(h.mul_(up))
+        return self.down_proj.partial_sum(h.mul_(up))
 
 
 MLP_SLICE_BYTES = 8 * 2**20  # an MLP step's [rows, intermediate] buffers above this are cut into row slices
@@ -264,12 +262,14 @@ def mlp_slices(tokens: int, intermediate: int, elt: int) -> int:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: Rotary | None = None, tp: TPGroup | None = None) -> None:
+    """One decoder layer, or the rank's shard of it over `group` (`cfg` is the whole model's)."""
+
+    def __init__(self, cfg: ModelConfig, rotary: Rotary | None = None, group: TPGroup | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary, tp)
+        self.self_attn = Attention(cfg, rotary, group)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, tp)
+        self.mlp = MLP(cfg, group)
 
     small_ops = False  # `prepare_linears` turns it on where `layer_ops` can run this layer's small steps
 
@@ -290,46 +290,35 @@ class DecoderLayer(nn.Module):
                                  attn.rotary.tables(batch.positions), kv[0], kv[1], batch.slot_mapping)  # fmt: skip
         out = paged_attention(q, None, None, batch, kv[0], kv[1], attn.scale)  # k and v are in the cache
         out = attn.o_proj(out.view(q.shape[0], -1))
-        if attn.tp:
-            out = attn.tp.all_reduce(out)
         norm = self.post_attention_layernorm
         h, residual = layer_ops.add_rmsnorm(out, residual, norm.weight, norm.eps)
-        out = mlp.down_proj(layer_ops.silu_mul(mlp.gate_up(h)))
-        return (mlp.tp.all_reduce(out) if mlp.tp else out), residual
+        return mlp.down_proj(layer_ops.silu_mul(mlp.gate_up(h))), residual
 
 
 class MissingLayer(nn.Identity):
     """Placeholder for a layer another stage owns: no parameters, never called."""
 
 
-def _embedding(vocab: int, hidden: int) -> nn.Embedding:
-    """On the meta device (the loader's, before the real weights are assigned) the embedding skips its random
-    init: `normal_` on a meta tensor imports torch's compiler stack (dynamo, inductor: ~800 modules), which stays
-    resident (measured: 69 MiB of a stage 0's anonymous memory, for values that are thrown away)."""
-    if torch.get_default_device().type == "meta":
-        return nn.Embedding(vocab, hidden, _weight=torch.empty(vocab, hidden))
-    return nn.Embedding(vocab, hidden)
-
-
 class StageModel(nn.Module):
-    """The part of a decoder one stage runs (one rank's shard of it under tensor parallelism: `tp`). `state_dict`
-    names are the Hugging Face ones; `cfg` is the whole model's."""
+    """The part of a decoder one stage runs (one rank's shard of it under tensor parallelism: `tp`, the stage's
+    group; None for a stage of one rank). `state_dict` names are the Hugging Face ones; `cfg` is the whole
+    model's. The layers are the tensor-parallel types (`models/parallel_linear.py`, `models/vocab.py`), chosen
+    here once: the forward code is the same with and without tensor parallelism."""
 
     def __init__(self, cfg: ModelConfig, stage: StageInfo, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.cfg, self.stage, self.tp = cfg, stage, tp
-        local = tp.shard.local_config(cfg) if tp else cfg
-        self.vocab_start = tp.shard.vocab(cfg)[0] if tp else 0
+        group = tp if tp is not None else SoloGroup()
         self.model = nn.Module()
         if stage.is_first:
-            self.model.embed_tokens = _embedding(local.vocab_size, cfg.hidden_size)
+            self.model.embed_tokens = vocab_embedding(cfg, group)
         rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)  # shared by the stage's layers
         self.model.layers = nn.ModuleList(
-            DecoderLayer(local, rotary, tp) if stage.owns(i) else MissingLayer() for i in range(cfg.num_layers)
+            DecoderLayer(cfg, rotary, group) if stage.owns(i) else MissingLayer() for i in range(cfg.num_layers)
         )
         if stage.is_last:
             self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-            self.lm_head = Linear(cfg.hidden_size, local.vocab_size, bias=False)
+            self.lm_head = lm_head(cfg, group)
 
     def forward(
         self,
@@ -343,7 +332,7 @@ class StageModel(nn.Module):
         the final-normed hidden states of `batch.logit_rows` ([S, hidden]). `layers`: the held layers to run
         (default all; a flexible cut runs part of them)."""
         if self.stage.is_first:
-            hidden, residual = self._embed(input_ids), None
+            hidden, residual = self.model.embed_tokens(input_ids), None
         else:
             assert proxy is not None, "a non-first stage needs the previous stage's proxy tensors"
             hidden, residual = proxy["hidden_states"], proxy["residual"]
@@ -369,18 +358,6 @@ class StageModel(nn.Module):
         """Whether a step of `batch` can run its layers in one native call (`models/decode_layers.py`)."""
         whole = self.__dict__.get("decode_layers")
         return whole is not None and whole.takes(batch)
-
-    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if not self.tp:
-            return self.model.embed_tokens(input_ids)
-        # Vocabulary-parallel: the rank holding a token's row contributes it, the others zeros; the sum is
-        # exact (one nonzero term).
-        rows = self.model.embed_tokens.weight.shape[0]
-        local = input_ids - self.vocab_start
-        outside = (local < 0) | (local >= rows)
-        out = self.model.embed_tokens(local.clamp(0, rows - 1))
-        out[outside] = 0
-        return self.tp.all_reduce(out)
 
     def lay_out_for_cpu(self) -> StageModel:
         """`cpu_layout` applied to every parameter (models built in place, such as the partition probe's)."""
@@ -433,63 +410,9 @@ class StageModel(nn.Module):
         return self
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`[S, vocab]` logits, computed a vocabulary chunk at a time exactly as `greedy_tokens` computes them,
-        so a greedy request gets the same token whichever of the two paths its batch takes. Under tensor
-        parallelism each rank computes its rows' logits and every rank gathers the whole row (sampling then
-        draws from exactly what one rank would)."""
-        logits = self._local_logits(hidden)
-        if not self.tp:
-            return logits
-        per = self.tp.shard.vocab_per_rank(self.cfg)
-        if logits.shape[1] < per:  # the last rank's slice is short: pad, gather, cut
-            logits = F.pad(logits, (0, per - logits.shape[1]), value=float("-inf"))
-        return torch.cat(self.tp.all_gather(logits), dim=1)[:, : self.cfg.vocab_size]
-
-    def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        vocab = self.lm_head.weight.shape[0]
-        out = None
-        for start, logits in self._logit_chunks(hidden):
-            if start == 0 and logits.shape[-1] == vocab:
-                return logits  # one chunk (GPU): no copy
-            if out is None:
-                out = hidden.new_empty(hidden.shape[0], vocab)
-            out[:, start : start + logits.shape[-1]] = logits
-        return out
+        """`[S, vocab]` logits of the final hidden states (`LMHead.logits`), whole under tensor parallelism."""
+        return self.lm_head.logits(hidden)
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`[S]` argmax of the logits (the first on ties, as `argmax`) without the `[S, vocab]` logits: on CPU each
-        vocabulary chunk's logits are reduced while they are in cache. Measured on SmolLM2 (128 rows, 49152
-        words, one thread): the same tokens, ~7% faster than logits then argmax (8192-word chunks then), and
-        a chunk's logits instead of the whole `[128, 49152]` (24 MiB)."""
-        best_val = best_idx = None
-        for start, logits in self._logit_chunks(hidden):
-            val, idx = logits.max(dim=-1)
-            if best_val is None:
-                best_val, best_idx = val, idx
-                continue
-            better = val > best_val  # strictly: an equal value in a later chunk is a later index
-            best_val = torch.where(better, val, best_val)
-            best_idx = torch.where(better, idx + start, best_idx)
-        if not self.tp:
-            return best_idx
-        # Each rank's best of its vocabulary rows; the best of those, the lowest rank (lowest word) on ties.
-        mine = torch.stack((best_val.double(), (best_idx + self.vocab_start).double()))
-        every = torch.stack(self.tp.all_gather(mine))  # [ranks, 2, S]
-        rank = every[:, 0].argmax(dim=0)  # the first maximum
-        return every[rank, 1, torch.arange(rank.numel(), device=rank.device)].long()
-
-    def _logit_chunks(self, hidden: torch.Tensor):
-        """(first word, logits `[S, chunk]`) per vocabulary chunk of the lm_head: on a GPU one launch over the
-        whole vocabulary is cheapest; on CPU `HEAD_VOCAB_CHUNK` words (0.5 MiB of logits at 128 rows)."""
-        head = self.lm_head
-        if hidden.shape[0] <= head.max_rows:  # the native kernel: one pass over the vocabulary
-            yield 0, head(hidden)
-            return
-        w = head.weight
-        chunk = HEAD_VOCAB_CHUNK if hidden.device.type == "cpu" else w.shape[0]
-        widen = head.widen_rows and hidden.shape[0] >= head.widen_rows and hidden.dtype == torch.bfloat16
-        for start in range(0, w.shape[0], chunk):
-            rows = w[start : start + chunk]
-            if head.scales is not None:  # int8: this chunk's float rows
-                rows = rows.to(hidden.dtype) * head.scales[start : start + chunk, None].to(hidden.dtype)
-            yield start, widened_linear(hidden, rows) if widen else F.linear(hidden, rows)
+        """`[S]` argmax of the logits, the first on ties, without building them whole (`LMHead.greedy`)."""
+        return self.lm_head.greedy(hidden)
