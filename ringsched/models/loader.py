@@ -19,7 +19,8 @@ from safetensors import safe_open
 
 from ringsched.layout.rank import StageInfo
 from ringsched.models.config import ModelConfig
-from ringsched.models.llama import StageModel, cpu_layout
+from ringsched.models.fused_linear import cpu_layout
+from ringsched.models.llama import StageModel
 from ringsched.models.parallel_linear import read_slices
 from ringsched.models.tp import TPGroup
 
