@@ -66,7 +66,7 @@ class TPShard:
 
     Attention is split by whole GQA groups (a KV head and the query heads that read it), so every rank's heads
     keep the model's grouping: while `size <= num_kv_heads` the groups are shared out as evenly as they go
-    (SmolLM2's 3 KV heads over 2 ranks: 2 and 1); past that each group's query heads are split over
+    (SmolLM2's 3 KV heads over 2 ranks: 1 and 2); past that each group's query heads are split over
     `size / num_kv_heads` ranks, each of which stores the group's whole KV head. The MLP width and the vocabulary
     are cut as evenly as they go."""
 
