@@ -6,8 +6,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ringsched.models import llama
-from ringsched.models.llama import MLP, RMSNorm, Rotary, mlp_slices
+from ringsched.models import decoder_layer
+from ringsched.models.decoder_layer import MLP, mlp_slices
+from ringsched.models.rmsnorm import RMSNorm
+from ringsched.models.rope import Rotary
 
 
 def _reference_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
@@ -71,7 +73,7 @@ def test_sliced_mlp_equals_the_whole(monkeypatch, tokens):
     x = torch.randn(tokens, 64)
     with torch.no_grad():
         whole = mlp(x)
-        monkeypatch.setattr(llama, "MLP_SLICE_BYTES", 128 * 256 * 4)  # slices of about 128 rows
+        monkeypatch.setattr(decoder_layer, "MLP_SLICE_BYTES", 128 * 256 * 4)  # slices of about 128 rows
         calls = []
         rows = mlp._rows
         monkeypatch.setattr(mlp, "_rows", lambda t: calls.append(t.shape[0]) or rows(t))

@@ -6,7 +6,8 @@ import torch
 
 from ringsched.layout.rank import StageInfo
 from ringsched.models.config import ModelConfig
-from ringsched.models.llama import HEAD_VOCAB_CHUNK, StageModel
+from ringsched.models.llama import StageModel
+from ringsched.models.vocab import HEAD_VOCAB_CHUNK
 
 
 def _head_model(vocab: int) -> StageModel:

@@ -2,7 +2,7 @@
 
 How memory is measured, and why. safetensors (0.8 here) maps the whole file copy-on-write and returns tensors
 that are views into that mapping; nothing is read from disk until a page is touched. The decoder layers'
-projections are copied on CPU (`llama.cpu_layout`), the embedding, norms and head stay views, so peak RSS
+projections are copied on CPU (`fused_linear.cpu_layout`), the embedding, norms and head stay views, so peak RSS
 straight after loading counts only part of the weights. The weights become resident when a forward
 pass touches them. The subprocess therefore loads, then reads every parameter once (what a forward does to
 every weight it owns; an embedding lookup would touch only a few rows), and measures peak RSS (`VmHWM`)

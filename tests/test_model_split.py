@@ -6,7 +6,7 @@ import torch
 from ringsched.layout.partition import resolve_partition, stage_ranges
 from ringsched.layout.rank import StageInfo
 from ringsched.models.attention import ForwardBatch
-from ringsched.models.llama import MissingLayer
+from ringsched.models.decoder_layer import MissingLayer
 from ringsched.models.loader import load_stage_model
 
 pytestmark = pytest.mark.slow  # real model or several processes: the full suite's

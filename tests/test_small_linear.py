@@ -7,8 +7,10 @@ import torch
 import torch.nn.functional as F
 
 from ringsched.models import layer_ops, small_linear
-from ringsched.models.llama import RMSNorm, Rotary, cpu_layout
+from ringsched.models.fused_linear import cpu_layout
 from ringsched.models.quantize import quantize_int8_weight
+from ringsched.models.rmsnorm import RMSNorm
+from ringsched.models.rope import Rotary
 
 pytestmark = pytest.mark.skipif(small_linear.library() is None, reason="no C compiler: the torch path runs instead")
 

@@ -74,7 +74,8 @@ class DecodeLayers:
         self.layers = held
         attn = held[0].self_attn if held else None
         self.ok = (
-            bool(held) and model.tp is None and all(getattr(y, "small_ops", False) for y in held)
+            bool(held) and all(getattr(y, "small_ops", False) for y in held)
+            and not any(lin.sums_over_ranks for y in held for lin in (y.self_attn.o_proj, y.mlp.down_proj))
             and all(lin.max_rows > 0 for y in held for lin in (y.self_attn.qkv, y.self_attn.o_proj,
                                                                 y.mlp.gate_up, y.mlp.down_proj))
         )  # fmt: skip

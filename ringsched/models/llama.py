@@ -2,7 +2,8 @@
 
 The layer list is always full length; layers the stage does not own are `MissingLayer` placeholders, so
 parameter names (`model.layers.17.self_attn.q_proj.weight`) and layer indices stay global. The embedding
-exists only on the first stage; the final norm and the lm_head only on the last.
+exists only on the first stage; the final norm and the lm_head only on the last. The layers themselves are in
+`models/decoder_layer.py`, the embedding and the head in `models/vocab.py`.
 
 The residual add is fused into the next RMSNorm, so between layers (and across a stage seam) the state is
 the pair `(hidden_states, residual)`: a non-last stage returns both, a non-first stage takes both in.
@@ -11,325 +12,40 @@ the pair `(hidden_states, residual)`: a non-last stage returns both, a non-first
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ringsched.layout.rank import StageInfo
-from ringsched.models import layer_ops
-from ringsched.models.attention import ForwardBatch, paged_attention
+from ringsched.models.attention import ForwardBatch
 from ringsched.models.config import ModelConfig
 from ringsched.models.decode_layers import DecodeLayers
-from ringsched.models.rope import RopeScaling
-from ringsched.models.small_linear import Linear, widened_linear
-from ringsched.models.tp import TPGroup
-
-# Vocabulary rows of the lm_head per step of `compute_logits` / `greedy_tokens` on CPU. Measured (one thread, a
-# process per setting, AMD EPYC Zen 4): 1024 words against 8192 took SmolLM2's greedy head from 81 to 65 ms at
-# 86 rows, 104-109 to 91-98 at 128 and 18 to 14 at 4; a 1B Llama's (32000 x 2048) from 87 to 66 ms at 32 rows;
-# and the step's peak memory from 17-21 to 6-9 MiB (likely MKL's copy of the weight chunk it multiplies). 512
-# was no faster.
-HEAD_VOCAB_CHUNK = 1024
-
-
-def cpu_layout(name: str, weight: torch.Tensor) -> torch.Tensor:
-    """A decoder layer's projection weight stored `[in, out]` in memory (the same `[out, in]` tensor with
-    transposed strides) when it is float32 on a CPU: MKL's sgemm then multiplies without transposing the
-    weight, which measured (one thread, SmolLM2 shapes) 10-30% faster at 64-128 rows with the same results bit
-    for bit; a whole decode step of 86 rows 13% faster, of 128 rows 7%. The lm_head keeps its layout (no gain
-    measured; tied, it is the embedding's rows). Names and shapes do not change. Other tensors: unchanged."""
-    if name.startswith("model.layers.") and name.endswith("_proj.weight"):
-        return _kn_storage(weight)
-    return weight
-
-
-def _kn_storage(weight: torch.Tensor) -> torch.Tensor:
-    if weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2:
-        return weight.t().contiguous().t()
-    return weight
-
-
-def fuse_linears(parts: list[nn.Linear]) -> Linear:
-    """One `Linear` whose output is the parts' outputs side by side (q/k/v, or gate/up): one weight stream and one
-    call instead of several. The parts' parameters become views of the fused ones (names, shapes and memory
-    unchanged); the fused layer is not a submodule, so the state dict keeps the checkpoint's names."""
-    w = _joined([p.weight for p in parts])
-    if w is None:
-        w = _kn_storage(torch.cat([p.weight.detach() for p in parts]))
-    fused = Linear(w.shape[1], w.shape[0], bias=parts[0].bias is not None, device="meta")
-    fused.weight = nn.Parameter(w, requires_grad=False)
-    if parts[0].bias is not None:
-        b = _joined([p.bias for p in parts])
-        b = b if b is not None else torch.cat([p.bias.detach() for p in parts])
-        fused.bias = nn.Parameter(b, requires_grad=False)
-    _share_rows(fused, parts)
-    return fused
-
-
-def _joined(ts: list[torch.Tensor]) -> torch.Tensor | None:
-    """The tensors as one, without a copy, when they are consecutive row ranges of one buffer (the loader puts
-    the parts of a fused projection there); else None."""
-    first = ts[0]
-    offset = first.storage_offset()
-    for t in ts:
-        same = t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() and t.stride() == first.stride()
-        if not same or t.storage_offset() != offset:
-            return None
-        offset += t.shape[0] * t.stride(0)
-    rows = sum(t.shape[0] for t in ts)
-    return first.detach().as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
-
-
-def _share_rows(fused: Linear, parts: list[nn.Linear]) -> None:
-    """Point each part's weight (bias, int8 scales) at its rows of the fused layer's."""
-    start = 0
-    for p in parts:
-        rows = slice(start, start + p.out_features)
-        p.weight = nn.Parameter(fused.weight[rows], requires_grad=False)
-        if p.bias is not None:
-            p.bias = nn.Parameter(fused.bias[rows], requires_grad=False)
-        if fused.scales is not None:
-            p.scales = fused.scales[rows]
-        start += p.out_features
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """`out`: a tensor of `x`'s shape and dtype to write the result into (the caller's dead input), so a step
-        allocates one `[tokens, hidden]` buffer fewer; the same values bit for bit (products commute)."""
-        dtype = x.dtype
-        xf = x.float()
-        inv = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        if out is None or self.weight.dtype != dtype:
-            return self.weight * (xf * inv).to(dtype)
-        if xf is x:  # float32: the product goes straight into `out`
-            torch.mul(xf, inv, out=out)
-        else:  # `xf` is this call's own float32 copy: scale it in place, round into `out` as `.to` rounds
-            out.copy_(xf.mul_(inv))
-        return out.mul_(self.weight)
-
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """`residual += x; return norm(residual), residual` (the first layer starts the residual).
-
-        Both in place: `x` (a layer's output or a stage's input) and the residual are owned by the forward pass
-        and `x` is dead after the add, so the sum goes into the residual and the norm into `x`. On a 1B
-        model's 512-token chunk that is two 4 MiB buffers fewer per norm at the step's peak. The caller must
-        not read `x` or the residual it passed afterwards."""
-        if residual is None:
-            return self(x), x
-        residual.add_(x)  # x + residual, the same bits (addition commutes)
-        return self(residual, out=x), residual
-
-
-class Rotary(nn.Module):
-    """Rotate-half RoPE as Hugging Face computes it. One instance serves every layer of a stage: the cos/sin
-    table is built once (a 4096-position table is 2 MiB in float32; one per layer was 60 MiB for SmolLM2), and
-    the rows for a batch's positions are gathered once per forward, not once per layer."""
-
-    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None = None) -> None:
-        super().__init__()
-        self.head_dim, self.theta, self.scaling = head_dim, theta, scaling or RopeScaling()
-        self._cos = self._sin = torch.empty(0)
-        self._rows: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
-        self._covered: torch.Tensor | None = None  # the last `positions` `tables` grew the tables for
-
-    def _table(self, n: int, device: torch.device) -> None:
-        size = max(n, 2 * self._cos.shape[0], 4096)
-        inv_freq, factor = self.scaling.inv_freq(self.head_dim, self.theta)
-        freqs = torch.outer(torch.arange(size, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self._cos, self._sin = (emb.cos() * factor).to(device), (emb.sin() * factor).to(device)
-
-    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, device: torch.device):
-        # Every layer of one forward passes the same `positions` tensor: gather its rows for the first only.
-        if self._rows is not None and self._rows[0] is positions and self._rows[1] == dtype:
-            return self._rows[2], self._rows[3]
-        need = int(positions.max()) + 1 if positions.numel() else 0
-        if need > self._cos.shape[0] or self._cos.device != device:
-            self._table(need, device)
-        cos = self._cos[positions].unsqueeze(1).to(dtype)  # [T, 1, D]
-        sin = self._sin[positions].unsqueeze(1).to(dtype)
-        self._rows = (positions, dtype, cos, sin)
-        return cos, sin
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self._cos_sin(positions, q.dtype, q.device)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole float32 cos and sin tables `[P, D]`, grown to cover `positions` (checked once per forward)."""
-        if self._covered is not positions:
-            need = int(positions.max()) + 1 if positions.numel() else 0
-            if need > self._cos.shape[0] or self._cos.device != positions.device:
-                self._table(need, positions.device)
-            self._covered = positions
-        return self._cos, self._sin
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`x * cos + rotate_half(x) * sin`, the same operations in the same order (so the same bits) with two
-    temporaries fewer: the products land in buffers this function owns."""
-    x1, x2 = x.chunk(2, dim=-1)
-    rot = torch.cat((x2, x1), dim=-1)
-    rot[..., : x1.shape[-1]].neg_()
-    return (x * cos).add_(rot.mul_(sin))
-
-
-class Attention(nn.Module):
-    """`cfg` is the rank's shard under tensor parallelism (its heads, `TPShard.local_config`); `tp` then sums the
-    row-parallel o_proj's partial outputs."""
-
-    def __init__(self, cfg: ModelConfig, rotary: Rotary | None = None, tp: TPGroup | None = None) -> None:
-        super().__init__()
-        self.tp = tp
-        h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = h, kvh, d
-        self.q_proj = Linear(cfg.hidden_size, h * d, bias=cfg.attention_bias)
-        self.k_proj = Linear(cfg.hidden_size, kvh * d, bias=cfg.attention_bias)
-        self.v_proj = Linear(cfg.hidden_size, kvh * d, bias=cfg.attention_bias)
-        self.o_proj = Linear(h * d, cfg.hidden_size, bias=False)
-        self.__dict__["qkv"] = None  # `fuse_linears` of q/k/v once the weights are in (not a submodule)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.qk_norm = cfg.qk_norm
-        self.rotary = rotary if rotary is not None else Rotary(d, cfg.rope_theta, cfg.rope_scaling)
-        self.scale = d**-0.5
-
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: tuple[torch.Tensor, torch.Tensor] | None):
-        t = x.shape[0]
-        if self.qkv is not None:
-            sizes = [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features]
-            q, k, v = self.qkv(x).split(sizes, dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(batch.positions, q, k)
-        k_cache, v_cache = kv if kv is not None else (None, None)
-        out = paged_attention(q, k, v, batch, k_cache, v_cache, self.scale)
-        out = self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
-        return self.tp.all_reduce(out) if self.tp else out
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
-        super().__init__()
-        self.tp = tp
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.__dict__["gate_up"] = None  # `fuse_linears` of gate/up once the weights are in (not a submodule)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self._slices(x)
-        return self.tp.all_reduce(out) if self.tp else out  # row-parallel down_proj: one sum per layer
-
-    def _slices(self, x: torch.Tensor) -> torch.Tensor:
-        pieces = mlp_slices(x.shape[0], self.gate_proj.out_features, x.element_size())
-        if pieces == 1:
-            return self._rows(x)
-        # A long prefill chunk a slice of rows at a time: its `[tokens, intermediate]` gate and up buffers are
-        # the largest tensors a step makes (2 x 11 MiB for a 512-token chunk of a 1B model). Each row's result
-        # is the same whatever the slice (`tests/test_forward_memory.py`).
-        out = x.new_empty(x.shape[0], self.down_proj.out_features)
-        for dst, src in zip(out.tensor_split(pieces), x.tensor_split(pieces), strict=True):
-            dst.copy_(self._rows(src))
-        return out
-
-    def _rows(self, x: torch.Tensor) -> torch.Tensor:
-        # In place: one [tokens, intermediate] buffer fewer, with the same values bit for bit.
-        if self.gate_up is not None:
-            h, up = self.gate_up(x).split(self.gate_proj.out_features, dim=-1)
-        else:
-            h, up = self.gate_proj(x), self.up_proj(x)
-        F.silu(h, inplace=True)
-        return self.down_proj(h.mul_(up))
-
-
-MLP_SLICE_BYTES = 8 * 2**20  # an MLP step's [rows, intermediate] buffers above this are cut into row slices
-
-
-def mlp_slices(tokens: int, intermediate: int, elt: int) -> int:
-    """How many equal row slices an MLP step runs in: enough that each `[rows, intermediate]` buffer is at most
-    `MLP_SLICE_BYTES`, but none under 128 rows (slower matmuls per row, and each slice reads the weights again)."""
-    return max(1, min(-(-tokens * intermediate * elt // MLP_SLICE_BYTES), tokens // 128))
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: Rotary | None = None, tp: TPGroup | None = None) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary, tp)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, tp)
-
-    small_ops = False  # `prepare_linears` turns it on where `layer_ops` can run this layer's small steps
-
-    def forward(self, hidden, residual, batch: ForwardBatch, kv):
-        small = self.small_ops and kv is not None and hidden.shape[0] <= layer_ops.MAX_ROWS and batch.cp is None
-        if small and hidden.is_contiguous() and (residual is None or residual.is_contiguous()):
-            return self._small_step(hidden, residual, batch, kv)
-        h, residual = self.input_layernorm.add_forward(hidden, residual)
-        h = self.self_attn(h, batch, kv)
-        h, residual = self.post_attention_layernorm.add_forward(h, residual)
-        return self.mlp(h), residual
-
-    def _small_step(self, hidden, residual, batch: ForwardBatch, kv):
-        """The same layer for a step of a few rows: each elementwise stage one native call (`layer_ops`)."""
-        attn, mlp = self.self_attn, self.mlp
-        h, residual = layer_ops.add_rmsnorm(hidden, residual, self.input_layernorm.weight, self.input_layernorm.eps)
-        q = layer_ops.rope_store(attn.qkv(h), attn.num_heads, attn.num_kv_heads, attn.head_dim, batch.positions,
-                                 attn.rotary.tables(batch.positions), kv[0], kv[1], batch.slot_mapping)  # fmt: skip
-        out = paged_attention(q, None, None, batch, kv[0], kv[1], attn.scale)  # k and v are in the cache
-        out = attn.o_proj(out.view(q.shape[0], -1))
-        if attn.tp:
-            out = attn.tp.all_reduce(out)
-        norm = self.post_attention_layernorm
-        h, residual = layer_ops.add_rmsnorm(out, residual, norm.weight, norm.eps)
-        out = mlp.down_proj(layer_ops.silu_mul(mlp.gate_up(h)))
-        return (mlp.tp.all_reduce(out) if mlp.tp else out), residual
-
-
-class MissingLayer(nn.Identity):
-    """Placeholder for a layer another stage owns: no parameters, never called."""
-
-
-def _embedding(vocab: int, hidden: int) -> nn.Embedding:
-    """On the meta device (the loader's, before the real weights are assigned) the embedding skips its random
-    init: `normal_` on a meta tensor imports torch's compiler stack (dynamo, inductor: ~800 modules), which stays
-    resident (measured: 69 MiB of a stage 0's anonymous memory, for values that are thrown away)."""
-    if torch.get_default_device().type == "meta":
-        return nn.Embedding(vocab, hidden, _weight=torch.empty(vocab, hidden))
-    return nn.Embedding(vocab, hidden)
+from ringsched.models.decoder_layer import DecoderLayer, MissingLayer
+from ringsched.models.fused_linear import cpu_layout
+from ringsched.models.rmsnorm import RMSNorm
+from ringsched.models.rope import Rotary
+from ringsched.models.tp import SoloGroup, TPGroup
+from ringsched.models.vocab import lm_head, vocab_embedding
 
 
 class StageModel(nn.Module):
-    """The part of a decoder one stage runs (one rank's shard of it under tensor parallelism: `tp`). `state_dict`
-    names are the Hugging Face ones; `cfg` is the whole model's."""
+    """The part of a decoder one stage runs (one rank's shard of it under tensor parallelism: `tp`, the stage's
+    group; None for a stage of one rank). `state_dict` names are the Hugging Face ones; `cfg` is the whole
+    model's. The layers are the tensor-parallel types (`models/parallel_linear.py`, `models/vocab.py`), chosen
+    here once: the forward code is the same with and without tensor parallelism."""
 
     def __init__(self, cfg: ModelConfig, stage: StageInfo, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.cfg, self.stage, self.tp = cfg, stage, tp
-        local = tp.shard.local_config(cfg) if tp else cfg
-        self.vocab_start = tp.shard.vocab(cfg)[0] if tp else 0
+        group = tp if tp is not None else SoloGroup()
         self.model = nn.Module()
         if stage.is_first:
-            self.model.embed_tokens = _embedding(local.vocab_size, cfg.hidden_size)
+            self.model.embed_tokens = vocab_embedding(cfg, group)
         rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)  # shared by the stage's layers
         self.model.layers = nn.ModuleList(
-            DecoderLayer(local, rotary, tp) if stage.owns(i) else MissingLayer() for i in range(cfg.num_layers)
+            DecoderLayer(cfg, rotary, group) if stage.owns(i) else MissingLayer() for i in range(cfg.num_layers)
         )
         if stage.is_last:
             self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-            self.lm_head = Linear(cfg.hidden_size, local.vocab_size, bias=False)
+            self.lm_head = lm_head(cfg, group)
 
     def forward(
         self,
@@ -343,7 +59,7 @@ class StageModel(nn.Module):
         the final-normed hidden states of `batch.logit_rows` ([S, hidden]). `layers`: the held layers to run
         (default all; a flexible cut runs part of them)."""
         if self.stage.is_first:
-            hidden, residual = self._embed(input_ids), None
+            hidden, residual = self.model.embed_tokens(input_ids), None
         else:
             assert proxy is not None, "a non-first stage needs the previous stage's proxy tensors"
             hidden, residual = proxy["hidden_states"], proxy["residual"]
@@ -370,18 +86,6 @@ class StageModel(nn.Module):
         whole = self.__dict__.get("decode_layers")
         return whole is not None and whole.takes(batch)
 
-    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if not self.tp:
-            return self.model.embed_tokens(input_ids)
-        # Vocabulary-parallel: the rank holding a token's row contributes it, the others zeros; the sum is
-        # exact (one nonzero term).
-        rows = self.model.embed_tokens.weight.shape[0]
-        local = input_ids - self.vocab_start
-        outside = (local < 0) | (local >= rows)
-        out = self.model.embed_tokens(local.clamp(0, rows - 1))
-        out[outside] = 0
-        return self.tp.all_reduce(out)
-
     def lay_out_for_cpu(self) -> StageModel:
         """`cpu_layout` applied to every parameter (models built in place, such as the partition probe's)."""
         for name, p in list(self.named_parameters()):
@@ -393,14 +97,8 @@ class StageModel(nn.Module):
 
     def fusion_groups(self) -> list[list[tuple[str, nn.Linear]]]:
         """(parameter prefix, module) of each group of projections `prepare_linears` fuses: q/k/v and gate/up."""
-        groups = []
-        for i, layer in enumerate(self.model.layers):
-            if not isinstance(layer, MissingLayer):
-                a, m = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
-                attn, mlp = layer.self_attn, layer.mlp
-                groups.append([(f"{a}.{n}", getattr(attn, n)) for n in ("q_proj", "k_proj", "v_proj")])
-                groups.append([(f"{m}.gate_proj", mlp.gate_proj), (f"{m}.up_proj", mlp.up_proj)])
-        return groups
+        layers = enumerate(self.model.layers)
+        return [g for i, y in layers if not isinstance(y, MissingLayer) for g in y.fusion_groups(f"model.layers.{i}")]
 
     def prepare_linears(self, quantization: str = "none") -> StageModel:
         """After the weights are in: fuse each layer's q/k/v and gate/up projections, quantise the projections and
@@ -408,23 +106,8 @@ class StageModel(nn.Module):
         from ringsched.models.quantize import quantize_linear  # quantize imports small_linear, as this does
 
         for layer in self.model.layers:
-            if isinstance(layer, MissingLayer):
-                continue
-            attn, mlp = layer.self_attn, layer.mlp
-            attn.__dict__["qkv"] = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
-            mlp.__dict__["gate_up"] = fuse_linears([mlp.gate_proj, mlp.up_proj])
-            if quantization == "int8":
-                for fused, parts in ((attn.qkv, [attn.q_proj, attn.k_proj, attn.v_proj]),
-                                     (mlp.gate_up, [mlp.gate_proj, mlp.up_proj])):  # fmt: skip
-                    quantize_linear(fused)
-                    _share_rows(fused, parts)
-                quantize_linear(attn.o_proj)
-                quantize_linear(mlp.down_proj)
-            for lin in (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down_proj):
-                lin.prepare()
-            w = layer.input_layernorm.weight
-            same = layer.post_attention_layernorm.weight.dtype == w.dtype
-            layer.small_ops = not attn.qk_norm and same and layer_ops.usable(w.dtype, w.device)
+            if not isinstance(layer, MissingLayer):
+                layer.prepare_linears(quantization)
         if self.stage.is_last:
             if quantization == "int8":
                 quantize_linear(self.lm_head)
@@ -433,63 +116,9 @@ class StageModel(nn.Module):
         return self
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`[S, vocab]` logits, computed a vocabulary chunk at a time exactly as `greedy_tokens` computes them,
-        so a greedy request gets the same token whichever of the two paths its batch takes. Under tensor
-        parallelism each rank computes its rows' logits and every rank gathers the whole row (sampling then
-        draws from exactly what one rank would)."""
-        logits = self._local_logits(hidden)
-        if not self.tp:
-            return logits
-        per = self.tp.shard.vocab_per_rank(self.cfg)
-        if logits.shape[1] < per:  # the last rank's slice is short: pad, gather, cut
-            logits = F.pad(logits, (0, per - logits.shape[1]), value=float("-inf"))
-        return torch.cat(self.tp.all_gather(logits), dim=1)[:, : self.cfg.vocab_size]
-
-    def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        vocab = self.lm_head.weight.shape[0]
-        out = None
-        for start, logits in self._logit_chunks(hidden):
-            if start == 0 and logits.shape[-1] == vocab:
-                return logits  # one chunk (GPU): no copy
-            if out is None:
-                out = hidden.new_empty(hidden.shape[0], vocab)
-            out[:, start : start + logits.shape[-1]] = logits
-        return out
+        """`[S, vocab]` logits of the final hidden states (`LMHead.logits`), whole under tensor parallelism."""
+        return self.lm_head.logits(hidden)
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`[S]` argmax of the logits (the first on ties, as `argmax`) without the `[S, vocab]` logits: on CPU each
-        vocabulary chunk's logits are reduced while they are in cache. Measured on SmolLM2 (128 rows, 49152
-        words, one thread): the same tokens, ~7% faster than logits then argmax (8192-word chunks then), and
-        a chunk's logits instead of the whole `[128, 49152]` (24 MiB)."""
-        best_val = best_idx = None
-        for start, logits in self._logit_chunks(hidden):
-            val, idx = logits.max(dim=-1)
-            if best_val is None:
-                best_val, best_idx = val, idx
-                continue
-            better = val > best_val  # strictly: an equal value in a later chunk is a later index
-            best_val = torch.where(better, val, best_val)
-            best_idx = torch.where(better, idx + start, best_idx)
-        if not self.tp:
-            return best_idx
-        # Each rank's best of its vocabulary rows; the best of those, the lowest rank (lowest word) on ties.
-        mine = torch.stack((best_val.double(), (best_idx + self.vocab_start).double()))
-        every = torch.stack(self.tp.all_gather(mine))  # [ranks, 2, S]
-        rank = every[:, 0].argmax(dim=0)  # the first maximum
-        return every[rank, 1, torch.arange(rank.numel(), device=rank.device)].long()
-
-    def _logit_chunks(self, hidden: torch.Tensor):
-        """(first word, logits `[S, chunk]`) per vocabulary chunk of the lm_head: on a GPU one launch over the
-        whole vocabulary is cheapest; on CPU `HEAD_VOCAB_CHUNK` words (0.5 MiB of logits at 128 rows)."""
-        head = self.lm_head
-        if hidden.shape[0] <= head.max_rows:  # the native kernel: one pass over the vocabulary
-            yield 0, head(hidden)
-            return
-        w = head.weight
-        chunk = HEAD_VOCAB_CHUNK if hidden.device.type == "cpu" else w.shape[0]
-        widen = head.widen_rows and hidden.shape[0] >= head.widen_rows and hidden.dtype == torch.bfloat16
-        for start in range(0, w.shape[0], chunk):
-            rows = w[start : start + chunk]
-            if head.scales is not None:  # int8: this chunk's float rows
-                rows = rows.to(hidden.dtype) * head.scales[start : start + chunk, None].to(hidden.dtype)
-            yield start, widened_linear(hidden, rows) if widen else F.linear(hidden, rows)
+        """`[S]` argmax of the logits, the first on ties, without building them whole (`LMHead.greedy`)."""
+        return self.lm_head.greedy(hidden)

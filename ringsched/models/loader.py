@@ -2,8 +2,9 @@
 parallel slice, from the safetensors files.
 
 The model is built on the meta device (no memory), then each owned parameter is read lazily by name (sliced on
-read under tensor parallelism: `TPShard.slice_of`) and assigned. With tied embeddings the last stage reads
-`model.embed_tokens.weight` as its `lm_head.weight` even though it does not own the embedding.
+read under tensor parallelism: the part its layer type holds, `parallel_linear.read_slices`) and assigned. With
+tied embeddings the last stage reads `model.embed_tokens.weight` as its `lm_head.weight` even though it does not
+own the embedding.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from safetensors import safe_open
 
 from ringsched.layout.rank import StageInfo
 from ringsched.models.config import ModelConfig
-from ringsched.models.llama import StageModel, cpu_layout
-from ringsched.models.tp import TPGroup, TPShard
+from ringsched.models.fused_linear import cpu_layout
+from ringsched.models.llama import StageModel
+from ringsched.models.parallel_linear import read_slices
+from ringsched.models.tp import TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -56,10 +59,10 @@ def load_stage_model(
     fused projections, `quantization` "int8" or "none")."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
-    shard = tp.shard if tp else TPShard()
     with torch.device("meta"):
         model = StageModel(cfg, stage, tp)
     index = weight_index(model_dir)
+    slices = read_slices(model)
     wanted = list(model.state_dict().keys())
     by_file: dict[Path, list[tuple[str, str]]] = {}
     for name in wanted:
@@ -77,7 +80,7 @@ def load_stage_model(
             # copying tensors (the CPU layout) through one handle held the file twice at the peak (measured
             # for SmolLM2: 1039 MiB peak against 638 this way).
             with safe_open(path, framework="pt", device="cpu") as f:
-                t = _read(f, source, shard.slice_of(name, cfg))
+                t = _read(f, source, slices.get(name))
             if stats is not None:
                 stats.tensors_read.append(source)
                 stats.bytes_read += t.numel() * t.element_size()

@@ -6,7 +6,9 @@ intermediate), o_proj and down_proj row-parallel (each rank's partial sum, then 
 Attention is split by whole GQA groups while `tp <= num_kv_heads` (as evenly as they go); past that each rank
 stores one whole KV head, the one its query heads read (replicated: `tp / num_kv_heads` ranks hold each). The
 embedding and the lm_head are split by vocabulary rows: a token's embedding comes from the rank holding its row
-(an all-reduce of zeros elsewhere); each rank computes its slice of the logits.
+(an all-reduce of zeros elsewhere); each rank computes its slice of the logits. The layer types that hold these
+slices and run these collectives are in `models/parallel_linear.py` and `models/vocab.py`; a stage of one rank
+builds them over `SoloGroup`.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ class TPShard:
 
     Attention is split by whole GQA groups (a KV head and the query heads that read it), so every rank's heads
     keep the model's grouping: while `size <= num_kv_heads` the groups are shared out as evenly as they go
-    (SmolLM2's 3 KV heads over 2 ranks: 2 and 1); past that each group's query heads are split over
+    (SmolLM2's 3 KV heads over 2 ranks: 1 and 2); past that each group's query heads are split over
     `size / num_kv_heads` ranks, each of which stores the group's whole KV head. The MLP width and the vocabulary
     are cut as evenly as they go."""
 
@@ -103,40 +105,14 @@ class TPShard:
         return -(-cfg.vocab_size // self.size)
 
     def local_config(self, cfg: ModelConfig) -> ModelConfig:
-        """The model as this rank builds it: its heads, KV heads, MLP width and vocabulary rows (the layer code
-        reads every size from its tensors' shapes, so it runs unchanged on a shard)."""
+        """The model's sizes as this rank holds them: its heads, KV heads, MLP width and vocabulary rows (the
+        worker sizes its KV pool by its own KV heads)."""
         if self.size == 1:
             return cfg
         return dataclasses.replace(
             cfg, num_heads=self.heads(cfg)[1], num_kv_heads=self.kv_heads(cfg)[1],
             intermediate_size=self.intermediate(cfg)[1], vocab_size=self.vocab(cfg)[1],
         )  # fmt: skip
-
-    def slice_of(self, name: str, cfg: ModelConfig) -> tuple[int, int, int] | None:
-        """(dim, start, stop) of tensor `name` (a Hugging Face name) this rank reads, or None for the whole."""
-        if self.size == 1:
-            return None
-        d = cfg.head_dim
-        last = name.rsplit(".", 2)[-2]  # the module: q_proj, embed_tokens, ...
-        if last in ("embed_tokens", "lm_head"):
-            start, n = self.vocab(cfg)
-            return 0, start, start + n
-        if last == "q_proj":
-            start, n = self.heads(cfg)
-            return 0, start * d, (start + n) * d
-        if last in ("k_proj", "v_proj"):
-            start, n = self.kv_heads(cfg)
-            return 0, start * d, (start + n) * d
-        if last == "o_proj":
-            start, n = self.heads(cfg)
-            return 1, start * d, (start + n) * d
-        if last in ("gate_proj", "up_proj"):
-            start, n = self.intermediate(cfg)
-            return 0, start, start + n
-        if last == "down_proj":
-            start, n = self.intermediate(cfg)
-            return 1, start, start + n
-        return None  # norms: every rank holds them whole
 
 
 class TPGroup:
@@ -194,3 +170,17 @@ class TPGroup:
         return {"tp_all_reduces": self.all_reduces, "tp_all_reduce_bytes": self.all_reduce_bytes,
                 "tp_gathers": self.gathers, "tp_gather_bytes": self.gather_bytes,
                 "tp_wait_s": self.shm.wait_s if self.shm else 0.0}  # fmt: skip
+
+
+class SoloGroup(TPGroup):
+    """The group of a stage of one rank: every collective returns its input and counts nothing, so the
+    parallel layer types (`models/parallel_linear.py`) serve such a stage unchanged."""
+
+    def __init__(self) -> None:
+        super().__init__(TPShard(), None)
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        return [t]

@@ -1,0 +1,177 @@
+"""A decoder layer (or one rank's shard of it under tensor parallelism): attention over the paged KV cache and
+the SiLU MLP, each between a fused residual-add RMSNorm. The projections are the tensor-parallel types
+(`models/parallel_linear.py`), so the same forward code runs with and without tensor parallelism.
+
+A layer writes over its inputs (residual add and norms in place, long prefill MLP steps in row slices: fewer
+activation buffers, the same values); a step of a few rows runs its elementwise stages as native calls
+(`layer_ops`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ringsched.models import layer_ops
+from ringsched.models.attention import ForwardBatch, paged_attention
+from ringsched.models.config import ModelConfig
+from ringsched.models.fused_linear import fuse_linears, share_rows
+from ringsched.models.parallel_linear import ColumnParallelLinear, RowParallelLinear
+from ringsched.models.rmsnorm import RMSNorm
+from ringsched.models.rope import Rotary
+from ringsched.models.tp import SoloGroup, TPGroup
+
+
+class Attention(nn.Module):
+    """The rank's heads of a layer's attention (`group.shard`: all of them on a stage of one rank): q/k/v
+    column-parallel, o_proj row-parallel. `cfg` is the whole model's."""
+
+    def __init__(self, cfg: ModelConfig, rotary: Rotary | None = None, group: TPGroup | None = None) -> None:
+        super().__init__()
+        group = group if group is not None else SoloGroup()
+        (q0, h), (k0, kvh) = group.shard.heads(cfg), group.shard.kv_heads(cfg)
+        d, hidden, bias = cfg.head_dim, cfg.hidden_size, cfg.attention_bias
+        self.num_heads, self.num_kv_heads, self.head_dim = h, kvh, d
+        self.q_proj = ColumnParallelLinear(hidden, (q0 * d, h * d), cfg.num_heads * d, bias)
+        self.k_proj = ColumnParallelLinear(hidden, (k0 * d, kvh * d), cfg.num_kv_heads * d, bias)
+        self.v_proj = ColumnParallelLinear(hidden, (k0 * d, kvh * d), cfg.num_kv_heads * d, bias)
+        self.o_proj = RowParallelLinear((q0 * d, h * d), cfg.num_heads * d, hidden, group)
+        self.__dict__["qkv"] = None  # `fuse_linears` of q/k/v once the weights are in (not a submodule)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+        self.rotary = rotary if rotary is not None else Rotary(d, cfg.rope_theta, cfg.rope_scaling)
+        self.scale = d**-0.5
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: tuple[torch.Tensor, torch.Tensor] | None):
+        t = x.shape[0]
+        if self.qkv is not None:
+            sizes = [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features]
+            q, k, v = self.qkv(x).split(sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(batch.positions, q, k)
+        k_cache, v_cache = kv if kv is not None else (None, None)
+        out = paged_attention(q, k, v, batch, k_cache, v_cache, self.scale)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """The rank's rows of a layer's MLP (`group.shard.intermediate`): gate/up column-parallel, down_proj
+    row-parallel. `cfg` is the whole model's."""
+
+    def __init__(self, cfg: ModelConfig, group: TPGroup | None = None) -> None:
+        super().__init__()
+        group = group if group is not None else SoloGroup()
+        part, hidden, inter = group.shard.intermediate(cfg), cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = ColumnParallelLinear(hidden, part, inter, bias=False)
+        self.up_proj = ColumnParallelLinear(hidden, part, inter, bias=False)
+        self.down_proj = RowParallelLinear(part, inter, hidden, group)
+        self.__dict__["gate_up"] = None  # `fuse_linears` of gate/up once the weights are in (not a submodule)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj.reduce(self._slices(x))  # one sum per layer, after every row slice
+
+    def _slices(self, x: torch.Tensor) -> torch.Tensor:
+        pieces = mlp_slices(x.shape[0], self.gate_proj.out_features, x.element_size())
+        if pieces == 1:
+            return self._rows(x)
+        # A long prefill chunk a slice of rows at a time: its `[tokens, intermediate]` gate and up buffers are
+        # the largest tensors a step makes (2 x 11 MiB for a 512-token chunk of a 1B model). Each row's result
+        # is the same whatever the slice (`tests/test_forward_memory.py`).
+        out = x.new_empty(x.shape[0], self.down_proj.out_features)
+        for dst, src in zip(out.tensor_split(pieces), x.tensor_split(pieces), strict=True):
+            dst.copy_(self._rows(src))
+        return out
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        # In place: one [tokens, intermediate] buffer fewer, with the same values bit for bit.
+        if self.gate_up is not None:
+            h, up = self.gate_up(x).split(self.gate_proj.out_features, dim=-1)
+        else:
+            h, up = self.gate_proj(x), self.up_proj(x)
+        F.silu(h, inplace=True)
+        return self.down_proj.partial_sum(h.mul_(up))
+
+
+MLP_SLICE_BYTES = 8 * 2**20  # an MLP step's [rows, intermediate] buffers above this are cut into row slices
+
+
+def mlp_slices(tokens: int, intermediate: int, elt: int) -> int:
+    """How many equal row slices an MLP step runs in: enough that each `[rows, intermediate]` buffer is at most
+    `MLP_SLICE_BYTES`, but none under 128 rows (slower matmuls per row, and each slice reads the weights again)."""
+    return max(1, min(-(-tokens * intermediate * elt // MLP_SLICE_BYTES), tokens // 128))
+
+
+class DecoderLayer(nn.Module):
+    """One decoder layer, or the rank's shard of it over `group` (`cfg` is the whole model's)."""
+
+    def __init__(self, cfg: ModelConfig, rotary: Rotary | None = None, group: TPGroup | None = None) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, rotary, group)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, group)
+
+    small_ops = False  # `prepare_linears` turns it on where `layer_ops` can run this layer's small steps
+
+    def fusion_groups(self, prefix: str) -> list[list[tuple[str, nn.Linear]]]:
+        """(parameter prefix, module) of each group of projections `prepare_linears` fuses: q/k/v and gate/up;
+        `prefix` is the layer's (`model.layers.3`)."""
+        attn, mlp = self.self_attn, self.mlp
+        a, m = f"{prefix}.self_attn", f"{prefix}.mlp"
+        return [[(f"{a}.{n}", getattr(attn, n)) for n in ("q_proj", "k_proj", "v_proj")],
+                [(f"{m}.gate_proj", mlp.gate_proj), (f"{m}.up_proj", mlp.up_proj)]]  # fmt: skip
+
+    def prepare_linears(self, quantization: str = "none") -> None:
+        """After the weights are in: fuse q/k/v and gate/up, quantise the projections (`int8`:
+        `models/quantize.py`), let each linear layer pick its kernel, and decide `small_ops`."""
+        from ringsched.models.quantize import quantize_linear  # quantize imports small_linear, as this does
+
+        attn, mlp = self.self_attn, self.mlp
+        attn.__dict__["qkv"] = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
+        mlp.__dict__["gate_up"] = fuse_linears([mlp.gate_proj, mlp.up_proj])
+        if quantization == "int8":
+            for fused, parts in ((attn.qkv, [attn.q_proj, attn.k_proj, attn.v_proj]),
+                                 (mlp.gate_up, [mlp.gate_proj, mlp.up_proj])):  # fmt: skip
+                quantize_linear(fused)
+                share_rows(fused, parts)
+            quantize_linear(attn.o_proj)
+            quantize_linear(mlp.down_proj)
+        for lin in (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down_proj):
+            lin.prepare()
+        w = self.input_layernorm.weight
+        same = self.post_attention_layernorm.weight.dtype == w.dtype
+        self.small_ops = not attn.qk_norm and same and layer_ops.usable(w.dtype, w.device)
+
+    def forward(self, hidden, residual, batch: ForwardBatch, kv):
+        small = self.small_ops and kv is not None and hidden.shape[0] <= layer_ops.MAX_ROWS and batch.cp is None
+        if small and hidden.is_contiguous() and (residual is None or residual.is_contiguous()):
+            return self._small_step(hidden, residual, batch, kv)
+        h, residual = self.input_layernorm.add_forward(hidden, residual)
+        h = self.self_attn(h, batch, kv)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
+
+    def _small_step(self, hidden, residual, batch: ForwardBatch, kv):
+        """The same layer for a step of a few rows: each elementwise stage one native call (`layer_ops`)."""
+        attn, mlp = self.self_attn, self.mlp
+        h, residual = layer_ops.add_rmsnorm(hidden, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+        q = layer_ops.rope_store(attn.qkv(h), attn.num_heads, attn.num_kv_heads, attn.head_dim, batch.positions,
+                                 attn.rotary.tables(batch.positions), kv[0], kv[1], batch.slot_mapping)  # fmt: skip
+        out = paged_attention(q, None, None, batch, kv[0], kv[1], attn.scale)  # k and v are in the cache
+        out = attn.o_proj(out.view(q.shape[0], -1))
+        norm = self.post_attention_layernorm
+        h, residual = layer_ops.add_rmsnorm(out, residual, norm.weight, norm.eps)
+        return mlp.down_proj(layer_ops.silu_mul(mlp.gate_up(h))), residual
+
+
+class MissingLayer(nn.Identity):
+    """Placeholder for a layer another stage owns: no parameters, never called."""
