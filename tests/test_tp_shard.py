@@ -100,8 +100,8 @@ class ThreadTP(TPGroup):
         self.all_reduces += 1
         return t.copy_(torch.stack(parts).sum(0))
 
-    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
-        return self.threads.exchange(self.rank, t)
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.stack(self.threads.exchange(self.rank, t))
 
 
 def _greedy(model, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:

@@ -17,9 +17,9 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from ringsched.comm.shm_group import ShmCollectives
+from ringsched.comm.stage_group import StageGroup
 from ringsched.models.config import ModelConfig
 
 
@@ -115,39 +115,13 @@ class TPShard:
         )  # fmt: skip
 
 
-class TPGroup:
-    """The collectives of one rank of a stage's tensor-parallel group, counted (calls and bytes) for the
-    benchmarks and `/metrics`. `group` is the torch.distributed group of the stage's ranks; `shm`, where given
-    (CPU ranks of one node), carries them instead through shared memory (`comm/shm_group.py`)."""
+class TPGroup(StageGroup):
+    """The collectives of one rank of a stage's tensor-parallel group (`StageGroup`: counted, through shared
+    memory between CPU ranks of a node, else the process group), and the seam's shard and gather."""
 
     def __init__(self, shard: TPShard, group, shm: ShmCollectives | None = None) -> None:
-        self.shard, self.group, self.shm = shard, group, shm
-        self.rank, self.size = shard.rank, shard.size
-        self.all_reduces = 0
-        self.all_reduce_bytes = 0
-        self.gathers = 0
-        self.gather_bytes = 0
-
-    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum `t` over the group in place (a row-parallel layer's partial sums; an embedding's rows)."""
-        if self.shm:
-            self.shm.all_reduce(t)
-        else:
-            dist.all_reduce(t, group=self.group)
-        self.all_reduces += 1
-        self.all_reduce_bytes += t.numel() * t.element_size()
-        return t
-
-    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's `t` (same shape on all), in rank order."""
-        if self.shm:
-            out = list(self.shm.all_gather_into(t, t.new_empty(self.size, *t.shape)))
-        else:
-            out = [torch.empty_like(t) for _ in range(self.size)]
-            dist.all_gather(out, t.contiguous(), group=self.group)
-        self.gathers += 1
-        self.gather_bytes += t.numel() * t.element_size() * self.size
-        return out
+        super().__init__(shard.rank, shard.size, group, shm, prefix="tp")
+        self.shard = shard
 
     def seam_shard(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's 1/size of a seam tensor (a contiguous view of the flattened tensor, no copy)."""
@@ -157,19 +131,7 @@ class TPGroup:
 
     def seam_gather(self, shard: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         """The whole seam tensor of `shape` from every rank's `seam_shard`, gathered straight into one buffer."""
-        out = shard.new_empty(shape)
-        if self.shm:
-            self.shm.all_gather_into(shard, out)
-        else:
-            dist.all_gather(list(out.view(-1).chunk(self.size)), shard, group=self.group)
-        self.gathers += 1
-        self.gather_bytes += out.numel() * out.element_size()
-        return out
-
-    def stats(self) -> dict:
-        return {"tp_all_reduces": self.all_reduces, "tp_all_reduce_bytes": self.all_reduce_bytes,
-                "tp_gathers": self.gathers, "tp_gather_bytes": self.gather_bytes,
-                "tp_wait_s": self.shm.wait_s if self.shm else 0.0}  # fmt: skip
+        return self.gather_into(shard, shard.new_empty(shape))
 
 
 class SoloGroup(TPGroup):
@@ -182,5 +144,5 @@ class SoloGroup(TPGroup):
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         return t
 
-    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
-        return [t]
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        return t.unsqueeze(0)

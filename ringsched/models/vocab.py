@@ -134,12 +134,12 @@ class VocabParallelLMHead(Sharded, LMHead):
         logits = super().logits(hidden)
         if logits.shape[1] < self.per_rank:  # the last rank's slice is short: pad, gather, cut
             logits = F.pad(logits, (0, self.per_rank - logits.shape[1]), value=float("-inf"))
-        return torch.cat(self.group.all_gather(logits), dim=1)[:, : self.whole]
+        return torch.cat(self.group.all_gather(logits).unbind(0), dim=1)[:, : self.whole]
 
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         """Each rank's best of its vocabulary rows; the best of those, the lowest rank (lowest word) on ties."""
         best_val, best_idx = self._best(hidden)
         mine = torch.stack((best_val.double(), (best_idx + self.part[0]).double()))
-        every = torch.stack(self.group.all_gather(mine))  # [ranks, 2, S]
+        every = self.group.all_gather(mine)  # [ranks, 2, S]
         rank = every[:, 0].argmax(dim=0)  # the first maximum
         return every[rank, 1, torch.arange(rank.numel(), device=rank.device)].long()
