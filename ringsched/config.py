@@ -2,48 +2,24 @@
 
 Every field mirrors a launcher flag (`pp_async_batch_depth` is `--pp-async-batch-depth`); errors name the flag
 and say what to do. Values that depend on the model (layer count, context length) are checked by
-`EngineConfig.check_against(model_cfg)` once the model is known.
+`EngineConfig.check_against(model_cfg)` once the model is known. The checks themselves are in
+`config_checks.py`; `ConfigError` and `parse_memory` are imported from here too.
 """
 
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ringsched.layout.flex import CYCLE, FLEX_POLICIES, FlexBoundary
+from ringsched.config_checks import CHECKS, DTYPES, ConfigError, check_layer_partition
+from ringsched.config_checks import parse_memory as parse_memory  # importers take it from here
+from ringsched.layout.flex import FLEX_POLICIES, FlexBoundary
 from ringsched.layout.partition import ENV_OVERRIDE, PartitionError, resolve_partition
 from ringsched.layout.rank import Layout
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
-
-
-class ConfigError(ValueError):
-    """A bad flag value; the message names the flag and the fix."""
-
-
-def parse_memory(value: str | int | float) -> int | float:
-    """`--kv-cache-memory`: bytes (`536870912`, `512M`, `2GiB`) or a fraction of free memory (`0.3`)."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        num, unit = float(value), ""
-    else:
-        m = _SIZE.match(str(value))
-        if not m:
-            raise ConfigError(
-                f"--kv-cache-memory {value!r}: give bytes (e.g. 2G, 512MiB) or a fraction like 0.3"
-            )
-        num, unit = float(m.group(1)), (m.group(2) or "").lower().rstrip("b").rstrip("i")
-    if 0 < num <= 1 and unit == "":
-        return num
-    if num < 1:
-        raise ConfigError(f"--kv-cache-memory {value!r} must be positive")
-    return int(num * _UNITS[unit])
 
 
 def _flag(default: Any, help: str, *, type: Callable | None = None, choices: Sequence[str] | None = None,
@@ -143,122 +119,14 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.max_running_requests is None:  # frozen: the derived default is set once, here
             object.__setattr__(self, "max_running_requests", RUNNING_PER_STAGE * max(self.pp_size, 1))
-        # One check per flag, in the fields' order, each with its own message: long, but splitting it would only
-        # scatter the checks away from the fields they guard.
+        check_layer_partition(self)
         if isinstance(self.pp_layer_partition, (list, tuple)):
-            _require(
-                all(isinstance(n, int) and not isinstance(n, bool) for n in self.pp_layer_partition),
-                f"pp_layer_partition {self.pp_layer_partition!r}: give layer counts as integers, e.g. [16, 14]",
-            )
             # One form from here on (it travels to the stages and prints in logs like the flag's).
             object.__setattr__(self, "pp_layer_partition", ",".join(map(str, self.pp_layer_partition)))
-        _require(self.pp_size >= 1, f"--pp-size must be >= 1, got {self.pp_size}")
-        _require(self.tp_size >= 1, f"--tp-size must be >= 1, got {self.tp_size}")
-        _require(self.cp_size >= 1, f"--cp-size must be >= 1, got {self.cp_size}")
-        _require(
-            self.cp_size == 1 or self.tp_size == 1,
-            f"--cp-size {self.cp_size} with --tp-size {self.tp_size}: a stage is either tensor-parallel or "
-            "context-parallel for now; pick one of them (and keep the other at 1)",
-        )
-        _require(
-            self.pp_flex_layers == 0 or self.cp_size == 1,
-            f"--pp-flex-layers runs with --cp-size 1 only (got --cp-size {self.cp_size}): a moving cut's mirrored KV "
-            "rows are not split over context-parallel ranks; leave --pp-flex-layers at 0",
-        )
         if self.enable_prefix_caching is None:
             object.__setattr__(self, "enable_prefix_caching", self.cp_size == 1)
-        _require(
-            not (self.enable_prefix_caching and self.cp_size > 1),
-            f"--enable-prefix-caching runs with --cp-size 1 only (got --cp-size {self.cp_size}): a cached prefix's "
-            "blocks would have to sit on the context-parallel ranks its tokens are placed on; pass "
-            "--no-enable-prefix-caching",
-        )
-        _require(
-            self.pp_async_batch_depth >= 0,
-            f"--pp-async-batch-depth must be >= 0 (0 = exactly pp_size micro-batches), got "
-            f"{self.pp_async_batch_depth}",
-        )
-        _require(
-            self.pp_flex_layers >= 0, f"--pp-flex-layers must be >= 0 (0 = a fixed cut), got {self.pp_flex_layers}"
-        )
-        _require(
-            self.pp_flex_layers == 0 or self.pp_size == 2,
-            f"--pp-flex-layers moves the cut between two stages; it needs --pp-size 2 (got {self.pp_size}), or "
-            "leave it at 0",
-        )
-        _require(
-            self.pp_flex_layers == 0 or self.tp_size == 1,
-            f"--pp-flex-layers runs with --tp-size 1 only (got --tp-size {self.tp_size}): a moving cut's mirrored KV "
-            "rows are not sharded; leave --pp-flex-layers at 0 with tensor parallelism",
-        )
-        _require(
-            self.pp_flex_policy in (*FLEX_POLICIES, CYCLE),
-            f"--pp-flex-policy {self.pp_flex_policy!r}: use one of {', '.join(FLEX_POLICIES)}",
-        )
-        _require(
-            self.quantization in ("none", "int8"),
-            f"--quantization must be none or int8, got {self.quantization!r}",
-        )
-        _require(
-            self.max_running_requests >= 1,
-            f"--max-running-requests must be >= 1, got {self.max_running_requests}",
-        )
-        if self.pp_max_micro_batch_size is not None:
-            _require(
-                self.pp_max_micro_batch_size >= 1,
-                f"--pp-max-micro-batch-size must be >= 1, got {self.pp_max_micro_batch_size}",
-            )
-        _require(
-            isinstance(self.enable_dynamic_chunking, bool),
-            f"enable_dynamic_chunking must be True or False, got {self.enable_dynamic_chunking!r}",
-        )
-        _require(
-            self.chunked_prefill_size >= 1,
-            f"--chunked-prefill-size must be >= 1, got {self.chunked_prefill_size}",
-        )
-        _require(
-            self.dtype in _DTYPES, f"--dtype {self.dtype!r} is not supported; use one of {', '.join(_DTYPES)}"
-        )
-        _require(self.device in ("auto", "cpu", "cuda"), f"--device {self.device!r}: use auto, cpu or cuda")
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise ConfigError("--device cuda was asked for but CUDA is not available; use --device cpu")
-        if self.dtype == "float16" and self.resolved_device == "cpu":
-            raise ConfigError("--dtype float16 is for GPUs; on CPU use float32 or bfloat16")
-        if self.threads_per_stage is not None:
-            _require(
-                self.threads_per_stage >= 1, f"--threads-per-stage must be >= 1, got {self.threads_per_stage}"
-            )
-        _require(
-            self.pp_auto_input_len >= 1 and self.pp_auto_output_len >= 1,
-            f"--pp-auto-input-len and --pp-auto-output-len must be >= 1 (typical prompt and output tokens), got "
-            f"{self.pp_auto_input_len} and {self.pp_auto_output_len}",
-        )
-        _require(self.stage_timeout > 0, f"--stage-timeout must be > 0 seconds, got {self.stage_timeout}")
-        _require(
-            self.heartbeat_timeout >= 1,
-            f"--heartbeat-timeout must be >= 1 second (stages beat every 0.5 s), got {self.heartbeat_timeout}",
-        )
-        _require(self.dist_timeout > 0, f"--dist-timeout must be > 0 seconds, got {self.dist_timeout}")
-        _require(self.nnodes >= 1, f"--nnodes must be >= 1, got {self.nnodes}")
-        _require(
-            0 <= self.node_rank < self.nnodes,
-            f"--node-rank {self.node_rank} must be in [0, {self.nnodes}) for --nnodes {self.nnodes}",
-        )
-        _require(
-            self.pp_size % self.nnodes == 0,
-            f"--nnodes {self.nnodes} must divide --pp-size {self.pp_size}: nodes hold whole stages (pp_size/nnodes "
-            "each), because a stage's --tp-size ranks all-reduce twice per layer and must share a node's fast links; "
-            "raise --pp-size or lower --nnodes",
-        )
-        if self.nnodes > 1:
-            _require(
-                self.dist_init_addr is not None and ":" in self.dist_init_addr,
-                "--nnodes > 1 needs --dist-init-addr HEAD:PORT (the head node's address), the same on every node",
-            )
-        _require(self.block_size >= 1, f"block size must be >= 1, got {self.block_size}")
-        if self.max_model_len is not None:
-            _require(self.max_model_len >= 2, f"--max-model-len must be >= 2, got {self.max_model_len}")
-        parse_memory(self.kv_cache_memory)
+        for check in CHECKS:  # config_checks.py: one per concern, each naming the flag and the fix
+            check(self)
 
     @property
     def pp_loop_size(self) -> int:
@@ -315,7 +183,7 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        return DTYPES[self.dtype]
 
     @property
     def resolved_device(self) -> str:
@@ -373,7 +241,3 @@ class EngineConfig:
             )
         return self.max_model_len
 
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)

@@ -73,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dist-init-addr", default="$HEAD_ADDR:29500",
                    help="HOST:PORT the printed commands rendezvous at (node 0's address)")  # fmt: skip
 
+    _add_overrides(p)
+    return p
+
+
+def _add_overrides(p: argparse.ArgumentParser) -> None:
+    """The flags that override a preset's model or GPU figures."""
     m = p.add_argument_group("model overrides")
     for flag in (
         "num-layers",
@@ -96,7 +102,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gpu-memory-gib", type=float, help="memory as the device reports it, GiB")
     g.add_argument("--hbm-tb-per-s", type=float, help="HBM bandwidth, TB/s")
     g.add_argument("--intra-node-gb-per-s", type=float, help="GPU-to-GPU link in a node, GB/s per direction")
-    return p
 
 
 def _overrides(args: argparse.Namespace, mapping: dict[str, str]) -> dict:

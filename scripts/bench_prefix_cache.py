@@ -20,7 +20,7 @@ import statistics
 
 from ringsched.bench.metrics import compute_metrics
 from ringsched.bench.serve import ServeConfig, benchmark, load_requests
-from ringsched.server.testing import ServerProcess
+from ringsched.bench.server_process import ServerProcess
 
 
 def one(flags: list[str], cfg: ServeConfig) -> tuple[dict, list[str]]:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import psutil
 
-from ringsched.server.testing import ProcessTree
+from ringsched.bench.server_process import ProcessTree
 
 PREFIX = "rs"  # namespace names: rs<pid>-<hex>-<host index>
 DEV = "eth0"

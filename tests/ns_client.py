@@ -20,8 +20,7 @@ import sys
 import time
 
 import httpx
-
-from ringsched.server.testing import read_sse
+from sse import read_sse
 
 
 def wait(urls: list[str], timeout: float) -> int:

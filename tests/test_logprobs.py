@@ -8,7 +8,7 @@ import openai
 import pytest
 import torch
 
-from ringsched.server.testing import ServerProcess
+from ringsched.bench.server_process import ServerProcess
 from ringsched.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow

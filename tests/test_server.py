@@ -15,7 +15,7 @@ import openai
 import pytest
 from fuzz_cases import CASES
 
-from ringsched.server.testing import ServerProcess
+from ringsched.bench.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 

@@ -14,8 +14,9 @@ import time
 
 import httpx
 import pytest
+from sse import read_sse
 
-from ringsched.server.testing import ServerProcess, read_sse
+from ringsched.bench.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 

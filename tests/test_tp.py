@@ -119,7 +119,7 @@ def test_server_at_tp2_pp2_serves_greedy_and_reports_the_seam_per_rank(smollm2_d
     import httpx
     import openai
 
-    from ringsched.server.testing import ServerProcess
+    from ringsched.bench.server_process import ServerProcess
 
     prompt = "The capital of France is"
     with Engine(model=str(smollm2_dir), kv_cache_memory="64M", threads_per_stage=1) as llm:

@@ -33,11 +33,11 @@ from pathlib import Path
 from typing import Any
 
 from ringsched.bench.serve import ServeConfig, benchmark, load_requests, run_serve
+from ringsched.bench.server_process import ServerProcess
 from ringsched.bench.stage_metrics import scrape_stages, settled, stage_deltas
 from ringsched.bench.sweep_plan import RateLadder, ServerConfig, SweepConfigError, parse_rates
 from ringsched.bench.sweep_report import load_sweep, save_json, write_report
 from ringsched.models.fetch import DEFAULT_MODEL, FetchError
-from ringsched.server.testing import ServerProcess
 
 # Stages report their times every 0.5 s (an idle stage too), so two equal reads this far apart mean the
 # stages have reported since the rung ended; a fixed wait undercounted when a loaded host delayed a report.

@@ -24,8 +24,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from ringsched.capacity import memory, traffic
+from ringsched.capacity import memory
 from ringsched.capacity.presets import GIB, CapacityError, GpuSpec, ModelSpec
+from ringsched.capacity.step_traffic import step_traffic
 from ringsched.layout.partition import PartitionError, head_layers, resolve_partition, uneven_loss
 
 
@@ -171,14 +172,8 @@ def layout_row(
     binding = min(range(pp), key=lambda s: stages[s].token_capacity)
     capacity = stages[binding].token_capacity
 
-    t = _step_traffic(model, cluster, tp, counts, cp)
+    t = step_traffic(model, cluster, tp, counts, cp)
 
-    # Ideal latency of one token: the stages run in turn and each GPU reads its weights at HBM speed, so the
-    # sum is W / (TP x B_HBM) whatever PP is: S cancels, as the document derives.
-    read = sum(
-        memory.stage_read_bytes(model, tp, layers, first=s == 0, last=s == pp - 1)
-        for s, layers in enumerate(counts)
-    )
     in_flight = cluster.in_flight if cluster.in_flight is not None else pp
     return LayoutRow(
         tp=tp,
@@ -197,7 +192,7 @@ def layout_row(
         tp_link=t.tp_link,
         seam_link=t.seam_link,
         comm_ms_per_step=t.ms,
-        ideal_token_latency_ms=read / (cluster.gpu.hbm_tb_per_s * 1e12) * 1e3,
+        ideal_token_latency_ms=_ideal_token_latency_ms(model, cluster, tp, counts),
         partition=counts,
         uneven_loss=uneven_loss(counts),
         in_flight=in_flight,
@@ -211,58 +206,14 @@ def layout_row(
     )
 
 
-@dataclass(frozen=True)
-class _StepTraffic:
-    allreduce_bytes: float
-    tp_bytes: float  # the busiest rank's, per step
-    seam_bytes: float
-    tp_link: str | None
-    seam_link: str | None
-    ms: float
-    cp_bytes: float = 0.0
-    cp_prefill_per_token: float = 0.0
-    cp_link: str | None = None
-
-
-def _step_traffic(model: ModelSpec, cluster: ClusterSpec, tp: int, counts: list[int], cp: int = 1) -> _StepTraffic:
-    """What the busiest rank sends in one decode step of T tokens, and how long its links take.
-
-    A rank's TP traffic is its stage's 2 all-reduces per layer; every stage but the last also sends its shard
-    of the seam; with CP every layer also all-gathers the partial attention outputs. A step waits for each
-    stage's slowest rank in turn, so the row reports the busiest one.
-    """
-    pp, gpn = len(counts), cluster.gpus_per_node
-    intra, inter = cluster.gpu.intra_node_gb_per_s, cluster.inter_node_gb_per_s
-    ar = traffic.allreduce_bytes(tp, cluster.batch_tokens, model.hidden_size, model.dtype_bytes)
-    seam = traffic.seam_bytes(cluster.batch_tokens, model.hidden_size, model.dtype_bytes, tp)
-    heads = max(1, model.num_heads // tp)
-    cp_layer = traffic.cp_decode_bytes(cp, cluster.batch_tokens, heads, model.head_dim)
-    cp_prefill = traffic.cp_prefill_bytes_per_token(
-        cp, memory.kv_heads_per_rank(model, tp), model.head_dim, model.dtype_bytes
+def _ideal_token_latency_ms(model: ModelSpec, cluster: ClusterSpec, tp: int, counts: list[int]) -> float:
+    """Ideal latency of one token: the stages run in turn and each GPU reads its weights at HBM speed, so the sum
+    is W / (TP x B_HBM) whatever PP is: S cancels, as the document derives."""
+    pp = len(counts)
+    read = sum(
+        memory.stage_read_bytes(model, tp, layers, first=s == 0, last=s == pp - 1) for s, layers in enumerate(counts)
     )
-    tp_cross = traffic.tp_crosses_nodes(tp, pp, gpn, cp)
-    cp_cross = traffic.cp_crosses_nodes(tp, pp, cp, gpn)
-    seam_cross = [traffic.seam_crosses_nodes(s, tp, gpn, cp) for s in range(pp - 1)]
-    per_stage = []  # (ms, tp bytes, seam bytes, cp bytes)
-    for s, layers in enumerate(counts):
-        tp_bytes, cp_bytes = 2 * layers * ar, layers * cp_layer
-        seam_s = seam if s < pp - 1 else 0.0
-        seam_bw = inter if s < pp - 1 and seam_cross[s] else intra
-        ms = (traffic.transfer_ms(tp_bytes, inter if tp_cross else intra) + traffic.transfer_ms(seam_s, seam_bw)
-              + traffic.transfer_ms(cp_bytes, inter if cp_cross else intra))  # fmt: skip
-        per_stage.append((ms, tp_bytes, seam_s, cp_bytes))
-    ms, tp_bytes, seam_bytes, cp_bytes = max(per_stage)
-    return _StepTraffic(
-        allreduce_bytes=ar,
-        tp_bytes=tp_bytes,
-        seam_bytes=seam_bytes,
-        tp_link=(traffic.INTER if tp_cross else traffic.INTRA) if tp > 1 else None,
-        seam_link=(traffic.INTER if any(seam_cross) else traffic.INTRA) if pp > 1 else None,
-        ms=ms,
-        cp_bytes=cp_bytes,
-        cp_prefill_per_token=cp_prefill * max(counts),
-        cp_link=(traffic.INTER if cp_cross else traffic.INTRA) if cp > 1 else None,
-    )
+    return read / (cluster.gpu.hbm_tb_per_s * 1e12) * 1e3
 
 
 def _stage(

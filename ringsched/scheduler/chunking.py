@@ -128,7 +128,6 @@ def probe(mcfg, dtype: torch.dtype, device: torch.device, first: int, max_len: i
     from ringsched.kv.cache import BlockTable, KVPool
     from ringsched.layout.rank import StageInfo
     from ringsched.models import native
-    from ringsched.models.batch import build_forward_batch
     from ringsched.models.llama import StageModel
 
     first = max(1, min(first, max_len - 1))
@@ -139,30 +138,13 @@ def probe(mcfg, dtype: torch.dtype, device: torch.device, first: int, max_len: i
     blocks = BlockTable(-(-(context + first) // 16) + DECODE_ROWS * -(-dctx // 16) + 2, 16)
     pool = KVPool(mcfg, 1, blocks.num_blocks, 16, dtype, device)
     use_native = native.usable_for(dtype, device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def timed(start: int, decodes: int = 0) -> float:
         if decodes:
             entries = [PlanEntry(f"d{i}", dctx - 1, [i % mcfg.vocab_size], True) for i in range(decodes)]
         else:
             entries = [PlanEntry(f"p{start}", start, [i % mcfg.vocab_size for i in range(first)], True)]
-        for e in entries:
-            blocks.ensure(e.rid, e.start + len(e.token_ids))
-        batch, ids = build_forward_batch(BatchPlan(slot=0, seq=0, entries=entries), blocks, device, use_native)
-        hidden = model.model.embed_tokens(ids)
-        residual = torch.randn_like(hidden)
-        layer, cache = model.model.layers[0], pool.caches[0]
-        layer(hidden.clone(), residual.clone(), batch, cache)  # warm up
-        times = []
-        for _ in range(repeat):
-            sync()
-            t = time.perf_counter()
-            layer(hidden.clone(), residual.clone(), batch, cache)
-            sync()
-            times.append(time.perf_counter() - t)
-        for e in entries:
-            blocks.free(e.rid)
-        return statistics.median(times)
+        return _time_layer(model, blocks, pool, BatchPlan(slot=0, seq=0, entries=entries), device, use_native, repeat)
 
     t0, t1 = timed(0), timed(context) if context else 0.0
     cost = ChunkCost.fit(first, t0, context, t1) if context else ChunkCost(t0 / first, 0.0)
@@ -175,3 +157,28 @@ def probe(mcfg, dtype: torch.dtype, device: torch.device, first: int, max_len: i
         DECODE_ROWS, max(1, first // 4), max(1, first // 32),
     )  # fmt: skip
     return cost, decode
+
+
+def _time_layer(model, blocks, pool, plan, device: torch.device, use_native: bool, repeat: int) -> float:
+    """The median time of the model's first layer on `plan`'s entries (after one warm-up run); their KV blocks are
+    taken for the runs and freed after."""
+    from ringsched.models.batch import build_forward_batch
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for e in plan.entries:
+        blocks.ensure(e.rid, e.start + len(e.token_ids))
+    batch, ids = build_forward_batch(plan, blocks, device, use_native)
+    hidden = model.model.embed_tokens(ids)
+    residual = torch.randn_like(hidden)
+    layer, cache = model.model.layers[0], pool.caches[0]
+    layer(hidden.clone(), residual.clone(), batch, cache)  # warm up
+    times = []
+    for _ in range(repeat):
+        sync()
+        t = time.perf_counter()
+        layer(hidden.clone(), residual.clone(), batch, cache)
+        sync()
+        times.append(time.perf_counter() - t)
+    for e in plan.entries:
+        blocks.free(e.rid)
+    return statistics.median(times)

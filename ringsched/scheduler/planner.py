@@ -15,14 +15,14 @@ decides finishes, and returns what the front end should see. KV of a finished or
 in the next plan, which every stage applies before that plan's batch: no in-flight batch still holds it,
 because a request is freed only when none of its micro-batches is in flight.
 
-Prefix caching (`BlockTable.cache`): at admission a request takes the longest cached prefix of its tokens (whole
-blocks, never its last token, which must run to give logits) and computes from there; its first plan entry names
-those blocks, so the other stages follow without hashing anything. A block is indexed once the micro-batch
-computing its KV is planned: every stage runs micro-batches in order, so a request in a later micro-batch reads
-it after it is written. With a flexible cut a shared layer's KV reaches stage 0 only with the micro-batch's
-output, so there blocks are indexed when their micro-batch comes back; a request's next prompt chunk still goes
-around while the one before is in flight, its plan naming that micro-batch in `reads` (stage 0 then cuts it no
-later, so every layer it runs on stage 0 has the earlier chunk's KV there).
+Prefix caching (`BlockTable.cache`, `prefix.py`): at admission a request takes the longest cached prefix of its
+tokens (whole blocks, never its last token, which must run to give logits) and computes from there; its first plan
+entry names those blocks, so the other stages follow without hashing anything. A block is indexed once the
+micro-batch computing its KV is planned: every stage runs micro-batches in order, so a request in a later
+micro-batch reads it after it is written. With a flexible cut a shared layer's KV reaches stage 0 only with the
+micro-batch's output, so there blocks are indexed when their micro-batch comes back; a request's next prompt chunk
+still goes around while the one before is in flight, its plan naming that micro-batch in `reads` (stage 0 then cuts
+it no later, so every layer it runs on stage 0 has the earlier chunk's KV there).
 """
 
 from __future__ import annotations
@@ -33,36 +33,25 @@ import random
 from collections import OrderedDict, deque
 
 from ringsched.comm.messages import BatchPlan, NewRequest, PlanEntry, TokenOutput
-from ringsched.kv.cache import BlockTable, block_hashes
+from ringsched.kv.cache import BlockTable
 from ringsched.kv.cp_blocks import CPBlocks
 from ringsched.sampler import logprob_width, unpack_logprobs
 from ringsched.sampling import SamplingParams
 from ringsched.scheduler.chunking import ChunkSizer
+from ringsched.scheduler.prefix import PrefixIndex
+from ringsched.scheduler.refusals import refusal
 from ringsched.scheduler.request import Request, Status
 
 logger = logging.getLogger(__name__)
 
 
 class Planner:
-    def __init__(
-        self,
-        blocks: BlockTable | CPBlocks,
-        micro_batch_size: int,
-        max_running: int,
-        token_budget: int,
-        eos_ids: tuple[int, ...],
-        max_len: int,
-        rng: random.Random | None = None,
-        vocab_size: int | None = None,
-        flexible_cut: bool = False,
-        chunker: ChunkSizer | None = None,
-    ) -> None:
+    def __init__(self, blocks: BlockTable | CPBlocks, micro_batch_size: int, max_running: int, token_budget: int,
+                 eos_ids: tuple[int, ...], max_len: int, rng: random.Random | None = None,
+                 vocab_size: int | None = None, flexible_cut: bool = False,
+                 chunker: ChunkSizer | None = None) -> None:  # fmt: skip
         self.blocks = blocks
-        self.micro_batch_size, self.max_running, self.token_budget = (
-            micro_batch_size,
-            max_running,
-            token_budget,
-        )
+        self.micro_batch_size, self.max_running, self.token_budget = micro_batch_size, max_running, token_budget
         self.eos_ids, self.max_len, self.vocab_size = eos_ids, max_len, vocab_size
         # A flexible cut: blocks are indexed for the prefix cache when their micro-batch comes back (a shared
         # layer's KV reaches stage 0 only then).
@@ -76,7 +65,7 @@ class Planner:
         self._frees: list[tuple[str, bool]] = []  # (rid, forget entirely) for the next plan
         self._arrivals = 0
         self._rng = rng or random.Random(0)
-        self._cache = blocks.cache  # the prefix cache (None: off)
+        self._prefix = PrefixIndex(blocks, self.requests)  # the prefix cache's side of planning
         self.num_preemptions = 0
         self.prefill_tokens = 0  # prompt tokens planned for computation so far (recomputation included)
 
@@ -91,37 +80,14 @@ class Planner:
         if params.seed is None and not params.greedy:
             # Decided once, here: the last stage then samples reproducibly whatever the batch or pp size.
             params = dataclasses.replace(params, seed=self._rng.randrange(2**31))
-        error = self._refusal(new, params)
+        error = refusal(new, params, max_len=self.max_len, capacity_tokens=self.blocks.capacity_tokens,
+                        vocab_size=self.vocab_size, in_use=new.rid in self.requests)
         if error:
             return TokenOutput(new.rid, [], "error", error, len(new.token_ids), 0)
         r = Request(new.rid, list(new.token_ids), params, self._arrivals)
         self._arrivals += 1
         self.requests[r.rid] = r
         self.waiting.append(r)
-        return None
-
-    def _refusal(self, new: NewRequest, params: SamplingParams) -> str | None:
-        ids, vocab = new.token_ids, self.vocab_size
-        need = len(ids) + params.max_tokens
-        if not ids:
-            return "the prompt is empty"
-        if len(ids) >= self.max_len:
-            return f"the prompt has {len(ids)} tokens; the maximum context length is {self.max_len}"
-        if min(need, self.max_len) > self.blocks.capacity_tokens:
-            return (f"the request needs {need} tokens of KV but the pool holds {self.blocks.capacity_tokens}; raise "
-                    "--kv-cache-memory, or spread a request's KV over more ranks with --cp-size")
-        if new.rid in self.requests:
-            return f"request id {new.rid!r} is already in use"
-        if vocab is not None:
-            bad = [i for i in ids if not (isinstance(i, int) and 0 <= i < vocab)]
-            if bad:
-                return f"the prompt has token ids outside the vocabulary [0, {vocab}): {bad[:5]}"
-            bad = [i for i in params.stop_token_ids if i >= vocab]
-            if bad:
-                return f"stop_token_ids has ids outside the vocabulary [0, {vocab}): {bad[:5]}"
-            bad = [i for i, _ in params.logit_bias if i >= vocab]
-            if bad:
-                return f"logit_bias has ids outside the vocabulary [0, {vocab}): {bad[:5]}"
         return None
 
     def abort(self, rid: str) -> TokenOutput | None:
@@ -141,14 +107,29 @@ class Planner:
     # -- planning --------------------------------------------------------------------------------------
     def plan(self, slot: int, seq: int) -> BatchPlan:
         plan = BatchPlan(slot=slot, seq=seq)
+        self._plan_frees(plan)
+        self._decoding = self._count_decoding() if self.chunker is not None else 0
+        budget = self._plan_running(plan, seq, self.token_budget)
+        self._admit_waiting(plan, seq, budget)
+        if plan.entries:
+            self.flight[seq] = plan.entries
+        if self._prefix.cache is not None and not self.flexible_cut:
+            # Indexed once the whole micro-batch is planned: only a later micro-batch may read these blocks.
+            for e in plan.entries:
+                self._prefix.index(self.requests[e.rid], e.start + len(e.token_ids))
+        return plan
+
+    def _plan_frees(self, plan: BatchPlan) -> None:
+        """The KV of requests that ended since the last plan: freed here, and on every stage by the plan."""
         for rid, forget in self._frees:
             self.blocks.free(rid)
             plan.frees.append(rid)
             if forget:
                 plan.drops.append(rid)
         self._frees.clear()
-        budget = self.token_budget
-        self._decoding = self._count_decoding() if self.chunker is not None else 0
+
+    def _plan_running(self, plan: BatchPlan, seq: int, budget: int) -> int:
+        """Running requests with tokens to compute, oldest first; returns the token budget left."""
         for r in list(self.running.values()):
             if len(plan.entries) >= self.micro_batch_size:
                 break
@@ -159,12 +140,17 @@ class Planner:
                 continue
             self._schedule(r, n, seq, plan)
             budget -= n
-        planned = self._planned_blocks(plan)
+        return budget
+
+    def _admit_waiting(self, plan: BatchPlan, seq: int, budget: int) -> None:
+        """New requests in arrival order, from their cached prefix, while the budget, the micro-batch, the running
+        limit and the KV pool allow."""
+        planned = self._prefix.planned_blocks(plan)
         for r in list(self.waiting):
             if budget <= 0 or len(plan.entries) >= self.micro_batch_size or len(self.running) >= self.max_running:
                 break
-            cached = self._cached_prefix(r)
-            if self._computed_beside(r, len(cached), planned):
+            cached = self._prefix.cached_prefix(r)
+            if self._prefix.computed_beside(r, len(cached), planned):
                 continue  # the next micro-batch finds those blocks cached (n > 1, or a burst behind one prefix)
             r.num_computed = len(cached) * self.blocks.block_size
             n = min(self._chunk(r), budget)
@@ -174,22 +160,10 @@ class Planner:
             self.waiting.remove(r)
             r.status = Status.RUNNING
             self.running[r.rid] = r
-            if self._cache is not None:
-                self._cache.queries += r.num_tokens
-                self._cache.hits += r.num_computed
-                if r.num_preemptions == 0:
-                    r.cached_tokens = r.num_computed
-                self.blocks.share(r.rid, cached)
+            self._prefix.admit(r, cached)
             self._schedule(r, n, seq, plan, cached)
             budget -= n
-            planned |= self._planned_blocks(plan, plan.entries[-1:])
-        if plan.entries:
-            self.flight[seq] = plan.entries
-        if self._cache is not None and not self.flexible_cut:
-            # Indexed once the whole micro-batch is planned: only a later micro-batch may read these blocks.
-            for e in plan.entries:
-                self._index(self.requests[e.rid], e.start + len(e.token_ids))
-        return plan
+            planned |= self._prefix.planned_blocks(plan, plan.entries[-1:])
 
     def _chunk(self, r: Request) -> int:
         """Tokens `r` would compute next with no budget limit: all it has left, or its dynamic chunk."""
@@ -200,39 +174,6 @@ class Planner:
     def _count_decoding(self) -> int:
         """Running requests past their prefill (decoding here or in flight): the steps a chunk would delay."""
         return sum(1 for r in self.running.values() if r.output_ids and r.num_computed >= r.num_tokens - 1)
-
-    def _hashes(self, r: Request, full: int) -> list[bytes]:
-        """The chained hashes of `r`'s first `full` blocks (kept on the request: its tokens never change)."""
-        if len(r.block_hashes) < full:
-            bs = self.blocks.block_size
-            r.block_hashes = block_hashes(r.all_ids[: full * bs], bs, r.block_hashes)
-        return r.block_hashes[:full]
-
-    def _cached_prefix(self, r: Request) -> list[int]:
-        """The cached blocks `r` can start from: its longest cached prefix of whole blocks short of its last token."""
-        if self._cache is None:
-            return []
-        return self._cache.lookup(self._hashes(r, (r.num_tokens - 1) // self.blocks.block_size))
-
-    def _planned_blocks(self, plan: BatchPlan, entries: list[PlanEntry] | None = None) -> set[bytes]:
-        """The prefixes (hashes) of the full blocks `entries` (default: the plan's) compute."""
-        if self._cache is None:
-            return set()
-        bs, out = self.blocks.block_size, set()
-        for e in plan.entries if entries is None else entries:
-            end = (e.start + len(e.token_ids)) // bs
-            out.update(self._hashes(self.requests[e.rid], end)[e.start // bs :])
-        return out
-
-    def _computed_beside(self, r: Request, cached: int, planned: set[bytes]) -> bool:
-        """`r`'s next block after its `cached` ones is computed in this micro-batch by another request."""
-        if not planned or (cached + 1) * self.blocks.block_size >= r.num_tokens:
-            return False
-        return self._hashes(r, cached + 1)[cached] in planned
-
-    def _index(self, r: Request, upto: int) -> None:
-        """Index `r`'s full blocks of positions `[0, upto)` in the prefix cache."""
-        self.blocks.index(r.rid, self._hashes(r, upto // self.blocks.block_size))
 
     def _schedule(self, r: Request, n: int, seq: int, plan: BatchPlan, cached: list[int] | None = None) -> None:
         start = r.num_computed
@@ -298,8 +239,8 @@ class Planner:
         for e in entries:
             r = self.requests[e.rid]
             r.in_flight.discard(seq)
-            if self._cache is not None and self.flexible_cut:  # its KV is on both stages now
-                self._index(r, e.start + len(e.token_ids))
+            if self._prefix.cache is not None and self.flexible_cut:  # its KV is on both stages now
+                self._prefix.index(r, e.start + len(e.token_ids))
             tok, lp = (next(it), next(logprobs)) if e.samples else (None, None)
             if r.aborted:
                 if not r.in_flight:  # its last micro-batch passed every stage
@@ -329,15 +270,6 @@ class Planner:
             self._frees.append((r.rid, r.announced))
 
     # -- state -----------------------------------------------------------------------------------------
-    def _cache_stats(self) -> dict:
-        if self._cache is None:
-            return {}
-        return {
-            "prefix_cache_queries": self._cache.queries,
-            "prefix_cache_hits": self._cache.hits,
-            "kv_cached_idle_blocks": self.blocks.cached_idle_blocks,
-        }
-
     @property
     def in_flight(self) -> int:
         return len(self.flight)
@@ -352,7 +284,7 @@ class Planner:
             "waiting": len(self.waiting),
             "kv_usage": self.blocks.usage,
             "preemptions": self.num_preemptions,
-            **self._cache_stats(),
+            **self._prefix.stats(),
             "prefill_tokens": self.prefill_tokens,
             # the most in-flight micro-batches one request is in now (> 1: its prefill chunks fill the ring)
             "request_in_flight_max": max((len(r.in_flight) for r in self.requests.values()), default=0),

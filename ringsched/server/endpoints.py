@@ -23,10 +23,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from ringsched.server.choices import best, collect_all, combined_usage, merged
 from ringsched.server.engine_client import EngineError
 from ringsched.server.intake import ClientGone, prepare
+from ringsched.server.logprobs_shapes import chat_logprobs, completion_logprobs
 from ringsched.server.protocol import APIError, Prepared, parse_chat, parse_completion, parse_generate
-from ringsched.server.serving import Delta, ServerContext, collect, sse, text_deltas, usage
+from ringsched.server.serving import Delta, ServerContext, sse, text_deltas
 from ringsched.tokenizer import Tokenizer
 
 logger = logging.getLogger("ringsched.server")
@@ -118,74 +120,16 @@ async def _serve_one(request: Request, ctx: ServerContext, parse: Callable, pref
             streaming = True
             return response
         try:
-            results = await until_disconnect(request, _collect_all(deltas))
+            results = await until_disconnect(request, collect_all(deltas))
         except EngineError as e:
             raise APIError(e.status, str(e), e.type, code=e.code) from None
         if results is None:
             return Response(status_code=499)
         every = combined_usage([last for _, last in results])  # best_of: the sequences not returned count too
-        return JSONResponse(whole(rid, _best(results, req), every))
+        return JSONResponse(whole(rid, best(results, req), every))
     finally:
         if not streaming:
             release()
-
-
-async def _collect_all(deltas: list[AsyncIterator[Delta]]) -> list[tuple[str, Delta]]:
-    """Every sequence's text and last delta; if one fails (or this is cancelled), the others are cancelled too,
-    which aborts them."""
-    tasks = [asyncio.ensure_future(collect(d)) for d in deltas]
-    try:
-        return list(await asyncio.gather(*tasks))
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def _best(results: list[tuple[str, Delta]], req: Prepared) -> list[tuple[str, Delta]]:
-    """The `n` of `best_of` results with the highest cumulative log-probability (all of them when n == best_of)."""
-    if req.best_of > req.n:
-        results = sorted(results, key=lambda r: -sum(lp for _, lp, _ in r[1].logprobs))[: req.n]
-    if not req.logprobs_asked:
-        for _, last in results:
-            last.logprobs = []
-    return results
-
-
-def combined_usage(results: list[Delta]) -> dict:
-    """One prompt (computed once, its KV shared), every sequence's completion tokens."""
-    out = usage(results[0])
-    completion = sum(d.completion_tokens for d in results)
-    return {**out, "completion_tokens": completion, "total_tokens": out["prompt_tokens"] + completion}
-
-
-async def merged(deltas: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int, Delta]]:
-    """The sequences' deltas as they come, each with its index; closing it closes (and so aborts) them all."""
-    if len(deltas) == 1:
-        async with contextlib.aclosing(deltas[0]) as it:
-            async for d in it:
-                yield 0, d
-        return
-    pending = {asyncio.ensure_future(anext(d)): i for i, d in enumerate(deltas)}
-    try:
-        while pending:
-            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in sorted(done, key=pending.get):
-                i = pending.pop(task)
-                try:
-                    d = task.result()
-                except StopAsyncIteration:
-                    continue
-                pending[asyncio.ensure_future(anext(deltas[i]))] = i
-                yield i, d
-    finally:
-        for task in pending:
-            task.cancel()
-        for task in pending:
-            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration, EngineError):
-                await task
-        for d in deltas:
-            await d.aclose()
 
 
 # -- /v1/completions ---------------------------------------------------------------------------------------------
@@ -262,40 +206,6 @@ async def _chat_events(base: dict, deltas: list[AsyncIterator[Delta]], include_u
                 yield chunk(i, {}, d.finish_reason)
     if include_usage and last:
         yield {**base, "choices": [], "usage": combined_usage(list(last.values()))}
-
-
-# -- log-probabilities, OpenAI's two shapes ------------------------------------------------------------------------
-def _piece(tok: Tokenizer, token_id: int) -> str:
-    return tok.decode([token_id], skip_special_tokens=False)
-
-
-def completion_logprobs(tok: Tokenizer, lps: list, offset: int = 0) -> dict | None:
-    """The completions shape: parallel lists of tokens, their log-probabilities, a map of the most likely tokens
-    (the sampled one included, as OpenAI's and vLLM's) and character offsets into the completion."""
-    if not lps:
-        return None
-    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for token_id, logprob, top in lps:
-        piece = _piece(tok, token_id)
-        out["tokens"].append(piece)
-        out["token_logprobs"].append(logprob)
-        out["top_logprobs"].append({**{_piece(tok, i): v for i, v in top}, piece: logprob})
-        out["text_offset"].append(offset)
-        offset += len(piece)
-    return out
-
-
-def chat_logprobs(tok: Tokenizer, lps: list) -> dict | None:
-    """The chat shape: per token its text, log-probability, UTF-8 bytes and `top_logprobs` of the same form."""
-    if not lps:
-        return None
-
-    def entry(token_id: int, logprob: float) -> dict:
-        piece = _piece(tok, token_id)
-        return {"token": piece, "logprob": logprob, "bytes": list(piece.encode("utf-8"))}
-
-    content = [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top]} for t, lp, top in lps]
-    return {"content": content, "refusal": None}
 
 
 # -- /generate (SGLang) ------------------------------------------------------------------------------------------

@@ -26,8 +26,13 @@ _E2E = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600
 
 class ServerMetrics:
     def __init__(self) -> None:
-        r = self.registry = CollectorRegistry()
-        p = "ringsched:"
+        self.registry = CollectorRegistry()
+        # Defined in groups, in this order (the exposition lists them so).
+        for define in (self._define_requests, self._define_stages, self._define_ranks, self._define_totals):
+            define(self.registry, "ringsched:")
+
+    def _define_requests(self, r: CollectorRegistry, p: str) -> None:
+        """Latency histograms and the request gauges."""
         self.ttft = Histogram(f"{p}time_to_first_token_seconds", "Time to first token.", buckets=_TTFT, registry=r)
         self.tpot = Histogram(
             f"{p}time_per_output_token_seconds", "Mean time per output token after the first, per request.",
@@ -40,6 +45,9 @@ class ServerMetrics:
             registry=r,
         )  # fmt: skip
         self.waiting = Gauge(f"{p}num_requests_waiting", "Requests waiting for admission.", registry=r)
+
+    def _define_stages(self, r: CollectorRegistry, p: str) -> None:
+        """Per-stage gauges, from the stages' reports."""
         self.kv_usage = Gauge(f"{p}kv_cache_usage_perc", "KV pool usage (0-1) per stage.", ["stage"], registry=r)
         self.busy = Gauge(
             f"{p}stage_busy_fraction", "Share of the last window a stage computed.", ["stage"], registry=r
@@ -61,6 +69,9 @@ class ServerMetrics:
             f"{p}stage_tokens", "Tokens a stage computed since start (prompt chunks and decodes; cached prompt "
             "tokens are not computed).", ["stage"], registry=r,
         )  # fmt: skip
+
+    def _define_ranks(self, r: CollectorRegistry, p: str) -> None:
+        """Per-rank gauges (each tensor-parallel rank of a stage)."""
         rank = ["rank", "stage", "tp"]
         self.rank_peak_memory = Gauge(
             f"{p}rank_peak_memory_bytes", "Peak resident memory of each rank (device memory on GPU).", rank,
@@ -78,6 +89,9 @@ class ServerMetrics:
             f"{p}tp_all_reduce_bytes_per_token", "Bytes a rank all-reduced per token over its stage's ranks.", rank,
             registry=r,
         )  # fmt: skip
+
+    def _define_totals(self, r: CollectorRegistry, p: str) -> None:
+        """Counters since start: tokens, the prefix cache, finish reasons."""
         self.prompt_tokens = Counter(f"{p}prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.generation_tokens = Counter(f"{p}generation_tokens", "Generated tokens.", registry=r)
         self.cached_prompt_tokens = Counter(

@@ -29,6 +29,15 @@ from ringsched.server.request_bodies import (
     GenerateRequest,
     SamplingBody,
 )
+from ringsched.server.request_limits import (
+    Limits,
+    check_budget,
+    check_context,
+    check_ids,
+    check_stop_ids,
+    default_max_tokens,
+    encode_within,
+)
 from ringsched.tokenizer import ChatTemplateError, Tokenizer
 
 logger = logging.getLogger("ringsched.server")
@@ -54,22 +63,6 @@ class Prepared:
         seed = self.params.seed
         return [(f"{rid}-{i}", self.params if seed is None else replace(self.params, seed=(seed + i) % 2**64))
                 for i in range(self.best_of)]  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What requests are checked against: context length, KV tokens of the smallest stage's pool, the model's
-    vocabulary (an id beyond it would crash stage 0's embedding), and the one model name served."""
-
-    max_len: int
-    kv_tokens: int
-    vocab_size: int
-    model_name: str
-    max_request_tokens: int | None = None  # the work one request may start (None: 4 x max_len)
-
-    @property
-    def request_budget(self) -> int:
-        return 4 * self.max_len if self.max_request_tokens is None else self.max_request_tokens
 
 
 # -- parsing -------------------------------------------------------------------------------------------------
@@ -144,77 +137,6 @@ def _counts(n: int | None, best_of: int | None, stream: bool) -> tuple[int, int]
     return n, best_of
 
 
-def check_context(prompt_len: int, max_tokens: int, limits: Limits, where: str) -> None:
-    """Prompt plus completion must fit the context and the KV pool; `where` is "prompt" or "messages"."""
-    total = prompt_len + max_tokens
-    if total > limits.max_len:
-        raise APIError(
-            400,
-            f"This model's maximum context length is {limits.max_len} tokens. However, you requested {total} "
-            f"tokens ({prompt_len} in the {where}, {max_tokens} in the completion). Please reduce the length of "
-            f"the {where} or completion.",
-            param=where, code="context_length_exceeded",
-        )  # fmt: skip
-    if total > limits.kv_tokens:
-        raise APIError(
-            400,
-            f"The request needs {total} tokens of KV cache ({prompt_len} in the {where}, {max_tokens} in the "
-            f"completion) but the KV pool holds {limits.kv_tokens}. Reduce max_tokens or the {where}, or start "
-            "the server with a larger --kv-cache-memory.",
-            param="max_tokens",
-        )
-
-
-def check_budget(prompt_len: int, max_tokens: int, n: int, best_of: int, limits: Limits) -> None:
-    """Every sequence a request starts computes its prompt and up to `max_tokens`: together at most the budget
-    (`--max-request-tokens`), so that one request cannot take more than its share of the ring (as vLLM caps
-    `best_of`)."""
-    work = best_of * (prompt_len + max_tokens)
-    if work > limits.request_budget:
-        param = "best_of" if best_of > n else "n"
-        raise APIError(
-            400, f"The request asks for {best_of} sequence(s) x ({prompt_len} prompt + {max_tokens} completion "
-            f"tokens) = {work} tokens of work; one request may ask for at most {limits.request_budget} "
-            "(--max-request-tokens). Lower n, best_of or max_tokens.", param=param, code="request_too_large",
-        )  # fmt: skip
-
-
-def _check_stop_ids(params: SamplingParams, limits: Limits) -> SamplingParams:
-    """Token ids in the parameters (stop ids, logit_bias keys) must be in the vocabulary."""
-    for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", [i for i, _ in params.logit_bias])):
-        bad = [i for i in ids if i >= limits.vocab_size]
-        if bad:
-            raise APIError(400, f"{name} has ids outside the vocabulary [0, {limits.vocab_size}): {bad[:5]}",
-                           param=name)  # fmt: skip
-    return params
-
-
-def _encode(tok: Tokenizer, text: str, limits: Limits, param: str) -> list[int]:
-    """Tokenize, refusing at once a text too long to fit the context whatever its tokens (no token covers more
-    than `tok.max_token_chars` characters), so that a huge prompt costs no tokenization."""
-    if len(text) > limits.max_len * tok.max_token_chars:
-        raise APIError(
-            400, f"This model's maximum context length is {limits.max_len} tokens. However, your {param} has "
-            f"{len(text)} characters, more than {limits.max_len} tokens can hold. Please reduce the length of the "
-            f"{param}.", param=param, code="context_length_exceeded",
-        )  # fmt: skip
-    return tok.encode(text)
-
-
-def _check_ids(ids: list[int], limits: Limits, param: str) -> list[int]:
-    if not ids:
-        raise APIError(400, f"{param} is empty; give at least one token", param=param)
-    bad = [i for i in ids if not 0 <= i < limits.vocab_size]
-    if bad:
-        raise APIError(400, f"{param} has token ids outside [0, {limits.vocab_size}): {bad[:5]}", param=param)
-    return ids
-
-
-def _default_max(prompt_len: int, limits: Limits) -> int:
-    """As vLLM: no max_tokens means up to the context's end (at least 1, so the check reports the overflow)."""
-    return max(min(limits.max_len, limits.kv_tokens) - prompt_len, 1)
-
-
 def parse_completion(body: dict, tok: Tokenizer, limits: Limits) -> Prepared:
     req: CompletionRequest = _validate(CompletionRequest, body)
     _check_common(body, req, limits, "completions")
@@ -223,12 +145,12 @@ def parse_completion(body: dict, tok: Tokenizer, limits: Limits) -> Prepared:
         if len(prompt) != 1:
             raise APIError(400, f"batched prompts are not supported: send {len(prompt)} requests", param="prompt")
         prompt = prompt[0]
-    ids = _check_ids(_encode(tok, prompt, limits, "prompt") if isinstance(prompt, str) else list(prompt), limits,
+    ids = check_ids(encode_within(tok, prompt, limits, "prompt") if isinstance(prompt, str) else list(prompt), limits,
                      "prompt")  # fmt: skip
     max_tokens = req.max_tokens if req.max_tokens is not None else 16  # OpenAI's default for completions
     n, best_of = _counts(req.n, req.best_of, req.stream)
     logprobs = req.logprobs if req.logprobs is not None or best_of == n else 0  # best_of ranks by them
-    params = _check_stop_ids(_params({**_sampling_fields(req, max_tokens), "logprobs": logprobs}), limits)
+    params = check_stop_ids(_params({**_sampling_fields(req, max_tokens), "logprobs": logprobs}), limits)
     check_context(len(ids), max_tokens, limits, "prompt")
     check_budget(len(ids), max_tokens, n, best_of, limits)
     return Prepared(ids, params, req.stream, bool(req.stream_options and req.stream_options.include_usage), n,
@@ -262,16 +184,16 @@ def parse_chat(body: dict, tok: Tokenizer, limits: Limits) -> Prepared:
         raise APIError(
             400, f"the messages could not be rendered with the chat template: {e}", param="messages"
         ) from None
-    _check_ids(ids, limits, "messages")
+    check_ids(ids, limits, "messages")
     given = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    max_tokens = given if given is not None else _default_max(len(ids), limits)
+    max_tokens = given if given is not None else default_max_tokens(len(ids), limits)
     name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = _params({**_sampling_fields(req, max_tokens), "logprobs": logprobs},
                      {"max_tokens": name, "logprobs": "top_logprobs"})  # fmt: skip
-    params = _check_stop_ids(params, limits)
+    params = check_stop_ids(params, limits)
     check_context(len(ids), max_tokens, limits, "messages")
     n, _ = _counts(req.n, None, req.stream)
     check_budget(len(ids), max_tokens, n, n, limits)
@@ -295,13 +217,13 @@ def parse_generate(body: dict, tok: Tokenizer, limits: Limits) -> Prepared:
     if unknown:
         known = sorted(_GENERATE_KEYS)
         raise APIError(400, f"unknown sampling_params {unknown}; known: {known}", param="sampling_params")
-    text_ids = _encode(tok, req.text, limits, "text") if req.text is not None else None
+    text_ids = encode_within(tok, req.text, limits, "text") if req.text is not None else None
     where = "text" if text_ids is not None else "input_ids"
-    ids = _check_ids(text_ids if text_ids is not None else list(req.input_ids), limits, where)
+    ids = check_ids(text_ids if text_ids is not None else list(req.input_ids), limits, where)
     fields = {_GENERATE_RENAME.get(k, k): v for k, v in req.sampling_params.items()}
     fields.setdefault("max_tokens", 128)  # SGLang's default max_new_tokens
     shown = {_GENERATE_RENAME[k]: k for k in req.sampling_params if k in _GENERATE_RENAME}  # the name it came as
-    params = _check_stop_ids(_params(fields, shown), limits)
+    params = check_stop_ids(_params(fields, shown), limits)
     check_context(len(ids), params.max_tokens, limits, "prompt")
     check_budget(len(ids), params.max_tokens, 1, 1, limits)
     return Prepared(ids, params, req.stream)

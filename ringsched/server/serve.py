@@ -129,14 +129,9 @@ def _raise_interrupt(signum: int, frame: object) -> None:
 
 async def _serve(ctx: ServerContext, sock: socket.socket, opts: ServerOptions) -> int:
     client, shutdown_timeout = ctx.client, opts.shutdown_timeout
-    config = uvicorn_config(
-        create_app(ctx),
-        ctx.http,
-        log_config=None,  # keep the process's logging setup
-        log_level=opts.log_level,
-        access_log=opts.log_level == "debug",
-        timeout_graceful_shutdown=5,
-    )
+    # log_config=None: keep the process's logging setup
+    config = uvicorn_config(create_app(ctx), ctx.http, log_config=None, log_level=opts.log_level,
+                            access_log=opts.log_level == "debug", timeout_graceful_shutdown=5)  # fmt: skip
     server = _Server(config)
     exit_code = 0
     loop = asyncio.get_running_loop()

@@ -7,7 +7,6 @@ exits non-zero, so the launcher can stop the others and say which stage failed a
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import logging
 import os
 import random
@@ -19,25 +18,22 @@ from dataclasses import dataclass
 
 import torch
 import zmq
-from torch.distributed import PrefixStore
 
-from ringsched.comm.cp_group import CPGroup
 from ringsched.comm.messages import StageStatus
-from ringsched.comm.shm_group import SHM_DIR, ShmCollectives, shm_usable
-from ringsched.comm.store import connect_store, interface_of
 from ringsched.comm.tensor_channel import TensorChannel
-from ringsched.comm.zmq_io import Fanout, Puller, Pusher
+from ringsched.comm.zmq_io import Puller, Pusher
 from ringsched.config import EngineConfig, parse_memory
 from ringsched.kv.cache import BlockTable, KVPool, blocks_for_memory
 from ringsched.kv.cp_blocks import CPBlocks, request_capacity
 from ringsched.layout.rank import RankInfo, StageInfo
 from ringsched.models.config import ModelConfig
 from ringsched.models.loader import load_stage_model, weights_bytes
-from ringsched.models.tp import TPGroup, TPShard
 from ringsched.scheduler import chunking
 from ringsched.scheduler.planner import Planner
 from ringsched.spec import ModelSpec
 from ringsched.stage.affinity import stage_cpus
+from ringsched.stage.channels import plan_channels, progress_channels
+from ringsched.stage.groups import process_groups
 from ringsched.stage.heap import keep_heap
 from ringsched.stage.loop import StageIO, StageLoop
 
@@ -104,7 +100,7 @@ def _setup(cfg, spec: ModelSpec, where: RankInfo, addrs, ctx, ctl) -> tuple[Stag
             raise ParentGone("the launcher is gone")
 
     device = _threads_and_device(cfg, where.local_rank)
-    store, tp, cp = _process_groups(cfg, where)
+    store, tp, cp = process_groups(cfg, where)
     mcfg, counts = spec.config, list(spec.partition)
     flex = cfg.flex_boundary(mcfg.num_layers, counts)
     stage = where.stage  # with a flexible cut, the stage also holds the shared layers around the cut
@@ -122,18 +118,9 @@ def _setup(cfg, spec: ModelSpec, where: RankInfo, addrs, ctx, ctl) -> tuple[Stag
     info = _ready_info(cfg, where, stage, counts[stage.rank], model, pool, blocks)
     planner = None
     if where.decides:
-        # With --cp-size, stage 0 allocates every CP rank's pool (its own is the first) and places each token.
-        tables = [blocks] + [BlockTable(num_blocks, cfg.block_size) for _ in range(cfg.cp_size - 1)]
-        allocator = CPBlocks(tables) if cp else blocks
-        chunker = None
-        if cfg.enable_dynamic_chunking:
-            cost, decode = chunking.probe(local, cfg.torch_dtype, device, cfg.chunked_prefill_size, spec.context_len)
-            chunker = chunking.ChunkSizer(cost, cfg.chunked_prefill_size, decode=decode)
-        planner = Planner(allocator, cfg.micro_batch_size, cfg.max_running_requests, cfg.chunked_prefill_size,
-                          spec.eos_ids, spec.context_len, random.Random(cfg.seed), mcfg.vocab_size,
-                          flexible_cut=flex is not None, chunker=chunker)  # fmt: skip
-    plan_in, plan_out = _plan_channels(cfg, where, addrs, ctx, store)
-    progress_in, progress_out = _progress_channels(cfg, stage, addrs, ctx, store)
+        planner = _planner(cfg, spec, local, blocks, device, cp=cp is not None, flex=flex is not None)
+    plan_in, plan_out = plan_channels(cfg, where, addrs, ctx, store)
+    progress_in, progress_out = progress_channels(cfg, stage, addrs, ctx, store)
     io = StageIO(
         chan=TensorChannel(device), plan_in=plan_in, plan_out=plan_out,
         front_in=Puller(ctx, addrs.front_in) if where.decides else None,
@@ -146,6 +133,21 @@ def _setup(cfg, spec: ModelSpec, where: RankInfo, addrs, ctx, ctl) -> tuple[Stag
     return loop, info
 
 
+def _planner(cfg: EngineConfig, spec: ModelSpec, local: ModelConfig, blocks: BlockTable, device: torch.device, *,
+             cp: bool, flex: bool) -> Planner:  # fmt: skip
+    """Stage 0's planner over its own block table (with --cp-size, over every CP rank's: its own is the first, and it
+    places each token); with --enable-dynamic-chunking, its chunk sizer from a start-up probe."""
+    tables = [blocks] + [BlockTable(blocks.num_blocks, cfg.block_size) for _ in range(cfg.cp_size - 1)]
+    allocator = CPBlocks(tables) if cp else blocks
+    chunker = None
+    if cfg.enable_dynamic_chunking:
+        cost, decode = chunking.probe(local, cfg.torch_dtype, device, cfg.chunked_prefill_size, spec.context_len)
+        chunker = chunking.ChunkSizer(cost, cfg.chunked_prefill_size, decode=decode)
+    return Planner(allocator, cfg.micro_batch_size, cfg.max_running_requests, cfg.chunked_prefill_size, spec.eos_ids,
+                   spec.context_len, random.Random(cfg.seed), spec.config.vocab_size, flexible_cut=flex,
+                   chunker=chunker)  # fmt: skip
+
+
 def _threads_and_device(cfg: EngineConfig, local_rank: int) -> torch.device:
     keep_heap()
     torch.set_num_threads(cfg.threads)
@@ -156,54 +158,6 @@ def _threads_and_device(cfg: EngineConfig, local_rank: int) -> torch.device:
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
-
-
-def _process_groups(cfg: EngineConfig, where: RankInfo) -> tuple:
-    """Join the ranks' process group (none with one rank) and, with --tp-size or --cp-size > 1, this stage's
-    tensor- or context-parallel group: the store node 0's launcher hosts (or None), this rank's `TPGroup` (or
-    None) and its `CPGroup` (or None)."""
-    if cfg.world_size == 1:
-        return None, None, None
-    if cfg.nnodes > 1:  # gloo and NCCL pick their interface by name: the one carrying our address
-        iface = interface_of(cfg.host_ip)
-        if iface:
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
-            os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
-    store = connect_store(cfg, is_master=False)
-    timeout = datetime.timedelta(seconds=cfg.stage_timeout)
-    torch.distributed.init_process_group(
-        cfg.backend, store=PrefixStore("pg", store), rank=where.rank, world_size=cfg.world_size, timeout=timeout
-    )
-    if cfg.ranks_per_stage == 1:
-        return store, None, None
-    group = None
-    for pp in range(cfg.pp_size):  # every rank creates every stage's group, in the same order
-        ranks = [cfg.layout.rank_of(pp, t, c) for c in range(cfg.cp_size) for t in range(cfg.tp_size)]
-        g = torch.distributed.new_group(ranks, timeout=timeout, backend=cfg.backend)
-        if pp == where.pp:
-            group = g
-    if cfg.cp_size > 1:  # (--cp-size and --tp-size are not combined: the stage's group is its CP group)
-        shm = _shared_memory(cfg, where, group, where.cp, cfg.cp_size)
-        return store, None, CPGroup(where.cp, where.cp_group, group, shm)
-    shm = _shared_memory(cfg, where, group, where.tp, cfg.tp_size)
-    return store, TPGroup(TPShard(where.tp, cfg.tp_size), group, shm), None
-
-
-def _shared_memory(cfg: EngineConfig, where: RankInfo, group, index: int, size: int) -> ShmCollectives | None:
-    """CPU ranks of a stage (always on one node) meet in a shared segment for their collectives: the stage's
-    first rank creates it, all map it, then it is unlinked (so nothing is left behind, even after a SIGKILL).
-    `index` of `size`: this rank's place in the stage's group."""
-    if not shm_usable(torch.device(cfg.resolved_device)):
-        return None
-    path = os.path.join(SHM_DIR, f"{os.path.basename(cfg.ipc_dir) or os.getppid()}-stage{where.pp}")
-    if where.leads_stage:
-        ShmCollectives.create(path, size)
-    torch.distributed.barrier(group=group)
-    shm = ShmCollectives(path, index, size, cfg.stage_timeout)
-    torch.distributed.barrier(group=group)
-    if where.leads_stage:
-        os.unlink(path)
-    return shm
 
 
 def _ready_info(cfg: EngineConfig, where: RankInfo, stage: StageInfo, cut_layers: int, model, pool: KVPool,
@@ -255,47 +209,6 @@ def process_name(stage: int, tp: int | None = None, cp: int | None = None) -> st
     """What `ps`, `top` and `pgrep` show for a rank: `ringsched-pp1`, or `ringsched-pp1t0` for tensor-parallel
     rank 0 of stage 1 (`ringsched-pp1c0`: context-parallel); at most 15 characters, the kernel's limit."""
     return f"ringsched-pp{stage}" + (f"t{tp}" if tp is not None else "") + (f"c{cp}" if cp is not None else "")
-
-
-def _plan_channels(cfg: EngineConfig, where: RankInfo, addrs: StageAddrs, ctx, store) -> tuple:
-    """Plans flow from stage k's first rank to stage k+1's, which binds the channel it receives on (see
-    `_receiver`); each stage's first rank also passes them to the stage's other ranks (local ipc: a stage sits on
-    one node). The plan out is a `Fanout` over both, or None."""
-    zstore = PrefixStore("zmq", store) if cfg.nnodes > 1 else None
-    ipc = addrs.plans or ("",) * cfg.pp_size  # several nodes: tcp, no ipc addresses
-    k = where.pp
-    if not where.leads_stage:
-        return Puller(ctx, addrs.group_plans[where.rank]), None
-    plan_in = None if k == 0 else _receiver(ctx, zstore, cfg.host_ip, ipc[k], f"plan/{k}")
-    outs = [] if k == cfg.pp_size - 1 else [_sender(ctx, zstore, ipc[k + 1], f"plan/{k + 1}")]
-    outs += [Pusher(ctx, addrs.group_plans[r]) for r in where.stage_group if r != where.rank]
-    return plan_in, Fanout(outs) if outs else None
-
-
-def _progress_channels(cfg: EngineConfig, stage: StageInfo, addrs: StageAddrs, ctx, store) -> tuple:
-    """`--pp-flex-policy ready`: stage 1 tells stage 0 how far it is with its micro-batch; stage 0 binds."""
-    if not (cfg.pp_flex_layers and cfg.pp_flex_policy == "ready"):
-        return None, None
-    zstore = PrefixStore("zmq", store) if cfg.nnodes > 1 else None
-    if stage.is_first:
-        return _receiver(ctx, zstore, cfg.host_ip, addrs.progress, "progress"), None
-    return None, _sender(ctx, zstore, addrs.progress, "progress")
-
-
-def _receiver(ctx, zstore, host_ip: str, ipc: str, key: str) -> Puller:
-    """The receiving end of a stage-to-stage ZMQ channel binds: on one node (no store) the launcher's `ipc`
-    address; across nodes a free tcp port on this node's address, published in the store under `key`."""
-    if zstore is None:
-        return Puller(ctx, ipc)
-    puller = Puller(ctx, f"tcp://{host_ip}:*")
-    zstore.set(key, puller.endpoint)
-    return puller
-
-
-def _sender(ctx, zstore, ipc: str, key: str) -> Pusher:
-    """The sending end connects: to `ipc` on one node, or to what the receiver published under `key` (the
-    store's `get` waits for it, up to the store's timeout)."""
-    return Pusher(ctx, ipc if zstore is None else zstore.get(key).decode())
 
 
 def kv_budget_bytes(cfg: EngineConfig, device: torch.device, free: int | None = None) -> int:

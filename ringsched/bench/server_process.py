@@ -1,4 +1,5 @@
-"""A real server in a subprocess, for tests and scripts: `with ServerProcess([...flags]) as srv: srv.url`.
+"""A real server in a subprocess: `with ServerProcess([...flags]) as srv: srv.url`. `bench sweep` starts one per
+configuration with it; the server tests and scripts/ use it too, which is why it ships in the package.
 
 The server runs in its own session (process group), so that however a test ends, `stop()` can reach every
 process it started, stages included: SIGTERM first (the graceful path), then SIGKILL to the whole group and to
@@ -7,9 +8,7 @@ every descendant it has seen.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import json
 import os
 import re
 import signal
@@ -169,31 +168,3 @@ class ProcessTree:
         for p in self.leftovers():
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.kill()
-
-
-async def read_sse(hc: httpx.AsyncClient, url: str, body: dict, first: asyncio.Event | None = None) -> dict:
-    """How one SSE stream went: its chunks, the error chunk if any, whether `[DONE]` came, or the HTTP or
-    transport error that ended it. `first` is set at the first chunk with text, and when the stream ends."""
-    out: dict = {"chunks": [], "error": None, "done": False, "transport_error": None}
-    try:
-        async with hc.stream("POST", url, json={**body, "stream": True}) as r:
-            if r.status_code != 200:
-                out["transport_error"] = f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"
-                return out
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue  # keep-alive comments and blank separators
-                if line == "data: [DONE]":
-                    out["done"] = True
-                elif "error" in (ev := json.loads(line[6:])):
-                    out["error"] = ev["error"]
-                else:
-                    out["chunks"].append(ev)
-                    if first is not None and ev.get("choices") and ev["choices"][0].get("text"):
-                        first.set()
-    except httpx.HTTPError as e:
-        out["transport_error"] = f"{type(e).__name__}: {e}"
-    finally:
-        if first is not None:
-            first.set()  # ended (one way or another): a stream that never sent text must not hold up its waiter
-    return out

@@ -1,0 +1,74 @@
+"""The planner's side of the prefix cache (`BlockTable.cache`): which cached blocks a request starts from, which
+blocks a micro-batch computes, and when computed blocks are indexed.
+
+A request takes the longest cached prefix of its tokens (whole blocks, never its last token, which must run to give
+logits); a request whose next block another request computes in the same micro-batch waits one micro-batch and
+finds it cached. Hashes are kept on the request: its tokens never change.
+"""
+
+from __future__ import annotations
+
+from ringsched.comm.messages import BatchPlan, PlanEntry
+from ringsched.kv.cache import BlockTable, block_hashes
+from ringsched.kv.cp_blocks import CPBlocks
+from ringsched.scheduler.request import Request
+
+
+class PrefixIndex:
+    """`requests` is the planner's own dict (by request id), shared, not copied."""
+
+    def __init__(self, blocks: BlockTable | CPBlocks, requests: dict[str, Request]) -> None:
+        self.blocks, self.requests = blocks, requests
+        self.cache = blocks.cache  # None: prefix caching is off
+
+    def hashes(self, r: Request, full: int) -> list[bytes]:
+        """The chained hashes of `r`'s first `full` blocks (kept on the request: its tokens never change)."""
+        if len(r.block_hashes) < full:
+            bs = self.blocks.block_size
+            r.block_hashes = block_hashes(r.all_ids[: full * bs], bs, r.block_hashes)
+        return r.block_hashes[:full]
+
+    def cached_prefix(self, r: Request) -> list[int]:
+        """The cached blocks `r` can start from: its longest cached prefix of whole blocks short of its last token."""
+        if self.cache is None:
+            return []
+        return self.cache.lookup(self.hashes(r, (r.num_tokens - 1) // self.blocks.block_size))
+
+    def planned_blocks(self, plan: BatchPlan, entries: list[PlanEntry] | None = None) -> set[bytes]:
+        """The prefixes (hashes) of the full blocks `entries` (default: the plan's) compute."""
+        if self.cache is None:
+            return set()
+        bs, out = self.blocks.block_size, set()
+        for e in plan.entries if entries is None else entries:
+            end = (e.start + len(e.token_ids)) // bs
+            out.update(self.hashes(self.requests[e.rid], end)[e.start // bs :])
+        return out
+
+    def computed_beside(self, r: Request, cached: int, planned: set[bytes]) -> bool:
+        """`r`'s next block after its `cached` ones is computed in this micro-batch by another request."""
+        if not planned or (cached + 1) * self.blocks.block_size >= r.num_tokens:
+            return False
+        return self.hashes(r, cached + 1)[cached] in planned
+
+    def index(self, r: Request, upto: int) -> None:
+        """Index `r`'s full blocks of positions `[0, upto)` in the prefix cache."""
+        self.blocks.index(r.rid, self.hashes(r, upto // self.blocks.block_size))
+
+    def admit(self, r: Request, cached: list[int]) -> None:
+        """`r` is admitted starting from its `cached` blocks: count the hit and share the blocks."""
+        if self.cache is None:
+            return
+        self.cache.queries += r.num_tokens
+        self.cache.hits += r.num_computed
+        if r.num_preemptions == 0:
+            r.cached_tokens = r.num_computed
+        self.blocks.share(r.rid, cached)
+
+    def stats(self) -> dict:
+        if self.cache is None:
+            return {}
+        return {
+            "prefix_cache_queries": self.cache.queries,
+            "prefix_cache_hits": self.cache.hits,
+            "kv_cached_idle_blocks": self.blocks.cached_idle_blocks,
+        }

@@ -1,0 +1,34 @@
+"""Why stage 0 refuses a request outright: one it can never serve ends with an error output instead of taking the
+stage down, whatever is wrong with it (the front end checks the same, but stage 0 does not rely on that)."""
+
+from __future__ import annotations
+
+from ringsched.comm.messages import NewRequest
+from ringsched.sampling import SamplingParams
+
+
+def refusal(new: NewRequest, params: SamplingParams, *, max_len: int, capacity_tokens: int,
+            vocab_size: int | None, in_use: bool) -> str | None:  # fmt: skip
+    """The error message for a request that can never be served, or None. `in_use`: its id is taken."""
+    ids, vocab = new.token_ids, vocab_size
+    need = len(ids) + params.max_tokens
+    if not ids:
+        return "the prompt is empty"
+    if len(ids) >= max_len:
+        return f"the prompt has {len(ids)} tokens; the maximum context length is {max_len}"
+    if min(need, max_len) > capacity_tokens:
+        return (f"the request needs {need} tokens of KV but the pool holds {capacity_tokens}; raise "
+                "--kv-cache-memory, or spread a request's KV over more ranks with --cp-size")
+    if in_use:
+        return f"request id {new.rid!r} is already in use"
+    if vocab is not None:
+        bad = [i for i in ids if not (isinstance(i, int) and 0 <= i < vocab)]
+        if bad:
+            return f"the prompt has token ids outside the vocabulary [0, {vocab}): {bad[:5]}"
+        bad = [i for i in params.stop_token_ids if i >= vocab]
+        if bad:
+            return f"stop_token_ids has ids outside the vocabulary [0, {vocab}): {bad[:5]}"
+        bad = [i for i, _ in params.logit_bias if i >= vocab]
+        if bad:
+            return f"logit_bias has ids outside the vocabulary [0, {vocab}): {bad[:5]}"
+    return None
