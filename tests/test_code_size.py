@@ -13,12 +13,10 @@ import ringsched
 ROOT = Path(ringsched.__file__).parent
 MAX_FILE_LINES, MAX_FUNCTION_LINES = 300, 50
 MARKER = "# size:"
-# Being split by its owner (tensor-parallel layer types); drop this once models/ keeps the sizes.
-EXEMPT = ("models",)
 
 
 def _modules() -> list[Path]:
-    return sorted(p for p in ROOT.rglob("*.py") if p.relative_to(ROOT).parts[0] not in EXEMPT)
+    return sorted(ROOT.rglob("*.py"))
 
 
 def _has_marker(line: str) -> bool:
@@ -67,13 +65,6 @@ def test_no_module_over_300_lines_without_a_reason():
 def test_no_function_over_50_lines_without_a_reason():
     long = _long_functions(_modules())
     assert not long, f"split these, or say why not with a `{MARKER} <reason>` line above the def: {long}"
-
-
-def test_the_exemption_is_still_needed():
-    """Fails once the exempt packages keep the sizes: then drop them from EXEMPT."""
-    for name in EXEMPT:
-        paths = sorted((ROOT / name).rglob("*.py"))
-        assert _long_modules(paths) or _long_functions(paths), f"{name}/ keeps the sizes now: drop it from EXEMPT"
 
 
 def test_the_marker_convention():

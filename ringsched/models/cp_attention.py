@@ -221,8 +221,7 @@ def build_cp_batch(plan: BatchPlan, placement: CPPlacement, blocks: BlockTable, 
                    device: torch.device, use_kernel: bool = False) -> tuple[ForwardBatch, torch.Tensor]:  # fmt: skip
     """This rank's `ForwardBatch` (its rows only; `cp` set) and input ids for `plan`, the placement already
     applied. `use_kernel`: decodes attend through the CPU decode kernel (`models/native.py`)."""
-    r, size = group.rank, group.size
-    cp = CPForward(group)
+    r, size, cp = group.rank, group.size, CPForward(group)
     ids: list[int] = []
     positions, slot_parts, logit_rows, ring_slots = [], [], [], []
     kernel_rows: list[tuple[int, str, int]] = []  # (buffer row, request, tokens this rank holds) per decode
@@ -254,8 +253,7 @@ def build_cp_batch(plan: BatchPlan, placement: CPPlacement, blocks: BlockTable, 
                 kernel_rows.append((cp.travel_rows, e.rid, have))
             cp.travel_rows += n
         if e.samples:
-            last = next(j for j, p in enumerate(pieces) if p.numel() and int(p[-1]) == n - 1)
-            if last == r:
+            if _holder_of_last(pieces, n) == r:
                 logit_rows.append(row + k - 1)  # a piece ends with its highest offset
                 cp.sample_index.append(cp.num_samples)
             cp.num_samples += 1
@@ -263,14 +261,21 @@ def build_cp_batch(plan: BatchPlan, placement: CPPlacement, blocks: BlockTable, 
     if ring_slots:
         cp.ring_slots = torch.cat(ring_slots).to(device)
     if kernel_rows:
-        rows, rids, lens = zip(*kernel_rows, strict=True)
-        tables, _ = blocks.padded_blocks(list(rids), list(lens))
-        cp.decodes = NativeDecode(torch.tensor(rows), tables.contiguous(), torch.tensor(lens), blocks.block_size,
-                                  max(lens))  # fmt: skip
-    batch = ForwardBatch(
-        positions=torch.cat(positions).to(device) if positions else torch.empty(0, dtype=torch.long, device=device),
-        logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=device),
-        slot_mapping=(torch.cat(slot_parts) if slot_parts else torch.empty(0, dtype=torch.long)).to(device),
-        cp=cp,
-    )
+        cp.decodes = _kernel_decodes(kernel_rows, blocks)
+    empty = torch.empty(0, dtype=torch.long)
+    batch = ForwardBatch(positions=(torch.cat(positions) if positions else empty).to(device),
+                         logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=device),
+                         slot_mapping=(torch.cat(slot_parts) if slot_parts else empty).to(device), cp=cp)  # fmt: skip
     return batch, torch.tensor(ids, dtype=torch.long, device=device)
+
+
+def _holder_of_last(pieces: list[torch.Tensor], n: int) -> int:
+    """The CP rank whose piece holds offset `n - 1` of an entry (its sampling row)."""
+    return next(j for j, p in enumerate(pieces) if p.numel() and int(p[-1]) == n - 1)
+
+
+def _kernel_decodes(kernel_rows: list[tuple[int, str, int]], blocks: BlockTable) -> NativeDecode:
+    """The decodes the CPU kernel reads in place: (buffer row, request, tokens this rank holds) each."""
+    rows, rids, lens = zip(*kernel_rows, strict=True)
+    tables, _ = blocks.padded_blocks(list(rids), list(lens))
+    return NativeDecode(torch.tensor(rows), tables.contiguous(), torch.tensor(lens), blocks.block_size, max(lens))

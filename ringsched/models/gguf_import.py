@@ -62,17 +62,34 @@ def _field(reader, key: str, default=None):
 
 def convert_gguf(gguf_path: Path, out_dir: Path, quiet: bool = False) -> Path:
     """One pass from a GGUF file to a Hugging Face-layout directory: config, tensors (Q and K un-permuted from
-    llama.cpp's rotary layout), tokenizer. Long because it is the whole mapping, read top to bottom."""
+    llama.cpp's rotary layout), tokenizer."""
     import gguf  # imported here: only the converter needs it
 
     reader = gguf.GGUFReader(str(gguf_path))
     arch = _field(reader, "general.architecture")
     if arch != "llama":
         raise ValueError(f"{gguf_path.name}: GGUF architecture {arch!r} is not supported; only 'llama' is")
-    n_heads = int(_field(reader, "llama.attention.head_count"))
-    n_kv = int(_field(reader, "llama.attention.head_count_kv", n_heads))
     out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = _dequantized(reader, quiet)
+    config = _hf_config(reader, tensors)
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    gen = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"], "do_sample": False}
+    (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    _write_tokenizer(reader, out_dir, config["max_position_embeddings"])
+    return out_dir
 
+
+def _heads(reader) -> tuple[int, int]:
+    n_heads = int(_field(reader, "llama.attention.head_count"))
+    return n_heads, int(_field(reader, "llama.attention.head_count_kv", n_heads))
+
+
+def _dequantized(reader, quiet: bool) -> dict[str, torch.Tensor]:
+    """Every tensor in float32 under its Hugging Face name, Q and K in the Hugging Face rotary layout."""
+    import gguf
+
+    n_heads, n_kv = _heads(reader)
     tensors: dict[str, torch.Tensor] = {}
     total = len(reader.tensors)
     for i, t in enumerate(reader.tensors, 1):
@@ -87,14 +104,14 @@ def convert_gguf(gguf_path: Path, out_dir: Path, quiet: bool = False) -> Path:
             print(f"\rdequantizing tensors {i}/{total}", end="", file=sys.stderr, flush=True)
     if not quiet:
         print(file=sys.stderr)
+    return tensors
 
-    tied = "lm_head.weight" not in tensors
-    vocab = int(_field(reader, "llama.vocab_size", tensors["model.embed_tokens.weight"].shape[0]))
-    bos = _field(reader, "tokenizer.ggml.bos_token_id")
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    ctx = int(_field(reader, "llama.context_length", 4096))
+
+def _hf_config(reader, tensors: dict[str, torch.Tensor]) -> dict:
+    """config.json from the file's metadata; the lm_head is tied when the file has none."""
+    n_heads, n_kv = _heads(reader)
     hidden = int(_field(reader, "llama.embedding_length"))
-    config = {
+    return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "num_hidden_layers": int(_field(reader, "llama.block_count")),
@@ -103,24 +120,17 @@ def convert_gguf(gguf_path: Path, out_dir: Path, quiet: bool = False) -> Path:
         "num_attention_heads": n_heads,
         "num_key_value_heads": n_kv,
         "head_dim": hidden // n_heads,
-        "vocab_size": vocab,
+        "vocab_size": int(_field(reader, "llama.vocab_size", tensors["model.embed_tokens.weight"].shape[0])),
         "rms_norm_eps": float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": float(_field(reader, "llama.rope.freq_base", 10000.0)),
-        "max_position_embeddings": ctx,
-        "tie_word_embeddings": tied,
-        "bos_token_id": bos,
-        "eos_token_id": eos,
+        "max_position_embeddings": int(_field(reader, "llama.context_length", 4096)),
+        "tie_word_embeddings": "lm_head.weight" not in tensors,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
         "hidden_act": "silu",
         "attention_bias": False,
         "torch_dtype": "float32",
     }
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
-    (out_dir / "generation_config.json").write_text(
-        json.dumps({"bos_token_id": bos, "eos_token_id": eos, "do_sample": False}, indent=2)
-    )
-    _write_tokenizer(reader, out_dir, ctx)
-    return out_dir
 
 
 def _write_tokenizer(reader, out_dir: Path, max_len: int) -> None:
