@@ -28,6 +28,7 @@ from ringsched.comm.store import connect_store, interface_of
 from ringsched.comm.tensor_channel import TensorChannel
 from ringsched.comm.zmq_io import Fanout, Puller, Pusher
 from ringsched.config import EngineConfig, parse_memory
+from ringsched.device import set_matmul_precision
 from ringsched.kv.cache import BlockTable, KVPool, blocks_for_memory
 from ringsched.kv.cp_blocks import CPBlocks, request_capacity
 from ringsched.layout.rank import RankInfo, StageInfo
@@ -154,6 +155,7 @@ def _threads_and_device(cfg: EngineConfig, local_rank: int) -> torch.device:
         os.sched_setaffinity(0, cpus)
     if cfg.resolved_device == "cuda":
         torch.cuda.set_device(local_rank)
+        set_matmul_precision(torch.device("cuda", local_rank))
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
