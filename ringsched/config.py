@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ringsched.device import cpus_here, gpu_shortfall, read_checkpoint_config, resolve_dtype
 from ringsched.layout.flex import CYCLE, FLEX_POLICIES, FlexBoundary
 from ringsched.layout.partition import ENV_OVERRIDE, PartitionError, resolve_partition
 from ringsched.layout.rank import Layout
@@ -93,8 +94,9 @@ class EngineConfig:
                                                "memory (0.3: of the GPU's, or on CPU of the node's shared by its "
                                                "stages)")  # fmt: skip
     max_model_len: int | None = _flag(None, "context length (default: the model's)", type=int)
-    dtype: str = _flag("float32", "weights and activations; bfloat16 halves memory (and on CPUs with AMX runs "
-                       "faster), float16 is for GPUs", choices=("float32", "bfloat16", "float16"))  # fmt: skip
+    dtype: str = _flag("auto", "weights and activations; auto: the checkpoint's torch_dtype on GPU (bfloat16 if it "
+                       "names none), float32 on CPU; bfloat16 halves memory (and on CPUs with AMX runs faster), "
+                       "float16 is for GPUs", choices=("auto", "float32", "bfloat16", "float16"))  # fmt: skip
     quantization: str = _flag("none", "int8: weight-only int8 projections and lm_head (a float32 scale per output "
                               "row), a quarter of float32's weight bytes; a step of a few requests reads every weight, "
                               "so one request decodes ~2x faster than float32 on CPU, at a measured cost in accuracy "
@@ -217,11 +219,20 @@ class EngineConfig:
             f"--chunked-prefill-size must be >= 1, got {self.chunked_prefill_size}",
         )
         _require(
-            self.dtype in _DTYPES, f"--dtype {self.dtype!r} is not supported; use one of {', '.join(_DTYPES)}"
+            self.dtype == "auto" or self.dtype in _DTYPES,
+            f"--dtype {self.dtype!r} is not supported; use auto or one of {', '.join(_DTYPES)}",
         )
         _require(self.device in ("auto", "cpu", "cuda"), f"--device {self.device!r}: use auto, cpu or cuda")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("--device cuda was asked for but CUDA is not available; use --device cpu")
+        if self.resolved_device == "cuda":
+            shortfall = gpu_shortfall(self.pp_size, self.nnodes, self.tp_size, self.cp_size, torch.cuda.device_count())
+            _require(shortfall is None, shortfall or "")
+            _require(
+                self.pp_flex_layers == 0,
+                "--pp-flex-layers is for CPU stages for now: on CUDA its large K/V transfers go both ways on one NCCL "
+                "communicator unbatched, which can deadlock; leave --pp-flex-layers at 0 with --device cuda",
+            )
         if self.dtype == "float16" and self.resolved_device == "cpu":
             raise ConfigError("--dtype float16 is for GPUs; on CPU use float32 or bfloat16")
         if self.threads_per_stage is not None:
@@ -315,7 +326,11 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        """`--dtype`, with auto resolved against the checkpoint's config.json (`device.resolve_dtype`)."""
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        device = self.resolved_device
+        return _DTYPES[resolve_dtype("auto", device, read_checkpoint_config(self.model) if device == "cuda" else {})]
 
     @property
     def resolved_device(self) -> str:
@@ -331,7 +346,7 @@ class EngineConfig:
     def threads(self) -> int:
         if self.threads_per_stage is not None:
             return self.threads_per_stage
-        return max((os.cpu_count() or 1) // self.ranks_per_node, 1)
+        return max(cpus_here() // self.ranks_per_node, 1)
 
     @property
     def auto_partition(self) -> bool:

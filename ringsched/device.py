@@ -6,7 +6,9 @@ CPU machine; the few lines that ask torch or the OS sit apart at the bottom.
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import torch
 
@@ -50,6 +52,12 @@ def usable_cpus(affinity: set[int] | None, cpu_count: int | None) -> int:
 def cpus_here() -> int:
     affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     return usable_cpus(affinity, os.cpu_count())
+
+
+def read_checkpoint_config(model: str) -> dict:
+    """A model directory's config.json, or {} when `model` is not a directory yet (a known name before its fetch)."""
+    path = Path(model) / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def set_matmul_precision(device: torch.device) -> None:
