@@ -42,6 +42,18 @@ def resolve_dtype(requested: str, device: str, checkpoint: dict) -> str:
     return named if named in DTYPES else "bfloat16"
 
 
+# Held back from a fractional --kv-cache-memory on a GPU before the fraction is taken: the allocator's slack,
+# cuBLAS workspaces and NCCL buffers, then a step's activations (float32-sized, so any dtype fits).
+GPU_FIXED_RESERVE = 1 << 30
+
+
+def activation_reserve(step_tokens: int, sampled_rows: int, hidden: int, intermediate: int, vocab: int) -> int:
+    """Bytes a GPU keeps out of a fractional KV budget: a fixed reserve, plus for every token of the largest step
+    its hidden states, residual, q/k/v/o and gate/up widths live at once, plus the logits of its sampled rows."""
+    per_token = 4 * (6 * hidden + 3 * intermediate)
+    return GPU_FIXED_RESERVE + step_tokens * per_token + sampled_rows * vocab * 4
+
+
 def usable_cpus(affinity: set[int] | None, cpu_count: int | None) -> int:
     """CPUs this process may run on: its affinity mask (taskset, cgroups via SLURM) when the OS gives one, else
     the machine's count."""

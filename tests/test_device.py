@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ringsched.device import gpu_shortfall, resolve_dtype, usable_cpus
+from ringsched.device import activation_reserve, gpu_shortfall, resolve_dtype, usable_cpus
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -73,3 +73,18 @@ def test_gpu_check_without_a_gpu_runs_nothing(tmp_path):
     assert run.returncode == 0, run.stderr
     assert "no GPU here" in run.stdout
     assert not (tmp_path / "gpu_check.txt").exists()
+
+
+def test_fractional_kv_budget_on_gpu_leaves_room_for_activations():
+    from ringsched.config import EngineConfig
+    from ringsched.models.config import ModelConfig
+    from ringsched.models.random_model import random_config
+    from ringsched.stage.worker import kv_budget_bytes
+
+    mcfg = ModelConfig.from_dict(random_config("llama", 30, 576, 9, 3, 1536, 49152, True))
+    cfg, free, gpu = EngineConfig(device="cpu", kv_cache_memory="0.9"), 80 * 2**30, torch.device("cuda", 0)
+    reserve = activation_reserve(512 + 128, 128, 576, 1536, 49152)
+    assert 2**30 < reserve < 2 * 2**30
+    assert kv_budget_bytes(cfg, gpu, free=free, mcfg=mcfg) == int((free - reserve) * 0.9)
+    assert kv_budget_bytes(cfg, gpu, free=reserve // 2, mcfg=mcfg) == 0  # nothing left: refused later, not negative
+    assert kv_budget_bytes(cfg, torch.device("cpu"), free=free, mcfg=mcfg) == int(free * 0.9)  # CPU unchanged

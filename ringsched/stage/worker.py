@@ -28,7 +28,7 @@ from ringsched.comm.store import connect_store, interface_of
 from ringsched.comm.tensor_channel import TensorChannel
 from ringsched.comm.zmq_io import Fanout, Puller, Pusher
 from ringsched.config import EngineConfig, parse_memory
-from ringsched.device import set_matmul_precision
+from ringsched.device import activation_reserve, set_matmul_precision
 from ringsched.kv.cache import BlockTable, KVPool, blocks_for_memory
 from ringsched.kv.cp_blocks import CPBlocks, request_capacity
 from ringsched.layout.rank import RankInfo, StageInfo
@@ -300,10 +300,12 @@ def _sender(ctx, zstore, ipc: str, key: str) -> Pusher:
     return Pusher(ctx, ipc if zstore is None else zstore.get(key).decode())
 
 
-def kv_budget_bytes(cfg: EngineConfig, device: torch.device, free: int | None = None) -> int:
+def kv_budget_bytes(cfg: EngineConfig, device: torch.device, free: int | None = None,
+                    mcfg: ModelConfig | None = None) -> int:  # fmt: skip
     """`--kv-cache-memory` in bytes for one stage: as given, or its fraction of the free memory this stage may
     use (its GPU's; on CPU the node's available memory shared by the stages on this node). `free` overrides the
-    measured free memory (tests)."""
+    measured free memory (tests); on a GPU, with the model's config `mcfg`, `device.activation_reserve` is taken
+    off the free memory first."""
     budget = parse_memory(cfg.kv_cache_memory)
     if isinstance(budget, int):
         return budget
@@ -313,13 +315,17 @@ def kv_budget_bytes(cfg: EngineConfig, device: torch.device, free: int | None = 
         import psutil
 
         free = psutil.virtual_memory().available
+    if device.type == "cuda" and mcfg is not None:  # the fraction is of what a step's activations leave
+        step = cfg.chunked_prefill_size + cfg.micro_batch_size
+        free -= activation_reserve(step, cfg.micro_batch_size, mcfg.hidden_size, mcfg.intermediate_size,
+                                   mcfg.vocab_size)  # fmt: skip
     if device.type != "cuda":
         free //= cfg.ranks_per_node
-    return int(free * budget)
+    return max(int(free * budget), 0)
 
 
 def _kv_blocks(cfg: EngineConfig, mcfg: ModelConfig, stage: StageInfo, device: torch.device) -> int:
-    budget = kv_budget_bytes(cfg, device)
+    budget = kv_budget_bytes(cfg, device, mcfg=mcfg)
     blocks = blocks_for_memory(mcfg, stage.num_layers, cfg.torch_dtype, budget, cfg.block_size)
     if cfg.world_size > 1:
         # Stage 0 admits against the smallest pool (over every rank); every rank allocates just that much.
