@@ -17,6 +17,7 @@ import torch
 
 from ringsched.config_checks import CHECKS, DTYPES, ConfigError, check_layer_partition
 from ringsched.config_checks import parse_memory as parse_memory  # importers take it from here
+from ringsched.device import cpus_here, read_checkpoint_config, resolve_dtype
 from ringsched.layout.flex import FLEX_POLICIES, FlexBoundary
 from ringsched.layout.partition import ENV_OVERRIDE, PartitionError, resolve_partition
 from ringsched.layout.rank import Layout
@@ -69,8 +70,9 @@ class EngineConfig:
                                                "memory (0.3: of the GPU's, or on CPU of the node's shared by its "
                                                "stages)")  # fmt: skip
     max_model_len: int | None = _flag(None, "context length (default: the model's)", type=int)
-    dtype: str = _flag("float32", "weights and activations; bfloat16 halves memory (and on CPUs with AMX runs "
-                       "faster), float16 is for GPUs", choices=("float32", "bfloat16", "float16"))  # fmt: skip
+    dtype: str = _flag("auto", "weights and activations; auto: the checkpoint's torch_dtype on GPU (bfloat16 if it "
+                       "names none), float32 on CPU; bfloat16 halves memory (and on CPUs with AMX runs faster), "
+                       "float16 is for GPUs", choices=("auto", "float32", "bfloat16", "float16"))  # fmt: skip
     quantization: str = _flag("none", "int8: weight-only int8 projections and lm_head (a float32 scale per output "
                               "row), a quarter of float32's weight bytes; a step of a few requests reads every weight, "
                               "so one request decodes ~2x faster than float32 on CPU, at a measured cost in accuracy "
@@ -183,7 +185,11 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        """`--dtype`, with auto resolved against the checkpoint's config.json (`device.resolve_dtype`)."""
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        device = self.resolved_device
+        return DTYPES[resolve_dtype("auto", device, read_checkpoint_config(self.model) if device == "cuda" else {})]
 
     @property
     def resolved_device(self) -> str:
@@ -199,7 +205,7 @@ class EngineConfig:
     def threads(self) -> int:
         if self.threads_per_stage is not None:
             return self.threads_per_stage
-        return max((os.cpu_count() or 1) // self.ranks_per_node, 1)
+        return max(cpus_here() // self.ranks_per_node, 1)
 
     @property
     def auto_partition(self) -> bool:

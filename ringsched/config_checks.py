@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ringsched.device import gpu_shortfall
 from ringsched.layout.flex import CYCLE, FLEX_POLICIES
 
 if TYPE_CHECKING:
@@ -130,12 +131,28 @@ def check_batching(cfg: EngineConfig) -> None:
     )
 
 
+def check_gpus(cfg: EngineConfig) -> None:
+    """On CUDA: a GPU for each of this node's ranks; no flexible cut (its transfers are not batched for NCCL)."""
+    shortfall = gpu_shortfall(cfg.pp_size, cfg.nnodes, cfg.tp_size, cfg.cp_size, torch.cuda.device_count())
+    _require(shortfall is None, shortfall or "")
+    _require(
+        cfg.pp_flex_layers == 0,
+        "--pp-flex-layers is for CPU stages for now: on CUDA its large K/V transfers go both ways on one NCCL "
+        "communicator unbatched, which can deadlock; leave --pp-flex-layers at 0 with --device cuda",
+    )
+
+
 def check_device(cfg: EngineConfig) -> None:
     """--dtype, --device (and whether CUDA is there), --threads-per-stage."""
-    _require(cfg.dtype in DTYPES, f"--dtype {cfg.dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+    _require(
+        cfg.dtype == "auto" or cfg.dtype in DTYPES,
+        f"--dtype {cfg.dtype!r} is not supported; use auto or one of {', '.join(DTYPES)}",
+    )
     _require(cfg.device in ("auto", "cpu", "cuda"), f"--device {cfg.device!r}: use auto, cpu or cuda")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda was asked for but CUDA is not available; use --device cpu")
+    if cfg.resolved_device == "cuda":
+        check_gpus(cfg)
     if cfg.dtype == "float16" and cfg.resolved_device == "cpu":
         raise ConfigError("--dtype float16 is for GPUs; on CPU use float32 or bfloat16")
     if cfg.threads_per_stage is not None:

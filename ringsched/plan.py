@@ -127,7 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         plan = make_layouts(model, cluster, args.tp, args.pp, args.pp_layer_partition, args.cp)
         launch = []
         if args.print_launch and plan.recommendation.row is not None:
-            launch = launch_commands(plan.recommendation.row, args.model, args.gpus_per_node, model.dtype_bytes,
+            # A preset's name is not a model the launcher can load: the commands name a path to fill in.
+            model_arg = args.model if os.path.isdir(args.model) else f"/path/to/{args.model}"
+            launch = launch_commands(plan.recommendation.row, model_arg, args.gpus_per_node, model.dtype_bytes,
                                      args.max_model_len, args.dist_init_addr, head_layers(model))  # fmt: skip
     except CapacityError as err:
         print(f"ringsched.plan: error: {err}", file=sys.stderr)
@@ -142,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     if launch:
         if not os.path.isdir(args.model):
-            launch.insert(0, f"# --model: give each node the model's directory ({args.model} is a planning preset)")
+            launch.insert(0, f"# --model: replace /path/to/{args.model} by the model's directory on each node "
+                             f"({args.model} is a planning preset)")
         print("\n" + "\n".join(launch), file=sys.stderr if args.json else sys.stdout)
     return 0
 

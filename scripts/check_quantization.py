@@ -16,10 +16,10 @@ import math
 import torch
 
 from ringsched import Engine
+from ringsched.layout.rank import StageInfo
 from ringsched.models.attention import ForwardBatch
 from ringsched.models.fetch import resolve_model
 from ringsched.models.loader import load_stage_model
-from ringsched.layout.rank import StageInfo
 from ringsched.sampling import SamplingParams
 from ringsched.tokenizer import Tokenizer
 

@@ -189,3 +189,15 @@ def test_probe_spans_more_than_the_cache_but_at_most_a_stage(tiny_llama_dir):
     per_layer_kv = (64 * 256 + 64) * mcfg.kv_bytes_per_token_per_layer * 4
     assert n * per_layer_kv < PROBE_BYTES + per_layer_kv * 2 or n == 1
     assert n > 1  # a tiny layer: many of them fill the span
+
+
+def test_choose_partition_apart_measures_in_a_child(tiny_llama_dir):
+    """What the launcher runs for a GPU: the same measurement in a spawned child, so the launcher's process never
+    initialises CUDA (checked here only as far as a CPU machine can: the answer comes back whole)."""
+    from ringsched.process.partition_auto import choose_partition_apart
+
+    mcfg = ModelConfig.from_dir(tiny_llama_dir)
+    counts, costs = choose_partition_apart(mcfg, 2, SHAPE, torch.float32, torch.device("cpu"), threads=1)
+    assert sum(counts) == mcfg.num_layers and len(counts) == 2
+    assert counts == best_partition(mcfg.num_layers, 2, costs)
+    assert not torch.cuda.is_initialized()

@@ -310,6 +310,15 @@ def test_print_launch_gives_each_node_its_command_for_the_recommended_layout(cap
 
     args = build_parser().parse_args(cmds[1].split()[3:])
     assert (args.tp_size, args.pp_size, args.nnodes, args.node_rank) == (8, 2, 2, 1)
+    # ...and build a config the launcher accepts: a model path to fill in, a KV pool, the dtype.
+    from ringsched.config import EngineConfig, parse_memory
+
+    assert args.model == "/path/to/llama-3-70b" and args.dtype == "bfloat16"
+    kv = parse_memory(args.kv_cache_memory)
+    assert isinstance(kv, int) and 10 * 2**30 < kv < 80 * 2**30
+    from ringsched.process.cli_args import ENGINE_FLAGS
+
+    EngineConfig(**{k: getattr(args, k) for k in ENGINE_FLAGS if k != "device"}, device="cpu")
 
 
 def test_print_launch_refuses_a_tensor_parallel_group_wider_than_a_node(capsys):

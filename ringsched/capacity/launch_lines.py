@@ -18,7 +18,9 @@ from ringsched.layout.partition import default_partition
 def launch_commands(row: LayoutRow, model: str, gpus_per_node: int, dtype_bytes: int, max_model_len: int,
                     head_addr: str = "$HEAD_ADDR:29500", head: float = 0.0) -> list[str]:  # fmt: skip
     """`head`: the model's `parallel.partition.head_layers`, so that a row on the launcher's default split
-    prints no `--pp-layer-partition`."""
+    prints no `--pp-layer-partition`. `model` goes into the commands as given: pass a directory (or a
+    placeholder path) the launcher can load. The KV pool is the plan's KV space per GPU, as bytes: the planner
+    has already taken the weights and the activation reserve off."""
     if row.cp > 1 and row.tp > 1:
         raise CapacityError(
             f"--print-launch: TP={row.tp} x PP={row.pp} x CP={row.cp} is planned only: the engine runs a stage either "
@@ -41,11 +43,10 @@ def launch_commands(row: LayoutRow, model: str, gpus_per_node: int, dtype_bytes:
     flags = ["--model", model, "--tp-size", str(row.tp), "--pp-size", str(row.pp)]
     if row.cp > 1:
         flags += ["--cp-size", str(row.cp)]
-    if dtype_bytes == 2:
-        flags += ["--dtype", "bfloat16"]
+    flags += ["--dtype", "bfloat16" if dtype_bytes == 2 else "float32"]
     if list(row.partition) != default_partition(sum(row.partition), row.pp, head):
         flags += ["--pp-layer-partition", ",".join(map(str, row.partition))]
-    flags += ["--max-model-len", str(max_model_len)]
+    flags += ["--max-model-len", str(max_model_len), "--kv-cache-memory", f"{int(row.kv_space_per_gpu_gib * 1024)}M"]
     base = "python -m ringsched.launch " + " ".join(shlex.quote(f) for f in flags)
     if nnodes == 1:
         return [f"# one node, {world} GPUs", base]

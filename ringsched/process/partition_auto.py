@@ -14,12 +14,16 @@ tokens: probing at a context of 256 with as many prefill tokens as decodes made 
 picked [10,10], where [11,9] ran 1.18x faster.
 
 The launcher of node 0 measures once, before the stages start, with one stage's threads; the stages and the
-other nodes receive the decision as an explicit partition.
+other nodes receive the decision as an explicit partition. On a GPU the launcher measures in a child process
+(`choose_partition_apart`), so the launcher itself never creates a CUDA context: one there would hold memory on
+GPU 0 for the server's whole life, beside stage 0's.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import multiprocessing
 import os
 import statistics
 import time
@@ -275,3 +279,10 @@ def log_choice(counts: list[int], costs: StageCosts) -> None:
         costs.embed_ms, costs.head_ms, costs.head_ms / max(statistics.fmean(costs.layer_ms), 1e-9),
         [round(t, 2) for t in ms], 100 * balance_loss(ms),
     )  # fmt: skip
+
+
+def choose_partition_apart(*args, **kwargs) -> tuple[list[int], StageCosts]:
+    """`choose_partition` in a spawned child process, which takes the CUDA context and frees it as it exits."""
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
+        return pool.submit(choose_partition, *args, **kwargs).result()

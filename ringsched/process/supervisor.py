@@ -27,7 +27,7 @@ from ringsched.comm.zmq_io import Puller, Pusher, ipc_addr, new_ipc_dir
 from ringsched.config import EngineConfig
 from ringsched.layout.partition import head_layers, log_partition, partition_source
 from ringsched.layout.rank import node_rank_infos
-from ringsched.process.partition_auto import BatchShape, choose_partition
+from ringsched.process.partition_auto import BatchShape, choose_partition, choose_partition_apart
 from ringsched.process.rendezvous import Rendezvous
 from ringsched.process.spawn import stop_resource_tracker, without_main_module
 from ringsched.spec import ModelSpec
@@ -156,7 +156,8 @@ class Supervisor:
         here = [stage_cpus(c.threads, c.ranks_per_node, i * c.ranks_per_stage, c.resolved_device)
                 for i in range(c.stages_per_node)]  # fmt: skip
         cpus = here if c.nnodes == 1 else [here[0]] * c.pp_size
-        counts, _ = choose_partition(mcfg, c.pp_size, shape, c.torch_dtype, device, c.threads, cpus)
+        choose = choose_partition_apart if device.type == "cuda" else choose_partition  # no CUDA context here
+        counts, _ = choose(mcfg, c.pp_size, shape, c.torch_dtype, device, c.threads, cpus)
         return counts
 
     def check(self, timeout_ms: int = 0) -> None:

@@ -23,6 +23,7 @@ from ringsched.comm.messages import StageStatus
 from ringsched.comm.tensor_channel import TensorChannel
 from ringsched.comm.zmq_io import Puller, Pusher
 from ringsched.config import EngineConfig, parse_memory
+from ringsched.device import activation_reserve, set_matmul_precision
 from ringsched.kv.cache import BlockTable, KVPool, blocks_for_memory
 from ringsched.kv.cp_blocks import CPBlocks, request_capacity
 from ringsched.layout.rank import RankInfo, StageInfo
@@ -156,6 +157,7 @@ def _threads_and_device(cfg: EngineConfig, local_rank: int) -> torch.device:
         os.sched_setaffinity(0, cpus)
     if cfg.resolved_device == "cuda":
         torch.cuda.set_device(local_rank)
+        set_matmul_precision(torch.device("cuda", local_rank))
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
@@ -211,10 +213,12 @@ def process_name(stage: int, tp: int | None = None, cp: int | None = None) -> st
     return f"ringsched-pp{stage}" + (f"t{tp}" if tp is not None else "") + (f"c{cp}" if cp is not None else "")
 
 
-def kv_budget_bytes(cfg: EngineConfig, device: torch.device, free: int | None = None) -> int:
+def kv_budget_bytes(cfg: EngineConfig, device: torch.device, free: int | None = None,
+                    mcfg: ModelConfig | None = None) -> int:  # fmt: skip
     """`--kv-cache-memory` in bytes for one stage: as given, or its fraction of the free memory this stage may
     use (its GPU's; on CPU the node's available memory shared by the stages on this node). `free` overrides the
-    measured free memory (tests)."""
+    measured free memory (tests); on a GPU, with the model's config `mcfg`, `device.activation_reserve` is taken
+    off the free memory first."""
     budget = parse_memory(cfg.kv_cache_memory)
     if isinstance(budget, int):
         return budget
@@ -224,13 +228,17 @@ def kv_budget_bytes(cfg: EngineConfig, device: torch.device, free: int | None = 
         import psutil
 
         free = psutil.virtual_memory().available
+    if device.type == "cuda" and mcfg is not None:  # the fraction is of what a step's activations leave
+        step = cfg.chunked_prefill_size + cfg.micro_batch_size
+        free -= activation_reserve(step, cfg.micro_batch_size, mcfg.hidden_size, mcfg.intermediate_size,
+                                   mcfg.vocab_size)  # fmt: skip
     if device.type != "cuda":
         free //= cfg.ranks_per_node
-    return int(free * budget)
+    return max(int(free * budget), 0)
 
 
 def _kv_blocks(cfg: EngineConfig, mcfg: ModelConfig, stage: StageInfo, device: torch.device) -> int:
-    budget = kv_budget_bytes(cfg, device)
+    budget = kv_budget_bytes(cfg, device, mcfg=mcfg)
     blocks = blocks_for_memory(mcfg, stage.num_layers, cfg.torch_dtype, budget, cfg.block_size)
     if cfg.world_size > 1:
         # Stage 0 admits against the smallest pool (over every rank); every rank allocates just that much.

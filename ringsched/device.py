@@ -1,0 +1,80 @@
+"""What the hardware decides: GPUs against local ranks, the dtype `auto` stands for, matmul precision, threads.
+
+Pure functions (the GPU count, the checkpoint's dtype and the CPU set are passed in) so they are tested on a
+CPU machine; the few lines that ask torch or the OS sit apart at the bottom.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+TF32_ENV = "RINGSCHED_TF32"  # "0": float32 matmuls on CUDA in full precision (gpu_check.sh's greedy check)
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def gpu_shortfall(pp_size: int, nnodes: int, tp_size: int, cp_size: int, visible: int) -> str | None:
+    """None when this node has a GPU for each of its ranks, else the message that says which flags to change.
+    Each local rank takes the GPU of its local index (`stage/worker.py`), so `visible` must be at least
+    `pp_size / nnodes x tp_size x cp_size`."""
+    local = pp_size // max(nnodes, 1) * tp_size * cp_size
+    if local <= visible:
+        return None
+    return (
+        f"--device cuda runs one rank per GPU: this node runs {local} ranks (--pp-size {pp_size} / --nnodes {nnodes} "
+        f"x --tp-size {tp_size} x --cp-size {cp_size}) but sees {visible} GPU(s); lower --pp-size, --tp-size or "
+        "--cp-size (or add nodes), or check CUDA_VISIBLE_DEVICES"
+    )
+
+
+def resolve_dtype(requested: str, device: str, checkpoint: dict) -> str:
+    """`--dtype auto`: the checkpoint's `torch_dtype` (or `dtype`) on a GPU, bfloat16 when it names none or one
+    we do not run; float32 on CPU (the greedy-equality tests and the CPU kernels are float32). An explicit dtype
+    is kept."""
+    if requested != "auto":
+        return requested
+    if device != "cuda":
+        return "float32"
+    named = str(checkpoint.get("torch_dtype") or checkpoint.get("dtype") or "").removeprefix("torch.")
+    return named if named in DTYPES else "bfloat16"
+
+
+# Held back from a fractional --kv-cache-memory on a GPU before the fraction is taken: the allocator's slack,
+# cuBLAS workspaces and NCCL buffers, then a step's activations (float32-sized, so any dtype fits).
+GPU_FIXED_RESERVE = 1 << 30
+
+
+def activation_reserve(step_tokens: int, sampled_rows: int, hidden: int, intermediate: int, vocab: int) -> int:
+    """Bytes a GPU keeps out of a fractional KV budget: a fixed reserve, plus for every token of the largest step
+    its hidden states, residual, q/k/v/o and gate/up widths live at once, plus the logits of its sampled rows."""
+    per_token = 4 * (6 * hidden + 3 * intermediate)
+    return GPU_FIXED_RESERVE + step_tokens * per_token + sampled_rows * vocab * 4
+
+
+def usable_cpus(affinity: set[int] | None, cpu_count: int | None) -> int:
+    """CPUs this process may run on: its affinity mask (taskset, cgroups via SLURM) when the OS gives one, else
+    the machine's count."""
+    return len(affinity) if affinity else max(cpu_count or 1, 1)
+
+
+# -- the lines that ask the machine ------------------------------------------------------------------------------
+def cpus_here() -> int:
+    affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    return usable_cpus(affinity, os.cpu_count())
+
+
+def read_checkpoint_config(model: str) -> dict:
+    """A model directory's config.json, or {} when `model` is not a directory yet (a known name before its fetch)."""
+    path = Path(model) / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def set_matmul_precision(device: torch.device) -> None:
+    """TF32 for float32 matmuls on CUDA (as vLLM and SGLang run), unless RINGSCHED_TF32=0; CPU unchanged."""
+    if device.type == "cuda":
+        on = os.environ.get(TF32_ENV, "1") != "0"
+        torch.backends.cuda.matmul.allow_tf32 = on
+        torch.backends.cudnn.allow_tf32 = on

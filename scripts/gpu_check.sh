@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The GPU check of docs/gpu.md, one command of a few minutes: greedy on CUDA against the CPU (PP=1, and with two
+# GPUs or more PP=2 and TP=2), then TPOT at one request and throughput at 64 against transformers' eager generate
+# on the same GPU; one table on stdout, and in $OUT/gpu_check.txt when OUT is set. Needs no network.
+#
+#   scripts/gpu_check.sh [--model DIR]      # or MODEL=DIR; default: random weights of SmolLM2-135M's shape
+#   WHEELS=DIR scripts/gpu_check.sh         # pip-installs DIR's wheels (e.g. pyzmq) into a temporary directory
+#
+# On a machine without a GPU it says so and exits 0 without running anything.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python}
+MODEL=${MODEL:-}
+if [[ "${1:-}" == "--model" ]]; then MODEL=$2; fi
+
+if ! command -v nvidia-smi >/dev/null 2>&1 || ! "$PYTHON" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
+    echo "gpu_check: no GPU here (no nvidia-smi, or torch.cuda.is_available() is false); nothing run"
+    exit 0
+fi
+
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if [[ -n "${WHEELS:-}" ]]; then
+    "$PYTHON" -m pip install -q --no-index --no-deps --target "$tmp/site" "$WHEELS"/*.whl
+    export PYTHONPATH="$PYTHONPATH:$tmp/site"
+fi
+if [[ -z "$MODEL" ]]; then  # SmolLM2-135M's shape (30 layers, 576 wide, 9 heads, 3 KV heads), random weights
+    MODEL="$tmp/smollm2-135m-random"
+    "$PYTHON" -m ringsched.models random --layers 30 --hidden 576 --heads 9 --kv-heads 3 --intermediate 1536 \
+        --vocab 49152 --max-len 8192 --tie --out "$MODEL" >/dev/null
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+"$PYTHON" scripts/gpu_check.py --model "$MODEL" ${OUT:+--out "$OUT/gpu_check.txt"}
