@@ -8,8 +8,9 @@ from ringsched.comm.messages import NewRequest
 from ringsched.kv.cache import BlockTable
 from ringsched.models.config import ModelConfig
 from ringsched.sampling import SamplingParams
-from ringsched.scheduler.chunking import ChunkCost, ChunkSizer, DecodeCost, probe
+from ringsched.scheduler.chunking import ChunkCost, ChunkSizer, DecodeCost
 from ringsched.scheduler.planner import Planner
+from ringsched.stage.chunk_probe import probe
 
 SMOL_LIKE = ChunkCost(per_token=36.4 / 512, per_pair=(102.5 - 36.4) / (512 * 4096))  # ms, as probed on SmolLM2
 

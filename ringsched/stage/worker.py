@@ -32,6 +32,7 @@ from ringsched.models.loader import load_stage_model, weights_bytes
 from ringsched.scheduler import chunking
 from ringsched.scheduler.planner import Planner
 from ringsched.spec import ModelSpec
+from ringsched.stage import chunk_probe
 from ringsched.stage.affinity import stage_cpus
 from ringsched.stage.channels import plan_channels, progress_channels
 from ringsched.stage.groups import process_groups
@@ -142,7 +143,7 @@ def _planner(cfg: EngineConfig, spec: ModelSpec, local: ModelConfig, blocks: Blo
     allocator = CPBlocks(tables) if cp else blocks
     chunker = None
     if cfg.enable_dynamic_chunking:
-        cost, decode = chunking.probe(local, cfg.torch_dtype, device, cfg.chunked_prefill_size, spec.context_len)
+        cost, decode = chunk_probe.probe(local, cfg.torch_dtype, device, cfg.chunked_prefill_size, spec.context_len)
         chunker = chunking.ChunkSizer(cost, cfg.chunked_prefill_size, decode=decode)
     return Planner(allocator, cfg.micro_batch_size, cfg.max_running_requests, cfg.chunked_prefill_size, spec.eos_ids,
                    spec.context_len, random.Random(cfg.seed), spec.config.vocab_size, flexible_cut=flex,
