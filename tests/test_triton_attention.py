@@ -1,6 +1,6 @@
 """The Triton attention kernels (`models/triton_attention.py`) against dense softmax attention over each
-sequence's gathered keys, run on CPU under Triton's interpreter; and the `triton` backend against `torch`
-through a tiny random model.
+sequence's gathered keys; and the `triton` backend against `torch` through a tiny random model. On a machine
+without CUDA the kernels run under Triton's interpreter; with CUDA, compiled on the GPU.
 
 Fast lane: a small covering set (batch 1 and a few; contexts of 1 key, a block boundary, a few hundred; GQA 1, 2,
 8; blocks of 16 and 32; prefill with and without a cached prefix; chunked extend). Slow lane: a sampled sweep up
@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported: CPU tensors, no GPU compiler
-
-import pytest
 import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported: no GPU compiler for CPU tensors
+
+import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
@@ -47,6 +50,7 @@ class Pool:
         self.k = torch.randn(slots, kv_heads, dim, generator=g).to(dtype)
         self.v = torch.randn(slots, kv_heads, dim, generator=g).to(dtype)
         self.lens, self.bs = lens, bs
+        self.dk, self.dv, self.dtables = self.k.to(DEVICE), self.v.to(DEVICE), self.tables.to(DEVICE)
 
     def slots(self, i: int) -> torch.Tensor:
         pos = torch.arange(self.lens[i])
@@ -66,9 +70,10 @@ def reference(q, k, v, q_pos, scale):
 def check_decode(lens, heads, kv_heads, dim, bs, dtype, splits=None, seed=0):
     pool = Pool(lens, kv_heads, dim, bs, dtype, seed)
     q = torch.randn(len(lens), heads, dim, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
-    lens_t = torch.tensor(lens, dtype=torch.int32)
-    out, lse = ta.paged_decode(q, pool.k, pool.v, pool.tables, lens_t, bs, dim**-0.5, max(lens), splits)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    out, lse = ta.paged_decode(q.to(DEVICE), pool.dk, pool.dv, pool.dtables, lens_t, bs, dim**-0.5, max(lens), splits)
     assert out.dtype == dtype and out.shape == q.shape
+    out, lse = out.cpu(), lse.cpu()
     for i, n in enumerate(lens):
         s = pool.slots(i)
         want, want_lse = reference(q[i : i + 1], pool.k[s], pool.v[s], torch.tensor([n - 1]), dim**-0.5)
@@ -82,9 +87,10 @@ def check_extend(lens, news, heads, kv_heads, dim, bs, dtype, seed=0):
     q = torch.randn(sum(news), heads, dim, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
     starts = torch.tensor([0, *news[:-1]]).cumsum(0)
     positions = torch.cat([torch.arange(n - k, n) for n, k in zip(lens, news, strict=True)])
-    i32 = dict(dtype=torch.int32)
-    out = ta.paged_extend(q, pool.k, pool.v, pool.tables, torch.tensor(lens, **i32), starts.to(torch.int32),
-                          torch.tensor(news, **i32), positions, bs, dim**-0.5, max(news))  # fmt: skip
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    out = ta.paged_extend(q.to(DEVICE), pool.dk, pool.dv, pool.dtables, torch.tensor(lens, **i32),
+                          starts.to(**i32), torch.tensor(news, **i32), positions.to(DEVICE), bs, dim**-0.5,
+                          max(news)).cpu()  # fmt: skip
     for i, (n, k) in enumerate(zip(lens, news, strict=True)):
         s, rows = pool.slots(i), slice(int(starts[i]), int(starts[i]) + k)
         want, _ = reference(q[rows], pool.k[s], pool.v[s], torch.arange(n - k, n), dim**-0.5)
@@ -116,9 +122,9 @@ def test_decode_output_does_not_depend_on_the_split_count(splits):
 
 def test_split_partials_merge_like_ring_attention():
     pool = Pool([200, 50], 2, 16, 16, torch.float32)
-    q = torch.randn(2, 4, 16)
-    outs, lses = ta.decode_partials(q, pool.k, pool.v, pool.tables, torch.tensor([200, 50], dtype=torch.int32),
-                                    16, 0.25, splits=4)  # fmt: skip
+    q = torch.randn(2, 4, 16, device=DEVICE)
+    lens = torch.tensor([200, 50], dtype=torch.int32, device=DEVICE)
+    outs, lses = ta.decode_partials(q, pool.dk, pool.dv, pool.dtables, lens, 16, 0.25, splits=4)
     assert outs.shape == (2, 4, 4, 16) and lses.shape == (2, 4, 4)
     assert torch.isinf(lses[1, :, 3]).all()  # 50 keys in splits of 64: the last one is empty
     want, want_lse = merge_all(list(outs.unbind(2)), list(lses.unbind(2)))
@@ -140,7 +146,7 @@ def test_extend_matches_dense_causal_attention(lens, news, heads, kv_heads, bs, 
     check_extend(lens, news, heads, kv_heads, 32, bs, dtype)
 
 
-def _model_steps(backend_name: str, chunks: list[int], decodes: int) -> list[torch.Tensor]:
+def _model_steps(backend_name: str, chunks: list[int], decodes: int, device: str = "cpu") -> list[torch.Tensor]:
     """Logits of a tiny random model prefilling two prompts in `chunks`-token chunks (each chunk over the KV
     of the earlier ones, the second prompt starting later), then decoding both, attending with the backend."""
     cfg = ModelConfig.from_dict(random_config("llama", 2, 64, 8, 2, 96, 300, tie=True))
@@ -148,8 +154,9 @@ def _model_steps(backend_name: str, chunks: list[int], decodes: int) -> list[tor
     model = StageModel(cfg, StageInfo(0, 1, 0, cfg.num_layers))
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.2)
-    backend = select_backend(backend_name, "cpu", torch.float32)
-    blocks, pool = BlockTable(32, 16), KVPool(cfg, cfg.num_layers, 32, 16, torch.float32, "cpu")
+    model.to(device)
+    backend = select_backend(backend_name, device, torch.float32)
+    blocks, pool = BlockTable(32, 16), KVPool(cfg, cfg.num_layers, 32, 16, torch.float32, device)
     prompts = {"a": list(range(3, 3 + sum(chunks))), "b": list(range(40, 40 + chunks[-1]))}
     steps = [[("a", 0, c) for c in chunks[:1]]]
     steps += [[("a", sum(chunks[:i]), c), ("b", 0, c)] if i == len(chunks) - 1 else [("a", sum(chunks[:i]), c)]
@@ -173,15 +180,19 @@ def _model_steps(backend_name: str, chunks: list[int], decodes: int) -> list[tor
 
 
 def _run(model, backend, blocks, pool, entries, last) -> torch.Tensor:
-    batch, ids = backend.forward_batch(BatchPlan(slot=0, seq=0, entries=entries), blocks, torch.device("cpu"))
+    batch, ids = backend.forward_batch(BatchPlan(slot=0, seq=0, entries=entries), blocks, ids_device(pool))
     out = model.compute_logits(model(batch, input_ids=ids, kv_caches=pool.caches))
     for e, row in zip(entries, out.argmax(-1).tolist(), strict=True):
         last[e.rid] = row
     return out
 
 
+def ids_device(pool: KVPool) -> torch.device:
+    return pool.caches[0][0].device
+
+
 def test_triton_backend_matches_torch_through_a_model():
-    want, got = _model_steps("torch", [20, 13], 2), _model_steps("triton", [20, 13], 2)
+    want, got = _model_steps("torch", [20, 13], 2, DEVICE), _model_steps("triton", [20, 13], 2, DEVICE)
     assert len(want) == len(got) == 4
     for w, g in zip(want, got, strict=True):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)

@@ -15,15 +15,15 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LN2 = tl.constexpr(0.6931471805599453)  # globals a kernel reads must be constexpr
 # The running maximum starts finite: a row that sees no key in a tile then gets weight exp2(-inf - -1e30) = 0
 # instead of exp2(-inf - -inf) = NaN.
-NEG_START = -1.0e30
+NEG_START = tl.constexpr(-1.0e30)
 # Triton's interpreter (3.9) multiplies 16-bit float tl.dot operands as their raw integer bits (numpy has no
 # bfloat16; its create_dot passes the uint16 storage to np.matmul). Interpreted, the kernels widen the operands
 # to float32 first: exact for bfloat16 and float16, and with the probabilities rounded to the cache dtype first,
 # the same products the GPU's 16-bit dot takes.
-WIDEN = os.environ.get("TRITON_INTERPRET", "0") == "1"
+WIDEN = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 @triton.jit
