@@ -230,5 +230,5 @@ def test_decode_sweep(batch, longest, heads, kv_heads, bs, dtype):
 def test_extend_sweep(batch, longest, heads, kv_heads, bs, dtype):
     lens = torch.randint(1, longest + 1, (batch,), generator=torch.Generator().manual_seed(batch)).tolist()
     lens[0] = longest
-    news = [max(1, n // 4) for n in lens]  # chunks of a quarter of the context after a cached prefix
+    news = [max(1, min(n // 4, 512)) for n in lens]  # a chunk of up to 512 tokens after a cached prefix
     check_extend(lens, news, heads, kv_heads, 64, bs, dtype, seed=batch)

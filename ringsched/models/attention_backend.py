@@ -14,6 +14,7 @@ Context parallelism keeps its own attention (`models/cp_attention.py`) and takes
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from dataclasses import dataclass
@@ -81,11 +82,8 @@ def select_backend(name: str, device: torch.device | str, kv_dtype: torch.dtype)
 
 
 def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    # Looked up, not imported: on CPU, TRITON_INTERPRET has to be set before the first import.
+    return importlib.util.find_spec("triton") is not None
 
 
 def triton_attend(q: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
