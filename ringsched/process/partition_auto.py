@@ -30,8 +30,7 @@ import torch
 from ringsched.comm.messages import BatchPlan, PlanEntry
 from ringsched.kv.cache import BlockTable, KVPool, kv_bytes_per_token
 from ringsched.layout.rank import StageInfo
-from ringsched.models import native
-from ringsched.models.batch import build_forward_batch
+from ringsched.models.attention_backend import select_backend
 from ringsched.models.config import ModelConfig, layer_matmul_params
 from ringsched.models.llama import StageModel
 from ringsched.stage.affinity import restored_threads_and_cpus
@@ -159,8 +158,8 @@ class CostProbe:
         self.model = model.lay_out_for_cpu().prepare_linears()
         blocks = BlockTable(-(-(shape.decodes * shape.context + shape.prefill_tokens) // 16) + 1, 16)
         self.pool = KVPool(mcfg, layers, blocks.num_blocks, 16, dtype, device)
-        use_native = native.usable_for(dtype, device)  # time the decode attention the stages will run
-        self.batch, self.ids = build_forward_batch(_plan(shape, blocks), blocks, device, use_native)
+        attention = select_backend("auto", device, dtype)  # time the attention the stages will run
+        self.batch, self.ids = attention.forward_batch(_plan(shape, blocks), blocks, device)
         self.hidden = self.model.model.embed_tokens(self.ids)
         self.residual = torch.randn_like(self.hidden)  # a middle layer's input: the residual stream has started
 

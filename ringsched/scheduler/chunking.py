@@ -127,8 +127,7 @@ def probe(mcfg, dtype: torch.dtype, device: torch.device, first: int, max_len: i
     from ringsched.comm.messages import BatchPlan, PlanEntry
     from ringsched.kv.cache import BlockTable, KVPool
     from ringsched.layout.rank import StageInfo
-    from ringsched.models import native
-    from ringsched.models.batch import build_forward_batch
+    from ringsched.models.attention_backend import select_backend
     from ringsched.models.llama import StageModel
 
     first = max(1, min(first, max_len - 1))
@@ -138,7 +137,7 @@ def probe(mcfg, dtype: torch.dtype, device: torch.device, first: int, max_len: i
     dctx = min(DECODE_CONTEXT, max_len - 1)
     blocks = BlockTable(-(-(context + first) // 16) + DECODE_ROWS * -(-dctx // 16) + 2, 16)
     pool = KVPool(mcfg, 1, blocks.num_blocks, 16, dtype, device)
-    use_native = native.usable_for(dtype, device)
+    attention = select_backend("auto", device, dtype)  # the attention the stages will run
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def timed(start: int, decodes: int = 0) -> float:
@@ -148,7 +147,7 @@ def probe(mcfg, dtype: torch.dtype, device: torch.device, first: int, max_len: i
             entries = [PlanEntry(f"p{start}", start, [i % mcfg.vocab_size for i in range(first)], True)]
         for e in entries:
             blocks.ensure(e.rid, e.start + len(e.token_ids))
-        batch, ids = build_forward_batch(BatchPlan(slot=0, seq=0, entries=entries), blocks, device, use_native)
+        batch, ids = attention.forward_batch(BatchPlan(slot=0, seq=0, entries=entries), blocks, device)
         hidden = model.model.embed_tokens(ids)
         residual = torch.randn_like(hidden)
         layer, cache = model.model.layers[0], pool.caches[0]
