@@ -117,8 +117,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     """Decode attention: `q` `[B, H, D]` over `lens[i]` keys of sequence i (its new token's included). Returns
     `[B, H, D]` in q's dtype and each row's LSE `[B, H]` float32. `splits` defaults to `num_splits(max_len)`
     (`max_len`: the longest of `lens`, read from the device when not given)."""
-    if splits is None:
-        splits = num_splits(int(lens.max()) if max_len is None and lens.numel() else max_len or 0)
+    if max_len is None:
+        max_len = int(lens.max()) if lens.numel() else 0  # a device-to-host sync: callers pass it when they know it
+    splits = num_splits(max_len) if splits is None else splits
     parts = decode_partials(q, k_cache, v_cache, tables, lens, block_size, scale, splits)
     return merge_partials(*parts, dtype=q.dtype)
 
