@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ringsched.config_checks import CHECKS, DTYPES, ConfigError, check_layer_partition
+from ringsched.config_checks import ATTENTION_BACKENDS, CHECKS, DTYPES, ConfigError, check_layer_partition
 from ringsched.config_checks import parse_memory as parse_memory  # importers take it from here
 from ringsched.device import cpus_here, read_checkpoint_config, resolve_dtype
 from ringsched.layout.flex import FLEX_POLICIES, FlexBoundary
@@ -73,6 +73,10 @@ class EngineConfig:
     dtype: str = _flag("auto", "weights and activations; auto: the checkpoint's torch_dtype on GPU (bfloat16 if it "
                        "names none), float32 on CPU; bfloat16 halves memory (and on CPUs with AMX runs faster), "
                        "float16 is for GPUs", choices=("auto", "float32", "bfloat16", "float16"))  # fmt: skip
+    attention_backend: str = _flag("auto", "attention kernels: auto (triton on CUDA; on CPU the native decode kernel "
+                                   "where it builds, else torch), torch, native, triton (on CPU it runs under "
+                                   "triton's interpreter: for tests only, very slow)",
+                                   choices=ATTENTION_BACKENDS)  # fmt: skip
     quantization: str = _flag("none", "int8: weight-only int8 projections and lm_head (a float32 scale per output "
                               "row), a quarter of float32's weight bytes; a step of a few requests reads every weight, "
                               "so one request decodes ~2x faster than float32 on CPU, at a measured cost in accuracy "

@@ -131,6 +131,9 @@ def check_batching(cfg: EngineConfig) -> None:
     )
 
 
+ATTENTION_BACKENDS = ("auto", "torch", "native", "triton")  # models/attention_backend.py builds each
+
+
 def check_gpus(cfg: EngineConfig) -> None:
     """On CUDA: a GPU for each of this node's ranks; no flexible cut (its transfers are not batched for NCCL)."""
     shortfall = gpu_shortfall(cfg.pp_size, cfg.nnodes, cfg.tp_size, cfg.cp_size, torch.cuda.device_count())
@@ -155,6 +158,11 @@ def check_device(cfg: EngineConfig) -> None:
         check_gpus(cfg)
     if cfg.dtype == "float16" and cfg.resolved_device == "cpu":
         raise ConfigError("--dtype float16 is for GPUs; on CPU use float32 or bfloat16")
+    _require(
+        cfg.attention_backend in ATTENTION_BACKENDS,
+        f"--attention-backend {cfg.attention_backend!r} is not a backend; choose one of "
+        f"{', '.join(ATTENTION_BACKENDS)}",
+    )
     if cfg.threads_per_stage is not None:
         _require(cfg.threads_per_stage >= 1, f"--threads-per-stage must be >= 1, got {cfg.threads_per_stage}")
 

@@ -10,6 +10,7 @@ reference path tests compare against.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,21 @@ class DecodeGroup:
 
 
 @dataclass
+class PagedSeqs:
+    """Sequences as the Triton kernels read them (`models/triton_attention.py`), the pool read in place: `rows`
+    their new tokens' rows (decodes: one each), `tables` `[S, max_blocks]` int32 their blocks in position order,
+    `kv_lens` `[S]` int32 their context lengths (new tokens included); on the batch's device."""
+
+    rows: torch.Tensor  # [S] int64: decodes, the row of each token; extends, the first row of each chunk
+    tables: torch.Tensor
+    kv_lens: torch.Tensor
+    max_kv_len: int
+    q_lens: torch.Tensor | None = None  # extends: [S] int32 tokens in each chunk
+    max_q_len: int = 1
+    all_rows: bool = False  # decodes: every row of the batch, in order (no gather or scatter)
+
+
+@dataclass
 class ForwardBatch:
     positions: torch.Tensor  # [T] absolute position of each token
     logit_rows: torch.Tensor  # [S] row whose logits are sampled, one per sequence that samples
@@ -45,6 +61,14 @@ class ForwardBatch:
     decodes: list[DecodeGroup] = field(default_factory=list)
     native_decode: NativeDecode | None = None  # the decodes, for the CPU kernel (then `decodes` is empty)
     prefills: list[PrefillSeq] = field(default_factory=list)
+    # The Triton backend's description of the decodes and the prefill chunks (`models/attention_backend.py`)
+    paged_decodes: PagedSeqs | None = None
+    paged_extends: PagedSeqs | None = None
+    block_size: int = 0
+    # How the batch attends once its new K/V are in the cache: `(q, batch, k_cache, v_cache, scale) -> [T, H, D]`.
+    # The stage's `attention_backend.AttentionBackend` sets it when it builds the batch, so the choice of backend
+    # is made once per stage, never per call.
+    attend: Callable[..., torch.Tensor] = field(default_factory=lambda: gathered_attention, repr=False)
     # --cp-size > 1: this CP rank's rows of the micro-batch, and the attention over the group's split KV
     # (`models/cp_attention.CPForward`); None otherwise
     cp: Any = None
@@ -82,6 +106,12 @@ def paged_attention(
     if k is not None:
         k_cache.index_copy_(0, batch.slot_mapping, k)
         v_cache.index_copy_(0, batch.slot_mapping, v)
+    return batch.attend(q, batch, k_cache, v_cache, scale)
+
+
+def gathered_attention(q, batch: ForwardBatch, k_cache, v_cache, scale: float) -> torch.Tensor:
+    """The torch and native backends: decodes through the CPU kernel (`native_decode`) or gathered in length
+    groups, prefill chunks gathered and attended by SDPA."""
     nd = batch.native_decode
     if nd is not None and nd.all_rows:  # every row a decode, in order
         return native.paged_decode(q, k_cache, v_cache, nd, scale)

@@ -6,7 +6,7 @@ import torch
 
 from ringsched.comm.messages import BatchPlan
 from ringsched.kv.cache import BlockTable
-from ringsched.models.attention import DecodeGroup, ForwardBatch, PrefillSeq
+from ringsched.models.attention import DecodeGroup, ForwardBatch, PagedSeqs, PrefillSeq
 from ringsched.models.native import NativeDecode
 
 # A decode joins the current length group while its context is at least this share of the group's longest:
@@ -65,6 +65,54 @@ def build_forward_batch(
     elif dec_rows:
         batch.decodes = _decode_groups(dec_rows, dec_rids, dec_lens, blocks, device)
     return batch, torch.tensor(ids, dtype=torch.long, device=device)
+
+
+def build_paged_batch(plan: BatchPlan, blocks: BlockTable, device: torch.device) -> tuple[ForwardBatch, torch.Tensor]:
+    """`build_forward_batch` for the Triton kernels: the decodes and the prefill chunks each as block tables and
+    lengths (`PagedSeqs`), read in place by the kernels; no padded gathers, no per-chunk slot lists."""
+    ids: list[int] = []
+    positions: list[int] = []
+    slot_parts: list[torch.Tensor] = []
+    logit_rows: list[int] = []
+    dec: list[tuple[int, str, int]] = []  # (row, rid, context length)
+    ext: list[tuple[int, str, int, int]] = []  # (first row, rid, context length, new tokens)
+    row = 0
+    for e in plan.entries:
+        n = len(e.token_ids)
+        ids += e.token_ids
+        positions += range(e.start, e.start + n)
+        slot_parts.append(blocks.slots(e.rid, e.start, e.start + n))
+        if n == 1:
+            dec.append((row, e.rid, e.start + 1))
+        else:
+            ext.append((row, e.rid, e.start + n, n))
+        if e.samples:
+            logit_rows.append(row + n - 1)
+        row += n
+    batch = ForwardBatch(
+        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=device),
+        slot_mapping=torch.cat(slot_parts).to(device),
+        block_size=blocks.block_size,
+    )
+    if dec:
+        batch.paged_decodes = _paged([r for r, *_ in dec], [d[1] for d in dec], [d[2] for d in dec], blocks, device)
+        batch.paged_decodes.all_rows = len(dec) == row
+    if ext:
+        batch.paged_extends = _paged([r for r, *_ in ext], [x[1] for x in ext], [x[2] for x in ext], blocks, device)
+        batch.paged_extends.q_lens = torch.tensor([x[3] for x in ext], dtype=torch.int32, device=device)
+        batch.paged_extends.max_q_len = max(x[3] for x in ext)
+    return batch, torch.tensor(ids, dtype=torch.long, device=device)
+
+
+def _paged(rows: list[int], rids: list[str], lens: list[int], blocks: BlockTable, device) -> PagedSeqs:
+    tables, _ = blocks.padded_blocks(rids, lens)
+    return PagedSeqs(
+        rows=torch.tensor(rows, dtype=torch.long, device=device),
+        tables=tables.to(device=device, dtype=torch.int32),
+        kv_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+        max_kv_len=max(lens),
+    )
 
 
 def _decode_groups(rows: list[int], rids: list[str], lens: list[int], blocks: BlockTable, device) -> list[DecodeGroup]:

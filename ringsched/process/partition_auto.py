@@ -34,8 +34,7 @@ import torch
 from ringsched.comm.messages import BatchPlan, PlanEntry
 from ringsched.kv.cache import BlockTable, KVPool, kv_bytes_per_token
 from ringsched.layout.rank import StageInfo
-from ringsched.models import native
-from ringsched.models.batch import build_forward_batch
+from ringsched.models.attention_backend import select_backend
 from ringsched.models.config import ModelConfig, layer_matmul_params
 from ringsched.models.llama import StageModel
 from ringsched.stage.affinity import restored_threads_and_cpus
@@ -155,7 +154,8 @@ class CostProbe:
 
     @torch.inference_mode()
     def __init__(
-        self, mcfg: ModelConfig, shape: BatchShape, dtype: torch.dtype, device: torch.device, layers: int = 1
+        self, mcfg: ModelConfig, shape: BatchShape, dtype: torch.dtype, device: torch.device, layers: int = 1,
+        attention_backend: str = "auto",
     ) -> None:
         torch.manual_seed(0)
         self.shape, self.device, self.layers = shape, device, layers
@@ -163,8 +163,8 @@ class CostProbe:
         self.model = model.lay_out_for_cpu().prepare_linears()
         blocks = BlockTable(-(-(shape.decodes * shape.context + shape.prefill_tokens) // 16) + 1, 16)
         self.pool = KVPool(mcfg, layers, blocks.num_blocks, 16, dtype, device)
-        use_native = native.usable_for(dtype, device)  # time the decode attention the stages will run
-        self.batch, self.ids = build_forward_batch(_plan(shape, blocks), blocks, device, use_native)
+        attention = select_backend(attention_backend, device, dtype)  # time the attention the stages will run
+        self.batch, self.ids = attention.forward_batch(_plan(shape, blocks), blocks, device)
         self.hidden = self.model.model.embed_tokens(self.ids)
         self.residual = torch.randn_like(self.hidden)  # a middle layer's input: the residual stream has started
 
@@ -218,6 +218,7 @@ def choose_partition(
     threads: int,
     stage_cpus: list[list[int] | None] | None = None,
     rounds: int = 5,
+    attention_backend: str = "auto",
 ) -> tuple[list[int], StageCosts]:
     """Measure with one stage's threads on each stage's cores (`stage_cpus[k]`; None: wherever this process
     runs), pick the split, log the decision. The first stage's cores time the embedding, the last's the head."""
@@ -228,7 +229,7 @@ def choose_partition(
     measured: dict[tuple[int, ...] | None, list[StageCosts]] = {k: [] for k in keys}
     with restored_threads_and_cpus(threads) as allowed:
         layers = probe_layers(mcfg, shape, dtype, -(-mcfg.num_layers // pp_size))
-        probe = CostProbe(mcfg, shape, dtype, device, layers)
+        probe = CostProbe(mcfg, shape, dtype, device, layers, attention_backend)
         # Rounds over the stages' cores, so that a slow moment of the host (or a cold start) is not pinned on
         # one stage; each figure is the median over the rounds.
         for _ in range(rounds):

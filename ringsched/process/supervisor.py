@@ -157,7 +157,8 @@ class Supervisor:
                 for i in range(c.stages_per_node)]  # fmt: skip
         cpus = here if c.nnodes == 1 else [here[0]] * c.pp_size
         choose = choose_partition_apart if device.type == "cuda" else choose_partition  # no CUDA context here
-        counts, _ = choose(mcfg, c.pp_size, shape, c.torch_dtype, device, c.threads, cpus)
+        counts, _ = choose(mcfg, c.pp_size, shape, c.torch_dtype, device, c.threads, cpus,
+                           attention_backend=c.attention_backend)
         return counts
 
     def check(self, timeout_ms: int = 0) -> None:

@@ -18,15 +18,15 @@ DECODE_ROWS, DECODE_CONTEXT = 16, 512  # the decode steps the probe times: 1 and
 
 
 @torch.inference_mode()
-def probe(mcfg, dtype: torch.dtype, device: torch.device, first: int, max_len: int,
-          repeat: int = 3) -> tuple[ChunkCost, DecodeCost]:  # fmt: skip
+def probe(mcfg, dtype: torch.dtype, device: torch.device, first: int, max_len: int, repeat: int = 3,
+          attention_backend: str = "auto") -> tuple[ChunkCost, DecodeCost]:  # fmt: skip
     """Time one randomly initialised layer of the model on a `first`-token chunk at context 0 and at a long
     context (eight first chunks, within the context length), and on decode steps of 1 and 16 requests, on this
     process's threads; fit `ChunkCost` and `DecodeCost`."""
     from ringsched.comm.messages import BatchPlan, PlanEntry
     from ringsched.kv.cache import BlockTable, KVPool
     from ringsched.layout.rank import StageInfo
-    from ringsched.models import native
+    from ringsched.models.attention_backend import select_backend
     from ringsched.models.llama import StageModel
 
     first = max(1, min(first, max_len - 1))
@@ -36,14 +36,14 @@ def probe(mcfg, dtype: torch.dtype, device: torch.device, first: int, max_len: i
     dctx = min(DECODE_CONTEXT, max_len - 1)
     blocks = BlockTable(-(-(context + first) // 16) + DECODE_ROWS * -(-dctx // 16) + 2, 16)
     pool = KVPool(mcfg, 1, blocks.num_blocks, 16, dtype, device)
-    use_native = native.usable_for(dtype, device)
+    attention = select_backend(attention_backend, device, dtype)  # the attention the stages will run
 
     def timed(start: int, decodes: int = 0) -> float:
         if decodes:
             entries = [PlanEntry(f"d{i}", dctx - 1, [i % mcfg.vocab_size], True) for i in range(decodes)]
         else:
             entries = [PlanEntry(f"p{start}", start, [i % mcfg.vocab_size for i in range(first)], True)]
-        return _time_layer(model, blocks, pool, BatchPlan(slot=0, seq=0, entries=entries), device, use_native, repeat)
+        return _time_layer(model, blocks, pool, BatchPlan(slot=0, seq=0, entries=entries), device, attention, repeat)
 
     t0, t1 = timed(0), timed(context) if context else 0.0
     cost = ChunkCost.fit(first, t0, context, t1) if context else ChunkCost(t0 / first, 0.0)
@@ -58,15 +58,13 @@ def probe(mcfg, dtype: torch.dtype, device: torch.device, first: int, max_len: i
     return cost, decode
 
 
-def _time_layer(model, blocks, pool, plan, device: torch.device, use_native: bool, repeat: int) -> float:
+def _time_layer(model, blocks, pool, plan, device: torch.device, attention, repeat: int) -> float:
     """The median time of the model's first layer on `plan`'s entries (after one warm-up run); their KV blocks are
     taken for the runs and freed after."""
-    from ringsched.models.batch import build_forward_batch
-
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for e in plan.entries:
         blocks.ensure(e.rid, e.start + len(e.token_ids))
-    batch, ids = build_forward_batch(plan, blocks, device, use_native)
+    batch, ids = attention.forward_batch(plan, blocks, device)
     hidden = model.model.embed_tokens(ids)
     residual = torch.randn_like(hidden)
     layer, cache = model.model.layers[0], pool.caches[0]

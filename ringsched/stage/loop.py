@@ -35,8 +35,7 @@ from ringsched.kv.cache import BlockTable, KVPool
 from ringsched.kv.cp_blocks import CPPlacement
 from ringsched.layout.flex import FlexBoundary
 from ringsched.layout.rank import Layout, RankInfo, StageInfo, rank_infos
-from ringsched.models import native
-from ringsched.models.batch import build_forward_batch
+from ringsched.models.attention_backend import select_backend
 from ringsched.models.cp_attention import build_cp_batch
 from ringsched.models.llama import StageModel
 from ringsched.models.tp import TPGroup
@@ -100,9 +99,10 @@ class StageLoop:
         self.tp, self.cp = tp, cp
         self.placement = CPPlacement(cp.size) if cp else None  # where each request's tokens are, per CP rank
         self.planner, self.device = planner, device
-        # Decode attention through the CPU kernel where it applies (float32 or bfloat16 KV on CPU, a C compiler
-        # at hand).
-        self.use_native_decode = bool(pool.caches) and native.usable_for(pool.caches[0][0].dtype, device)
+        # The attention kernels, chosen once (`--attention-backend`; auto: the CPU decode kernel where it applies,
+        # Triton on CUDA).
+        kv_dtype = pool.caches[0][0].dtype if pool.caches else torch.float32
+        self.attention = select_backend(cfg.attention_backend, device, kv_dtype)
         self.times = StageTimes()
         self.gc = GcPolicy()
         window = ProfileWindow.from_env()  # RINGSCHED_TORCH_PROFILER_DIR: a debugging aid, off by default
@@ -204,9 +204,9 @@ class StageLoop:
         with self.times.measure("compute") as took:
             if self.cp is not None:  # this rank's rows only
                 batch, ids = build_cp_batch(plan, self.placement, self.blocks, self.cp, self.device,
-                                            self.use_native_decode)  # fmt: skip
+                                            self.attention.native_decode)  # fmt: skip
             else:
-                batch, ids = build_forward_batch(plan, self.blocks, self.device, self.use_native_decode)
+                batch, ids = self.attention.forward_batch(plan, self.blocks, self.device)
             self.cut.before_layers(plan, proxy, batch.slot_mapping)
             out = self.model(
                 batch, input_ids=ids if proxy is None else None, proxy=proxy, kv_caches=self.pool.caches,

@@ -143,7 +143,8 @@ def _planner(cfg: EngineConfig, spec: ModelSpec, local: ModelConfig, blocks: Blo
     allocator = CPBlocks(tables) if cp else blocks
     chunker = None
     if cfg.enable_dynamic_chunking:
-        cost, decode = chunk_probe.probe(local, cfg.torch_dtype, device, cfg.chunked_prefill_size, spec.context_len)
+        cost, decode = chunk_probe.probe(local, cfg.torch_dtype, device, cfg.chunked_prefill_size, spec.context_len,
+                                         attention_backend=cfg.attention_backend)
         chunker = chunking.ChunkSizer(cost, cfg.chunked_prefill_size, decode=decode)
     return Planner(allocator, cfg.micro_batch_size, cfg.max_running_requests, cfg.chunked_prefill_size, spec.eos_ids,
                    spec.context_len, random.Random(cfg.seed), spec.config.vocab_size, flexible_cut=flex,
