@@ -3,8 +3,9 @@
 1. Greedy: the same prompts through ringsched on the CPU (float32) and on CUDA (float32, TF32 off, so the two
    compute the same function): PP=1, and with two GPUs or more PP=2 and TP=2. Random weights have near-ties, so
    the check reports matching tokens out of the total instead of failing on the first difference.
-2. Speed: TPOT at one request and output tokens/s at `--concurrency` requests, ringsched PP=1 against
-   transformers' `AutoModelForCausalLM.generate` (eager, greedy) on the same weights, GPU and dtype.
+2. Speed: TPOT at one request and output tokens/s at `--concurrency` requests, ringsched PP=1 (its default
+   attention on CUDA, the Triton kernels, and the plain torch path) against transformers'
+   `AutoModelForCausalLM.generate` (eager, greedy) on the same weights, GPU and dtype.
 
 Prints one table (and writes it to `--out`). The timings are benchmark output, not tests.
 """
@@ -12,6 +13,7 @@ Prints one table (and writes it to `--out`). The timings are benchmark output, n
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -43,7 +45,8 @@ def matching(ref: list[list[int]], got: list[list[int]]) -> tuple[int, int]:
     return same, sum(len(a) for a in ref)
 
 
-def ringsched_speed(model: str, dtype: str, prompt: list[int], out_len: int, concurrency: int) -> tuple[float, float]:
+def ringsched_speed(model: str, dtype: str, prompt: list[int], out_len: int, concurrency: int,
+                    **kw) -> tuple[float, float]:  # fmt: skip
     """(TPOT in ms at one request, output tokens/s at `concurrency` requests)."""
     from ringsched import Engine, SamplingParams
 
@@ -54,7 +57,7 @@ def ringsched_speed(model: str, dtype: str, prompt: list[int], out_len: int, con
         return time.perf_counter() - start
 
     with Engine(model=model, dtype=dtype, device="cuda", kv_cache_memory="8G",
-                max_running_requests=max(concurrency, 1)) as llm:  # fmt: skip
+                max_running_requests=max(concurrency, 1), **kw) as llm:  # fmt: skip
         run(llm, 2, 8)  # warm-up
         tpot = (run(llm, 1, out_len + 1) - run(llm, 1, 1)) / out_len
         return tpot * 1e3, concurrency * out_len / run(llm, concurrency, out_len)
@@ -103,7 +106,8 @@ def main() -> int:
         print(f"{rows[-1][0]}: {rows[-1][1]}", flush=True)
 
     ref = ringsched_greedy(args.model, PROMPTS, args.max_tokens, device="cpu")
-    layouts = [("PP=1", {})] + ([("PP=2", {"pp_size": 2}), ("TP=2", {"tp_size": 2})] if args.gpus >= 2 else [])
+    layouts = [("PP=1", {}), ("PP=1 torch attention", {"attention_backend": "torch"})]
+    layouts += [("PP=2", {"pp_size": 2}), ("TP=2", {"tp_size": 2})] if args.gpus >= 2 else []
     for name, kw in layouts:
         def greedy(kw=kw) -> str:
             same, total = matching(ref, ringsched_greedy(args.model, PROMPTS, args.max_tokens, device="cuda", **kw))
@@ -113,14 +117,16 @@ def main() -> int:
     os.environ["RINGSCHED_TF32"] = "1"
     prompt = list(range(300, 300 + 32))  # 32 prompt tokens (ids every vocabulary of interest has)
     speeds = {}
-    for name, fn in (("ringsched PP=1", ringsched_speed), ("transformers eager", eager_speed)):
+    torch_attention = functools.partial(ringsched_speed, attention_backend="torch")
+    for name, fn in (("ringsched PP=1", ringsched_speed), ("ringsched PP=1 torch attention", torch_attention),
+                     ("transformers eager", eager_speed)):  # fmt: skip
         def speed(fn=fn, name=name) -> str:
             tpot, tput = speeds[name] = fn(args.model, args.bench_dtype, prompt, args.out_len, args.concurrency)
             return f"TPOT {tpot:.2f} ms at 1 request; {tput:.0f} output tok/s at {args.concurrency}"
 
         check(f"{name} ({args.bench_dtype})", speed)
-    if len(speeds) == 2:
-        (t_r, s_r), (t_e, s_e) = speeds.values()
+    if "ringsched PP=1" in speeds and "transformers eager" in speeds:
+        (t_r, s_r), (t_e, s_e) = speeds["ringsched PP=1"], speeds["transformers eager"]
         rows.append(("ringsched / eager", f"TPOT {t_r / t_e:.2f}x; throughput {s_r / s_e:.2f}x"))
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     width = max(len(n) for n, _ in rows)

@@ -38,3 +38,40 @@ def test_idle_time_is_left_out_and_the_first_snapshot_covers_since_start(monkeyp
     now[0] = 4.0
     t.idle += 2.0  # a window spent idle: nothing to share out
     assert t.snapshot()["busy_fraction"] == 0.0
+
+
+class _FakeEvent:
+    """A CUDA timing event as `StageTimes` uses it: done once `finish` is called, then `elapsed_time` in ms."""
+
+    def __init__(self, at_ms: float) -> None:
+        self.at_ms, self.done = at_ms, False
+
+    def record(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return self.done
+
+    def elapsed_time(self, end: _FakeEvent) -> float:
+        return end.at_ms - self.at_ms
+
+
+def test_on_cuda_compute_is_the_devices_time_settled_at_the_next_snapshot(monkeypatch):
+    now = [0.0]
+    monkeypatch.setattr(stage_times.time, "perf_counter", lambda: now[0])
+    pairs = [(_FakeEvent(0.0), _FakeEvent(30.0)), (_FakeEvent(0.0), _FakeEvent(50.0))]
+    monkeypatch.setattr(stage_times, "_cuda_events", lambda: pairs.pop(0))
+    t = StageTimes(start=0.0, cuda=True)
+    with t.measure("compute") as took:
+        now[0] += 0.002  # the host only launched the kernels: 2 ms
+    assert took.seconds == pytest.approx(0.002) and t.compute == 0.0  # not yet: the GPU is still at it
+    with t.measure("sched"):
+        now[0] += 0.001  # host kinds stay on the host clock
+    assert t.sched == pytest.approx(0.001)
+    first_end = t._events[0][2]
+    first_end.done = True
+    with t.measure("compute"):
+        now[0] += 0.002
+    assert t.snapshot()["compute_s"] == pytest.approx(0.030)  # the finished pair only
+    t._events[0][2].done = True
+    assert t.snapshot()["compute_s"] == pytest.approx(0.080)

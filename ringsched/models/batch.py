@@ -19,6 +19,20 @@ GROUP_SHARE = 0.6
 CPU_GROUP_ROWS = 32
 
 
+def on_device(data: list[int] | torch.Tensor, device: torch.device | str, dtype: torch.dtype | None = None
+              ) -> torch.Tensor:  # fmt: skip
+    """Host data (a list or a CPU tensor) as a tensor on `device`. To a GPU it goes through pinned memory as a
+    non-blocking copy: queued on the stream behind the work already there instead of holding the host until the
+    GPU is idle, so the next micro-batch's metadata is built while this one runs (torch's pinned allocator keeps
+    the host buffer until its copy is done). On CPU the tensor is returned as it is."""
+    t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype)
+    if torch.device(device).type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def build_forward_batch(
     plan: BatchPlan, blocks: BlockTable, device: torch.device, native: bool = False
 ) -> tuple[ForwardBatch, torch.Tensor]:
@@ -41,15 +55,15 @@ def build_forward_batch(
             dec_rids.append(e.rid)
             dec_lens.append(e.start + 1)
         else:
-            ctx = blocks.slots(e.rid, 0, e.start + n).to(device)
+            ctx = on_device(blocks.slots(e.rid, 0, e.start + n), device)
             prefills.append(PrefillSeq(row, n, ctx))
         if e.samples:
             logit_rows.append(row + n - 1)
         row += n
     batch = ForwardBatch(
-        positions=torch.tensor(positions, dtype=torch.long, device=device),
-        logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=device),
-        slot_mapping=torch.cat(slot_parts).to(device),
+        positions=on_device(positions, device, torch.long),
+        logit_rows=on_device(logit_rows, device, torch.long),
+        slot_mapping=on_device(torch.cat(slot_parts), device),
         prefills=prefills,
     )
     if native and dec_rows:
@@ -64,7 +78,7 @@ def build_forward_batch(
         )
     elif dec_rows:
         batch.decodes = _decode_groups(dec_rows, dec_rids, dec_lens, blocks, device)
-    return batch, torch.tensor(ids, dtype=torch.long, device=device)
+    return batch, on_device(ids, device, torch.long)
 
 
 def build_paged_batch(plan: BatchPlan, blocks: BlockTable, device: torch.device) -> tuple[ForwardBatch, torch.Tensor]:
@@ -90,9 +104,9 @@ def build_paged_batch(plan: BatchPlan, blocks: BlockTable, device: torch.device)
             logit_rows.append(row + n - 1)
         row += n
     batch = ForwardBatch(
-        positions=torch.tensor(positions, dtype=torch.long, device=device),
-        logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=device),
-        slot_mapping=torch.cat(slot_parts).to(device),
+        positions=on_device(positions, device, torch.long),
+        logit_rows=on_device(logit_rows, device, torch.long),
+        slot_mapping=on_device(torch.cat(slot_parts), device),
         block_size=blocks.block_size,
     )
     if dec:
@@ -100,17 +114,17 @@ def build_paged_batch(plan: BatchPlan, blocks: BlockTable, device: torch.device)
         batch.paged_decodes.all_rows = len(dec) == row
     if ext:
         batch.paged_extends = _paged([r for r, *_ in ext], [x[1] for x in ext], [x[2] for x in ext], blocks, device)
-        batch.paged_extends.q_lens = torch.tensor([x[3] for x in ext], dtype=torch.int32, device=device)
+        batch.paged_extends.q_lens = on_device([x[3] for x in ext], device, torch.int32)
         batch.paged_extends.max_q_len = max(x[3] for x in ext)
-    return batch, torch.tensor(ids, dtype=torch.long, device=device)
+    return batch, on_device(ids, device, torch.long)
 
 
 def _paged(rows: list[int], rids: list[str], lens: list[int], blocks: BlockTable, device) -> PagedSeqs:
     tables, _ = blocks.padded_blocks(rids, lens)
     return PagedSeqs(
-        rows=torch.tensor(rows, dtype=torch.long, device=device),
-        tables=tables.to(device=device, dtype=torch.int32),
-        kv_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+        rows=on_device(rows, device, torch.long),
+        tables=on_device(tables, device, torch.int32),
+        kv_lens=on_device(lens, device, torch.int32),
         max_kv_len=max(lens),
     )
 
@@ -129,9 +143,9 @@ def _decode_groups(rows: list[int], rids: list[str], lens: list[int], blocks: Bl
         table, mask = blocks.padded_blocks([rids[i] for i in g], [lens[i] for i in g])
         out.append(
             DecodeGroup(
-                rows=torch.tensor([rows[i] for i in g], dtype=torch.long, device=device),
-                blocks=table.reshape(-1).to(device),
-                mask=mask[:, None, None, :].to(device),
+                rows=on_device([rows[i] for i in g], device, torch.long),
+                blocks=on_device(table.reshape(-1), device),
+                mask=on_device(mask[:, None, None, :], device),
                 max_len=mask.shape[1],
             )
         )

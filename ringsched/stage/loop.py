@@ -103,7 +103,7 @@ class StageLoop:
         # Triton on CUDA).
         kv_dtype = pool.caches[0][0].dtype if pool.caches else torch.float32
         self.attention = select_backend(cfg.attention_backend, device, kv_dtype)
-        self.times = StageTimes()
+        self.times = StageTimes(cuda=torch.device(device).type == "cuda")
         self.gc = GcPolicy()
         window = ProfileWindow.from_env()  # RINGSCHED_TORCH_PROFILER_DIR: a debugging aid, off by default
         self.profiler = StepProfiler(window, stage.rank, stage.size) if window else None

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 WINDOW_S = 5.0  # busy_fraction and bubble_fraction cover about this many seconds before each snapshot
+GPU_KINDS = ("compute", "head")  # on a GPU these are the device's time, not the host's (which sees only launches)
 
 
 @dataclass
@@ -35,19 +36,37 @@ class StageTimes:
     tokens: int = 0
     layer_tokens: int = 0  # tokens times the layers they ran through here (a flexible cut varies the layers)
     sample_rows: int = 0  # last stage: rows through the final norm, lm_head and sampling
+    # On CUDA, GPU_KINDS are timed with CUDA events, settled into the totals at the next snapshot once done.
+    cuda: bool = False
     # (time, compute, wait, idle) at recent snapshots: the window the fractions are measured over.
     _marks: deque = field(default_factory=deque, repr=False)
+    _events: list = field(default_factory=list, repr=False)  # (kind, start, end) CUDA events not yet settled
 
     @contextmanager
     def measure(self, kind: str) -> Iterator[Took]:
         """`with times.measure("compute") as took:` adds the block's seconds to that kind (compute, head,
         wait_prev, wait_output, idle, sched or comm); `took.seconds` has them after the block."""
         took, start = Took(), time.perf_counter()
+        events = _cuda_events() if self.cuda and kind in GPU_KINDS else None
         try:
             yield took
         finally:
-            took.seconds = time.perf_counter() - start
-            setattr(self, kind, getattr(self, kind) + took.seconds)
+            took.seconds = time.perf_counter() - start  # the host's view: what the caller waited
+            if events is None:
+                setattr(self, kind, getattr(self, kind) + took.seconds)
+            else:
+                events[1].record()  # no synchronisation here: read back at the next snapshot
+                self._events.append((kind, *events))
+
+    def _settle(self) -> None:
+        """Add the device time of every finished CUDA-event pair to its kind."""
+        pending = []
+        for kind, start, end in self._events:
+            if end.query():
+                setattr(self, kind, getattr(self, kind) + start.elapsed_time(end) / 1e3)
+            else:
+                pending.append((kind, start, end))
+        self._events = pending
 
     def count(self, tokens: int, layers: int) -> None:
         """One micro-batch computed: `tokens` through `layers` layers."""
@@ -58,6 +77,7 @@ class StageTimes:
     def snapshot(self) -> dict:
         """Totals since the first micro-batch, and `busy_fraction`/`bubble_fraction`: the shares of the last
         `WINDOW_S` seconds (leaving out idle time) spent computing and waiting on a neighbour."""
+        self._settle()
         now = time.perf_counter()
         wall = max(now - self.start - self.idle, 1e-9)
         wait = self.wait_prev + self.wait_output
@@ -96,3 +116,12 @@ def peak_rss_bytes() -> int:
         pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
+
+
+def _cuda_events() -> tuple:
+    """A started pair of timing events on the current CUDA stream."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    return start, end
