@@ -12,13 +12,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from ringsched.models import native
 from ringsched.models.native import NativeDecode
+
+if TYPE_CHECKING:  # the CP attention builds on this module
+    from ringsched.models.cp_attention import CPForward
 
 
 @dataclass
@@ -69,9 +72,9 @@ class ForwardBatch:
     # The stage's `attention_backend.AttentionBackend` sets it when it builds the batch, so the choice of backend
     # is made once per stage, never per call.
     attend: Callable[..., torch.Tensor] = field(default_factory=lambda: gathered_attention, repr=False)
-    # --cp-size > 1: this CP rank's rows of the micro-batch, and the attention over the group's split KV
-    # (`models/cp_attention.CPForward`); None otherwise
-    cp: Any = None
+    # --cp-size > 1: this CP rank's rows of the micro-batch and the attention over the group's split KV, which
+    # replaces the paged attention above; None otherwise
+    cp: CPForward | None = None
 
     @property
     def num_tokens(self) -> int:
