@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ringsched.config import ConfigError, EngineConfig
 from ringsched.device import activation_reserve, gpu_shortfall, resolve_dtype, usable_cpus
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,3 +89,14 @@ def test_fractional_kv_budget_on_gpu_leaves_room_for_activations():
     assert kv_budget_bytes(cfg, gpu, free=free, mcfg=mcfg) == int((free - reserve) * 0.9)
     assert kv_budget_bytes(cfg, gpu, free=reserve // 2, mcfg=mcfg) == 0  # nothing left: refused later, not negative
     assert kv_budget_bytes(cfg, torch.device("cpu"), free=free, mcfg=mcfg) == int(free * 0.9)  # CPU unchanged
+
+
+@pytest.mark.parametrize(("kw", "flag"), [({"pp_size": 2, "pp_flex_layers": 2}, "--pp-flex-layers"),
+                                          ({"pp_size": 4}, "CUDA_VISIBLE_DEVICES")])  # fmt: skip
+def test_cuda_refuses_what_it_cannot_run(monkeypatch, kw, flag):
+    """As on a machine with two GPUs: the flexible cut's unbatched NCCL exchange, and more ranks than GPUs."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    EngineConfig(device="cuda", pp_size=2)  # what fits is taken
+    with pytest.raises(ConfigError, match=flag):
+        EngineConfig(device="cuda", **kw)
