@@ -3,12 +3,18 @@
 One slurmctld and two slurmd daemons (`n0`, `n1`) from Debian's `slurm-wlm`, started and stopped here. Both
 "nodes" are this host at 127.0.0.1, so the script's own rule (node R listens on PORT+R) is what keeps them
 apart. The job runs the smoke path: serve, ask one question, print the answer, stop. Needs root.
+
+Each node declares two CPUs and the cluster binds tasks with `task/affinity` (sched_setaffinity, no cgroups;
+`task/none` leaves every task the whole host). A step without `--cpus-per-task` gets both CPUs; the script's
+`RINGSCHED_CPUS_PER_TASK=1` (`srun --cpus-per-task=1`: Slurm 22.05's srun does not take it from sbatch) binds
+each node's launcher to one CPU, and its stages size their threads from that.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -30,6 +36,7 @@ pytestmark = [
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "launch" / "slurm" / "ringsched.sbatch"
 QUESTION = "What is the capital of France?"
+READY = re.compile(r"^(\d): .* ready: .*, (\d+) thread\(s\) on CPUs (\S+) \(pid \d+\)$", re.M)
 
 
 def free_port_pair() -> int:
@@ -57,7 +64,7 @@ SlurmdUser=root
 AuthType=auth/none
 CredType=cred/none
 ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
+TaskPlugin=task/affinity
 MpiDefault=none
 SlurmdParameters=config_overrides
 MailProg=/bin/true
@@ -72,8 +79,8 @@ SlurmctldLogFile={d}/slurmctld.log
 SlurmdSpoolDir={d}/spool/%n
 SlurmdPidFile={d}/slurmd-%n.pid
 SlurmdLogFile={d}/slurmd-%n.log
-NodeName=n0 NodeHostname=localhost NodeAddr=127.0.0.1 Port={n0_port} CPUs=1 State=UNKNOWN
-NodeName=n1 NodeHostname=localhost NodeAddr=127.0.0.1 Port={n1_port} CPUs=1 State=UNKNOWN
+NodeName=n0 NodeHostname=localhost NodeAddr=127.0.0.1 Port={n0_port} CPUs=2 State=UNKNOWN
+NodeName=n1 NodeHostname=localhost NodeAddr=127.0.0.1 Port={n1_port} CPUs=2 State=UNKNOWN
 PartitionName=test Nodes=n0,n1 Default=YES MaxTime=INFINITE State=UP
 """
 
@@ -171,21 +178,31 @@ def cluster(tmp_path) -> SlurmCluster:
         yield c
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_sbatch_script_serves_on_two_nodes(cluster, smollm2_dir, tmp_path, tp):
+@pytest.mark.parametrize(
+    ("tp", "cpus"),
+    [(1, None), (2, None), (1, 1)],
+    ids=["tp1", "tp2", "tp1-one-cpu"],
+)
+def test_sbatch_script_serves_on_two_nodes(cluster, smollm2_dir, tmp_path, tp, cpus):
+    """With `cpus`, each node's task is limited to that many CPUs and the stages' threads are left to the launcher
+    (no --threads-per-stage): each stage must report one thread on one CPU, where an unbound task has two."""
     out = tmp_path / "job.out"
+    threads = "" if cpus else "--threads-per-stage 1 "
     env = {
         "RINGSCHED_PYTHON": sys.executable,
         "RINGSCHED_PP_SIZE": "2",
         "RINGSCHED_TP_SIZE": str(tp),
         "RINGSCHED_PORT": str(free_port_pair()),
         "RINGSCHED_DIST_PORT": str(free_port()),
-        "RINGSCHED_EXTRA_ARGS": "--threads-per-stage 1 --kv-cache-memory 64M --max-model-len 1024",
+        "RINGSCHED_EXTRA_ARGS": threads + "--kv-cache-memory 64M --max-model-len 1024",
         "RINGSCHED_READY_TIMEOUT": "120",
         "RINGSCHED_SMOKE_PROMPT": QUESTION,
     }
-    cluster.env.update(env)
     submit = ["sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=1", f"--output={out}", f"--chdir={REPO}"]
+    if cpus:
+        env["RINGSCHED_CPUS_PER_TASK"] = str(cpus)
+        submit.append(f"--cpus-per-task={cpus}")
+    cluster.env.update(env)
     job = cluster.cmd(*submit, str(SCRIPT)).strip().split(";")[0]
     cluster.wait_job(job, timeout=180)
 
@@ -196,3 +213,8 @@ def test_sbatch_script_serves_on_two_nodes(cluster, smollm2_dir, tmp_path, tp):
     assert f"ringsched: serving smollm2-135m-instruct (2 stages of {tp} ranks on 2 nodes)" in log, log
     answers = [ln for ln in log.splitlines() if ln.startswith("ringsched: answer:")]
     assert answers and "Paris" in answers[0], log
+    if cpus:  # each node's launcher logs its stage's "ready: ..., T thread(s) on CPUs C (pid P)"
+        ready = READY.findall(log)
+        assert sorted(node for node, _, _ in ready) == ["0", "1"], log
+        for node, threads, on in ready:
+            assert (threads, on.isdigit()) == ("1", True), f"node {node}: {threads} thread(s) on CPUs {on}\n{log}"

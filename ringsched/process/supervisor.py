@@ -31,7 +31,7 @@ from ringsched.process.partition_auto import BatchShape, choose_partition, choos
 from ringsched.process.rendezvous import Rendezvous
 from ringsched.process.spawn import stop_resource_tracker, without_main_module
 from ringsched.spec import ModelSpec
-from ringsched.stage.affinity import stage_cpus
+from ringsched.stage.affinity import cpu_list, stage_cpus
 from ringsched.stage.heap import stage_allocator_env
 from ringsched.stage.worker import StageAddrs, process_name, stage_main
 
@@ -107,8 +107,9 @@ class Supervisor:
         for rank in sorted(self.info):
             i = self.info[rank]
             logger.info(
-                "%s ready: layers %d-%d, weights %.1f MiB, KV %d tokens (pid %d)", self.cfg.describe_rank(rank),
-                i["layers"][0], i["layers"][1] - 1, i["weights_bytes"] / 2**20, i["kv_tokens"], i["pid"],
+                "%s ready: layers %d-%d, weights %.1f MiB, KV %d tokens, %d thread(s) on CPUs %s (pid %d)",
+                self.cfg.describe_rank(rank), i["layers"][0], i["layers"][1] - 1, i["weights_bytes"] / 2**20,
+                i["kv_tokens"], i["threads"], cpu_list(i["cpus"]), i["pid"],
             )  # fmt: skip
 
     def _spawn(self) -> None:

@@ -20,6 +20,23 @@ def stage_cpus(threads: int, stages_here: int, local_rank: int, device: str) -> 
     return cpus[local_rank * threads : (local_rank + 1) * threads]
 
 
+def allowed_cpus() -> list[int]:
+    """The CPUs this process may run on (its affinity: taskset, or what SLURM's task plugin bound), [] where the
+    OS does not say."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
+
+def cpu_list(cpus: list[int]) -> str:
+    """CPUs as Linux writes them (/proc/<pid>/status Cpus_allowed_list): "0-3,8"; "?" for none known."""
+    runs: list[list[int]] = []
+    for c in sorted(cpus):
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs) or "?"
+
+
 @contextmanager
 def restored_threads_and_cpus(threads: int) -> Iterator[list[int]]:
     """Run with `threads` torch threads (callers may pin to any of the yielded CPUs, this process's allowed

@@ -33,7 +33,7 @@ from ringsched.scheduler import chunking
 from ringsched.scheduler.planner import Planner
 from ringsched.spec import ModelSpec
 from ringsched.stage import chunk_probe
-from ringsched.stage.affinity import stage_cpus
+from ringsched.stage.affinity import allowed_cpus, stage_cpus
 from ringsched.stage.channels import plan_channels, progress_channels
 from ringsched.stage.groups import process_groups
 from ringsched.stage.heap import keep_heap
@@ -178,6 +178,8 @@ def _ready_info(cfg: EngineConfig, where: RankInfo, stage: StageInfo, cut_layers
         "kv_tokens": blocks.capacity_tokens,
         "request_kv_tokens": request_capacity(blocks.capacity_tokens, cfg.cp_size),  # spread over the CP ranks
         "pid": os.getpid(),
+        "threads": torch.get_num_threads(),  # sized from the CPUs the launcher may use (EngineConfig.threads)
+        "cpus": allowed_cpus(),  # after the stage pinned itself
     }
     logger.info(
         "layers %d-%d (%d), weights %.1f MiB, KV pool %.1f MiB = %d tokens", stage.start_layer,
