@@ -48,7 +48,7 @@ HEAD_SLICE = 8 * HEAD_VOCAB_CHUNK  # vocabulary rows of an lm_head slice
 ROUNDS, SCREEN = 3, 2.0
 TUNING_DIR = "tuning"
 
-Times = dict[int, dict[str, float]]  # bucket -> path -> seconds per timed call
+Times = dict[int, dict[str, float]]  # bucket -> path -> seconds per call of one layer
 
 
 @dataclass(frozen=True)
@@ -189,8 +189,9 @@ def _call(path: str, x: torch.Tensor, pieces: list) -> None:
 
 
 def measure_shape(shape: Shape, paths: tuple[str, ...], layers: list[Linear]) -> Times:
-    """Seconds per timed call of each path at each bucket, on the layers' own weights."""
+    """Seconds per call of one layer of each path at each bucket, timed on the layers' own weights."""
     pieces = _pieces(layers)
+    per_layer = len(pieces) / len(layers)  # an lm_head is several pieces
     piece_bytes = pieces[0][0].numel() * pieces[0][0].element_size()
     times: Times = {}
     with torch.inference_mode():
@@ -198,7 +199,7 @@ def measure_shape(shape: Shape, paths: tuple[str, ...], layers: list[Linear]) ->
             flops = 2 * rows * pieces[0][0].numel()
             count = min(len(pieces), math.ceil(STREAM_BYTES / piece_bytes), max(1, int(FLOP_BUDGET // flops)))
             x = torch.randn(rows, shape.k, dtype=getattr(torch, shape.act))
-            times[rows] = _time_paths(paths, x, pieces[:count])
+            times[rows] = {p: t * per_layer / count for p, t in _time_paths(paths, x, pieces[:count]).items()}
     return times
 
 
@@ -246,10 +247,17 @@ def tune(layers: list[Linear], act: torch.dtype, *, measure: Measure = measure_s
 
 
 def describe(table: PathTable, times: Times, paths: tuple[str, ...]) -> str:
-    """`rows:path` per bucket with each path's microseconds: `1:native 95/112, 2:native ...` (in `paths` order)."""
-    cells = [f"{b}:{c} " + "/".join(f"{times[b][p] * 1e6:.0f}" for p in paths)
-             for b, c in zip(table.buckets, table.paths, strict=True)]  # fmt: skip
-    return f"us {'/'.join(paths)} per bucket: " + ", ".join(cells)
+    """The choice by runs of buckets, then each bucket's microseconds per path: `1-8 native, 16-256 torch (us
+    native/torch: 1 95/112, 2 ...)`."""
+    runs: list[list] = []  # [first bucket, last bucket, path]
+    for b, c in zip(table.buckets, table.paths, strict=True):
+        if runs and runs[-1][2] == c:
+            runs[-1][1] = b
+        else:
+            runs.append([b, b, c])
+    chosen = ", ".join(f"{lo}-{hi} {c}" if lo != hi else f"{lo} {c}" for lo, hi, c in runs)
+    cells = ", ".join(f"{b} " + "/".join(f"{times[b][p] * 1e6:.0f}" for p in paths) for b in table.buckets)
+    return f"{chosen} (us {'/'.join(paths)}: {cells})"
 
 
 def tune_stage(model, mode: str, act: torch.dtype, **kw) -> None:
