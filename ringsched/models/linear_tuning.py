@@ -5,7 +5,9 @@ and gate/up, o_proj, down_proj, the lm_head; `small_linear.PATHS`: the kernel, t
 widened to float32, int8 by `_weight_int8pack_mm`) at each row count of `BUCKETS`, and every layer of that shape
 takes the fastest path per bucket: a `PathTable`, the strategy `Linear.forward` consults. A row count between two
 buckets takes the path of the bucket above (past the last, the last's): the kernel works in tiles of 4 rows and
-MKL/oneDNN block rows too, so a call costs about what the bucket above costs, not the one below.
+MKL/oneDNN block rows too, so a call costs about what the bucket above costs, not the one below. Up to
+`layer_ops.MAX_ROWS` rows a decoder layer's kernel is credited `ONE_CALL_CREDIT_S`: where every layer takes the
+kernel, a decode step runs whole in one native call (`models/decode_layers.py`, which consults the same tables).
 
 Each timed call runs the path over distinct weights of the shape (the stage's layers; the lm_head in slices of
 its vocabulary) until it has read `STREAM_BYTES` or done `FLOP_BUDGET`, so the few-row calls read weights from
@@ -34,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from ringsched.models import native_build, small_linear
+from ringsched.models import layer_ops, native_build, small_linear
 from ringsched.models.fetch import cache_dir
 from ringsched.models.small_linear import INT8PACK, NATIVE, PATHS, TORCH, WIDEN, Linear
 from ringsched.models.vocab import HEAD_VOCAB_CHUNK, LMHead
@@ -46,6 +48,11 @@ STREAM_BYTES = 64 * 2**20  # weights a timed call reads at least (or all the sha
 FLOP_BUDGET = 0.25e9  # ... unless a call would do more arithmetic than this: then fewer weights (at least one)
 HEAD_SLICE = 8 * HEAD_VOCAB_CHUNK  # vocabulary rows of an lm_head slice
 ROUNDS, SCREEN = 3, 2.0
+# What a decoder layer's linear call gains from the one-call decode (`models/decode_layers.py`), which runs a step
+# only where every linear call is the kernel's: 3-8.6 ms a step at one request over SmolLM2's 30 layers x 4 linear
+# calls (its docstring; docs/performance.md: 31.8 against 40.4 ms), 25-70 us a call; the lower end. The kernel is
+# chosen there unless another path is faster by more than this.
+ONE_CALL_CREDIT_S = 25e-6
 TUNING_DIR = "tuning"
 
 Times = dict[int, dict[str, float]]  # bucket -> path -> seconds per call of one layer
@@ -129,11 +136,14 @@ def cache_key(shape: Shape, threads: int, cpu: tuple[str, str]) -> str:
     return f"{shape.n}x{shape.k}-{shape.weight}-{shape.act}-{shape.layout}-t{threads}-{digest}"
 
 
-def choose(times: Times, paths: tuple[str, ...]) -> PathTable:
-    """The fastest of `paths` per bucket (ties: the earlier in `paths`)."""
+def choose(times: Times, paths: tuple[str, ...], credit: float = 0.0) -> PathTable:
+    """The fastest of `paths` per bucket (ties: the earlier in `paths`), the kernel's time less `credit` seconds up
+    to `layer_ops.MAX_ROWS` rows, where a step whose every linear call is the kernel's runs in one native call."""
+    def cost(b: int, p: str) -> tuple[float, int]:
+        return times[b][p] - (credit if p == NATIVE and b <= layer_ops.MAX_ROWS else 0.0), paths.index(p)
+
     buckets = tuple(sorted(times))
-    best = tuple(min(paths, key=lambda p, b=b: (times[b][p], paths.index(p))) for b in buckets)
-    return PathTable(buckets, best)
+    return PathTable(buckets, tuple(min(paths, key=lambda p, b=b: cost(b, p)) for b in buckets))
 
 
 def read_times(path: Path, paths: tuple[str, ...]) -> Times | None:
@@ -239,7 +249,8 @@ def tune(layers: list[Linear], act: torch.dtype, *, measure: Measure = measure_s
             times = measure(shape, paths, group)
             write_times(file, shape, times, cpu, threads)
             source = f"measured in {time.perf_counter() - start:.2f} s"
-        table = tables[shape] = choose(times, paths)
+        credit = 0.0 if isinstance(group[0], LMHead) else ONE_CALL_CREDIT_S  # the head is not in the one call
+        table = tables[shape] = choose(times, paths, credit)
         for lin in group:
             lin.paths = table
         logger.info("linear %s x%d (%s): %s", shape.label(), len(group), source, describe(table, times, paths))
