@@ -127,7 +127,7 @@ def test_the_flag_defaults_to_the_environment_then_auto(monkeypatch):
 
 
 def test_a_layers_kernel_is_credited_what_the_one_call_decode_saves_the_heads_is_not():
-    times = {b: {NATIVE: 110e-6, TORCH: 100e-6} for b in BUCKETS}  # the kernel 10 us behind at every bucket
+    times = {b: {NATIVE: 140e-6, TORCH: 100e-6} for b in BUCKETS}  # the kernel 40 us behind at every bucket
     layer = linear_tuning.choose(times, (NATIVE, TORCH), linear_tuning.ONE_CALL_CREDIT_S)
     head = linear_tuning.choose(times, (NATIVE, TORCH))
     assert [layer.path(b) for b in BUCKETS] == [NATIVE] * 6 + [TORCH] * 3  # the one call takes up to 32 rows

@@ -49,10 +49,10 @@ FLOP_BUDGET = 0.25e9  # ... unless a call would do more arithmetic than this: th
 HEAD_SLICE = 8 * HEAD_VOCAB_CHUNK  # vocabulary rows of an lm_head slice
 ROUNDS, SCREEN = 3, 2.0
 # What a decoder layer's linear call gains from the one-call decode (`models/decode_layers.py`), which runs a step
-# only where every linear call is the kernel's: 3-8.6 ms a step at one request over SmolLM2's 30 layers x 4 linear
-# calls (its docstring; docs/performance.md: 31.8 against 40.4 ms), 25-70 us a call; the lower end. The kernel is
-# chosen there unless another path is faster by more than this.
-ONE_CALL_CREDIT_S = 25e-6
+# only where every linear call is the kernel's. Measured (SmolLM2 float32, 2 threads, Intel AMX host, a step at a
+# context of 200, medians of 5): one call 25.5 / 50.1 / 86.6 ms against 31.3 / 58.2 / 95.0 layer by layer at
+# 1 / 4 / 16 rows, 5.8-8.4 ms over 30 layers x 4 linear calls: 48-70 us a call; the lower end.
+ONE_CALL_CREDIT_S = 50e-6
 TUNING_DIR = "tuning"
 
 Times = dict[int, dict[str, float]]  # bucket -> path -> seconds per call of one layer
