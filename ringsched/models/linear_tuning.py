@@ -12,7 +12,8 @@ kernel, a decode step runs whole in one native call (`models/decode_layers.py`, 
 Each timed call runs the path over distinct weights of the shape (the stage's layers; the lm_head in slices of
 its vocabulary) until it has read `STREAM_BYTES` or done `FLOP_BUDGET`, so the few-row calls read weights from
 memory as a step does instead of one layer's from a cache. Per bucket: a warm-up call, one timed call per path,
-then `ROUNDS - 1` more for the paths within `SCREEN` times the best (interleaved); a path's time is its median.
+then `ROUNDS - 1` more for the paths within `SCREEN` times the best (interleaved); a path's time is its median (a
+path whose warm-up took over twice `SCREEN` times the best's keeps that time and is not timed again).
 
 The timings are cached in `$RINGSCHED_CACHE/tuning/` (`fetch.cache_dir()`), one JSON file per CPU model and
 flags, dtypes, threads, shape and layout, torch version and kernel source (`cache_key`): a stage that finds its
@@ -214,18 +215,21 @@ def measure_shape(shape: Shape, paths: tuple[str, ...], layers: list[Linear]) ->
 
 
 def _time_paths(paths: tuple[str, ...], x: torch.Tensor, pieces: list) -> dict[str, float]:
-    seen: dict[str, list[float]] = {p: [] for p in paths}
-    for p in paths:
-        _call(p, x, pieces)  # warm-up: first-call costs (oneDNN's primitives, allocations) stay out
+    warm: dict[str, float] = {}
+    for p in paths:  # warm-up: first-call costs (oneDNN's primitives, allocations) stay out of the rounds
+        t = time.perf_counter()
+        _call(p, x, pieces)
+        warm[p] = time.perf_counter() - t
+    seen: dict[str, list[float]] = {p: [] for p in paths if warm[p] <= 2 * SCREEN * min(warm.values())}
     for rnd in range(ROUNDS):
         best = min(min(v) for v in seen.values()) if rnd else 0.0
-        for p in paths:
+        for p in seen:
             if rnd and min(seen[p]) > SCREEN * best:
                 continue  # far behind after one call: more rounds would not change the choice
             t = time.perf_counter()
             _call(p, x, pieces)
             seen[p].append(time.perf_counter() - t)
-    return {p: statistics.median(v) for p, v in seen.items()}
+    return {p: statistics.median(seen[p]) if p in seen else warm[p] for p in paths}
 
 
 def tune(layers: list[Linear], act: torch.dtype, *, measure: Measure = measure_shape, root: Path | None = None,
