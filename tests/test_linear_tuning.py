@@ -126,9 +126,13 @@ def test_the_flag_defaults_to_the_environment_then_auto(monkeypatch):
         EngineConfig(linear_tuning="fast")
 
 
-def test_a_layers_kernel_is_credited_what_the_one_call_decode_saves_the_heads_is_not():
-    times = {b: {NATIVE: 140e-6, TORCH: 100e-6} for b in BUCKETS}  # the kernel 40 us behind at every bucket
-    layer = linear_tuning.choose(times, (NATIVE, TORCH), linear_tuning.ONE_CALL_CREDIT_S)
-    head = linear_tuning.choose(times, (NATIVE, TORCH))
-    assert [layer.path(b) for b in BUCKETS] == [NATIVE] * 6 + [TORCH] * 3  # the one call takes up to 32 rows
-    assert {head.path(b) for b in BUCKETS} == {TORCH}
+def test_a_layers_shapes_take_the_kernel_together_where_the_one_call_saves_more_than_they_lose():
+    shapes = [Shape(n, 64, "float32", "float32", "kn") for n in (128, 64, 192, 96)]
+    behind = {64: 10e-6, 128: 80e-6, 192: 30e-6, 96: 20e-6}  # the kernel's lag per shape: 140 us in all
+    times = {s: {b: {NATIVE: 100e-6 + behind[s.n] * (1 if b < 16 else 4), TORCH: 100e-6} for b in BUCKETS}
+             for s in shapes}  # fmt: skip
+    tables = linear_tuning.choose_layers(times, {s: (NATIVE, TORCH) for s in shapes})
+    for s in shapes:  # 140 us behind against 4 x 50 us saved up to 8 rows; 560 us behind from 16 rows
+        assert [tables[s].path(b) for b in BUCKETS] == [NATIVE] * 4 + [TORCH] * 5
+    head = linear_tuning.choose(times[shapes[0]], (NATIVE, TORCH))
+    assert {head.path(b) for b in BUCKETS} == {TORCH}  # alone (the lm_head), each shape its fastest

@@ -6,14 +6,16 @@ widened to float32, int8 by `_weight_int8pack_mm`) at each row count of `BUCKETS
 takes the fastest path per bucket: a `PathTable`, the strategy `Linear.forward` consults. A row count between two
 buckets takes the path of the bucket above (past the last, the last's): the kernel works in tiles of 4 rows and
 MKL/oneDNN block rows too, so a call costs about what the bucket above costs, not the one below. Up to
-`layer_ops.MAX_ROWS` rows a decoder layer's kernel is credited `ONE_CALL_CREDIT_S`: where every layer takes the
-kernel, a decode step runs whole in one native call (`models/decode_layers.py`, which consults the same tables).
+`layer_ops.MAX_ROWS` rows a decoder layer's shapes are chosen together (`choose_layers`): where every one takes
+the kernel, a decode step runs whole in one native call (`models/decode_layers.py`, which consults the same
+tables), which saves `ONE_CALL_CREDIT_S` a call.
 
 Each timed call runs the path over distinct weights of the shape (the stage's layers; the lm_head in slices of
 its vocabulary) until it has read `STREAM_BYTES` or done `FLOP_BUDGET`, so the few-row calls read weights from
 memory as a step does instead of one layer's from a cache. Per bucket: a warm-up call, one timed call per path,
-then `ROUNDS - 1` more for the paths within `SCREEN` times the best (interleaved); a path's time is its median (a
-path whose warm-up took over twice `SCREEN` times the best's keeps that time and is not timed again).
+then `ROUNDS - 1` more for the paths within `SCREEN` times the best (interleaved); a path's time is its best
+(processes starting beside the stage only add time); a path whose warm-up took over twice `SCREEN` times the
+best's keeps that time and is not timed again.
 
 The timings are cached in `$RINGSCHED_CACHE/tuning/` (`fetch.cache_dir()`), one JSON file per CPU model and
 flags, dtypes, threads, shape and layout, torch version and kernel source (`cache_key`): a stage that finds its
@@ -28,7 +30,6 @@ import json
 import logging
 import math
 import os
-import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -137,14 +138,25 @@ def cache_key(shape: Shape, threads: int, cpu: tuple[str, str]) -> str:
     return f"{shape.n}x{shape.k}-{shape.weight}-{shape.act}-{shape.layout}-t{threads}-{digest}"
 
 
-def choose(times: Times, paths: tuple[str, ...], credit: float = 0.0) -> PathTable:
-    """The fastest of `paths` per bucket (ties: the earlier in `paths`), the kernel's time less `credit` seconds up
-    to `layer_ops.MAX_ROWS` rows, where a step whose every linear call is the kernel's runs in one native call."""
-    def cost(b: int, p: str) -> tuple[float, int]:
-        return times[b][p] - (credit if p == NATIVE and b <= layer_ops.MAX_ROWS else 0.0), paths.index(p)
-
+def choose(times: Times, paths: tuple[str, ...]) -> PathTable:
+    """The fastest of `paths` per bucket (ties: the earlier in `paths`)."""
     buckets = tuple(sorted(times))
-    return PathTable(buckets, tuple(min(paths, key=lambda p, b=b: cost(b, p)) for b in buckets))
+    return PathTable(buckets, tuple(min(paths, key=lambda p, b=b: (times[b][p], paths.index(p))) for b in buckets))
+
+
+def choose_layers(times: dict[Shape, Times], paths: dict[Shape, tuple[str, ...]]) -> dict[Shape, PathTable]:
+    """The decoder layers' shapes, chosen together: up to `layer_ops.MAX_ROWS` rows every one takes the kernel
+    when their kernel times, less `ONE_CALL_CREDIT_S` a call, sum to at most their fastest times (the one-call
+    decode needs them all on the kernel); else, and past that, each its fastest."""
+    tables = {shape: choose(t, paths[shape]) for shape, t in times.items()}
+    if not tables or not all(NATIVE in p for p in paths.values()):
+        return tables
+    shapes = list(times)
+    native = [b for b in BUCKETS if b <= layer_ops.MAX_ROWS and sum(times[s][b][NATIVE] for s in shapes)
+              - ONE_CALL_CREDIT_S * len(shapes) <= sum(times[s][b][tables[s].path(b)] for s in shapes)]  # fmt: skip
+    return {s: PathTable(t.buckets, tuple(NATIVE if b in native else c for b, c in zip(t.buckets, t.paths,
+                                                                                       strict=True)))
+            for s, t in tables.items()}  # fmt: skip
 
 
 def read_times(path: Path, paths: tuple[str, ...]) -> Times | None:
@@ -229,7 +241,7 @@ def _time_paths(paths: tuple[str, ...], x: torch.Tensor, pieces: list) -> dict[s
             t = time.perf_counter()
             _call(p, x, pieces)
             seen[p].append(time.perf_counter() - t)
-    return {p: statistics.median(seen[p]) if p in seen else warm[p] for p in paths}
+    return {p: min(seen[p]) if p in seen else warm[p] for p in paths}  # others' load only adds time
 
 
 def tune(layers: list[Linear], act: torch.dtype, *, measure: Measure = measure_shape, root: Path | None = None,
@@ -243,21 +255,24 @@ def tune(layers: list[Linear], act: torch.dtype, *, measure: Measure = measure_s
     groups: dict[Shape, list[Linear]] = {}
     for lin in layers:
         groups.setdefault(shape_of(lin, act), []).append(lin)
-    tables = {}
+    times, paths, source = {}, {}, {}
     for shape, group in groups.items():
-        paths = candidates(shape)
+        paths[shape] = candidates(shape)
         file = root / f"{cache_key(shape, threads, cpu)}.json"
         start = time.perf_counter()
-        times, source = read_times(file, paths), "cached"
-        if times is None:
-            times = measure(shape, paths, group)
-            write_times(file, shape, times, cpu, threads)
-            source = f"measured in {time.perf_counter() - start:.2f} s"
-        credit = 0.0 if isinstance(group[0], LMHead) else ONE_CALL_CREDIT_S  # the head is not in the one call
-        table = tables[shape] = choose(times, paths, credit)
+        times[shape], source[shape] = read_times(file, paths[shape]), "cached"
+        if times[shape] is None:
+            times[shape] = measure(shape, paths[shape], group)
+            write_times(file, shape, times[shape], cpu, threads)
+            source[shape] = f"measured in {time.perf_counter() - start:.2f} s"
+    heads = {s for s, g in groups.items() if isinstance(g[0], LMHead)}  # the head is not in the one call
+    tables = choose_layers({s: t for s, t in times.items() if s not in heads}, paths)
+    tables |= {s: choose(times[s], paths[s]) for s in heads}
+    for shape, group in groups.items():
         for lin in group:
-            lin.paths = table
-        logger.info("linear %s x%d (%s): %s", shape.label(), len(group), source, describe(table, times, paths))
+            lin.paths = tables[shape]
+        logger.info("linear %s x%d (%s): %s", shape.label(), len(group), source[shape],
+                    describe(tables[shape], times[shape], paths[shape]))  # fmt: skip
     return tables
 
 
