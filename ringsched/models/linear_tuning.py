@@ -10,12 +10,12 @@ MKL/oneDNN block rows too, so a call costs about what the bucket above costs, no
 the kernel, a decode step runs whole in one native call (`models/decode_layers.py`, which consults the same
 tables), which saves `ONE_CALL_CREDIT_S` a call.
 
-Each timed call runs the path over distinct weights of the shape (the stage's layers; the lm_head in slices of
-its vocabulary) until it has read `STREAM_BYTES` or done `FLOP_BUDGET`, so the few-row calls read weights from
-memory as a step does instead of one layer's from a cache. Per bucket: a warm-up call, one timed call per path,
-then `ROUNDS - 1` more for the paths within `SCREEN` times the best (interleaved); a path's time is its best
-(processes starting beside the stage only add time); a path whose warm-up took over twice `SCREEN` times the
-best's keeps that time and is not timed again.
+Each timed call runs the path over distinct weights of the shape (the stage's layers; the lm_head in slices of its
+vocabulary) until it has read `STREAM_BYTES` or done `FLOP_BUDGET`: the few-row calls stream many layers' weights as
+a step does, not one layer's from a core's cache (a larger last-level cache holds them). Per bucket: a warm-up call,
+one timed call per path, then `ROUNDS - 1` more for the paths within `SCREEN` times the best (interleaved); a path's
+time is its best (processes starting beside the stage only add time); a path whose warm-up took over twice `SCREEN`
+times the best's keeps that time and is not timed again.
 
 The timings are cached in `$RINGSCHED_CACHE/tuning/` (`fetch.cache_dir()`), one JSON file per CPU model and
 flags, dtypes, threads, shape and layout, torch version and kernel source (`cache_key`): a stage that finds its
