@@ -15,7 +15,15 @@ from typing import Any
 
 import torch
 
-from ringsched.config_checks import ATTENTION_BACKENDS, CHECKS, DTYPES, ConfigError, check_layer_partition
+from ringsched.config_checks import (
+    ATTENTION_BACKENDS,
+    CHECKS,
+    DTYPES,
+    LINEAR_TUNING_ENV,
+    LINEAR_TUNINGS,
+    ConfigError,
+    check_layer_partition,
+)
 from ringsched.config_checks import parse_memory as parse_memory  # importers take it from here
 from ringsched.device import cpus_here, read_checkpoint_config, resolve_dtype
 from ringsched.layout.flex import FLEX_POLICIES, FlexBoundary
@@ -81,6 +89,10 @@ class EngineConfig:
                               "row), a quarter of float32's weight bytes; a step of a few requests reads every weight, "
                               "so one request decodes ~2x faster than float32 on CPU, at a measured cost in accuracy "
                               "(docs/performance.md)", choices=("none", "int8"))  # fmt: skip
+    linear_tuning: str | None = _flag(
+        None, "auto: each stage times its linear layers' paths (native kernel, MKL/oneDNN, bfloat16 widened, int8) "
+        "per shape and row count at start-up, cached per CPU, and takes the fastest; off: the fixed thresholds "
+        f"(default: ${LINEAR_TUNING_ENV}, else auto)", type=str, choices=LINEAR_TUNINGS)  # fmt: skip
     device: str = _flag("auto", "cuda gives each stage one GPU (NCCL between them); auto picks cuda when present",
                         choices=("auto", "cpu", "cuda"))  # fmt: skip
     threads_per_stage: int | None = _flag(None, "CPU threads per rank (default: cores // ranks on this node; a rank "
@@ -131,6 +143,8 @@ class EngineConfig:
             object.__setattr__(self, "pp_layer_partition", ",".join(map(str, self.pp_layer_partition)))
         if self.enable_prefix_caching is None:
             object.__setattr__(self, "enable_prefix_caching", self.cp_size == 1)
+        if self.linear_tuning is None:
+            object.__setattr__(self, "linear_tuning", os.environ.get(LINEAR_TUNING_ENV, "auto").strip().lower())
         for check in CHECKS:  # config_checks.py: one per concern, each naming the flag and the fix
             check(self)
 

@@ -132,6 +132,8 @@ def check_batching(cfg: EngineConfig) -> None:
 
 
 ATTENTION_BACKENDS = ("auto", "torch", "native", "triton")  # models/attention_backend.py builds each
+LINEAR_TUNINGS = ("auto", "off")  # models/linear_tuning.py
+LINEAR_TUNING_ENV = "RINGSCHED_LINEAR_TUNING"  # --linear-tuning's default when set (the tests set off)
 
 
 def check_gpus(cfg: EngineConfig) -> None:
@@ -146,7 +148,7 @@ def check_gpus(cfg: EngineConfig) -> None:
 
 
 def check_device(cfg: EngineConfig) -> None:
-    """--dtype, --device (and whether CUDA is there), --threads-per-stage."""
+    """--dtype, --device (and whether CUDA is there), --attention-backend, --linear-tuning, --threads-per-stage."""
     _require(
         cfg.dtype == "auto" or cfg.dtype in DTYPES,
         f"--dtype {cfg.dtype!r} is not supported; use auto or one of {', '.join(DTYPES)}",
@@ -162,6 +164,10 @@ def check_device(cfg: EngineConfig) -> None:
         cfg.attention_backend in ATTENTION_BACKENDS,
         f"--attention-backend {cfg.attention_backend!r} is not a backend; choose one of "
         f"{', '.join(ATTENTION_BACKENDS)}",
+    )
+    _require(
+        cfg.linear_tuning in LINEAR_TUNINGS,
+        f"--linear-tuning {cfg.linear_tuning!r} (or {LINEAR_TUNING_ENV}): use auto or off",
     )
     if cfg.threads_per_stage is not None:
         _require(cfg.threads_per_stage >= 1, f"--threads-per-stage must be >= 1, got {cfg.threads_per_stage}")

@@ -226,3 +226,26 @@ def test_unsupported_architecture_is_refused():
                 "vocab_size": 10,
             }
         )
+
+
+@pytest.fixture(scope="module", params=["native", "torch"])
+def smol_one_path(smollm2_dir, request):
+    """SmolLM2 with every linear call on one path at every row count: the two extremes `--linear-tuning auto`
+    can choose between in float32 (the tests otherwise run the fixed thresholds, `tests/conftest.py`)."""
+    from ringsched.models import small_linear
+    from ringsched.models.linear_tuning import BUCKETS, PathTable
+
+    if request.param == small_linear.NATIVE and small_linear.library() is None:
+        pytest.skip("no C compiler: no kernel")
+    model = full_model(smollm2_dir)
+    for lin in model.linears():
+        lin.paths = PathTable(BUCKETS, (request.param,) * len(BUCKETS))
+    model.paths_chosen()
+    return model
+
+
+@pytest.mark.parametrize("i", [0, 1, 4, 5])
+def test_greedy_tokens_match_transformers_whichever_path_tuning_takes(smol_one_path, hf_smol, i):
+    hf, tok = hf_smol
+    ids = prompt_ids(tok, i)
+    assert greedy(smol_one_path, ids, 64) == hf_greedy(hf, ids, 64)

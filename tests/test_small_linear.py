@@ -14,7 +14,8 @@ from ringsched.models.rope import Rotary
 
 pytestmark = pytest.mark.skipif(small_linear.library() is None, reason="no C compiler: the torch path runs instead")
 
-SHAPES = [(1, 64, 48), (3, 70, 37), (4, 576, 960), (9, 33, 130), (33, 96, 64)]  # (rows, in, out): every tail
+# (rows, in, out): every tail, and rows past the fixed thresholds (a tuned stage may give the kernel any row count)
+SHAPES = [(1, 64, 48), (3, 70, 37), (4, 576, 960), (9, 33, 130), (33, 96, 64), (257, 70, 40)]
 
 
 @pytest.mark.parametrize("m,k,n", SHAPES)
@@ -66,8 +67,8 @@ def test_a_rows_result_does_not_depend_on_its_batch():
 def test_linear_module_takes_the_kernel_up_to_max_rows_and_torch_beyond():
     lin = small_linear.Linear(64, 32)
     lin.prepare()
-    assert lin.max_rows == small_linear.MAX_ROWS[torch.float32] > 0
-    x = torch.randn(lin.max_rows + 5, 64)
+    assert lin.paths.max_rows == small_linear.MAX_ROWS[torch.float32] > 0
+    x = torch.randn(lin.paths.max_rows + 5, 64)
     with torch.no_grad():
         torch.testing.assert_close(lin(x[:1]), F.linear(x[:1], lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
@@ -77,8 +78,8 @@ def test_bfloat16_steps_of_many_rows_widen_to_float32_where_the_cpu_lacks_amx(mo
     lin = small_linear.Linear(96, 40).to(torch.bfloat16)
     monkeypatch.setitem(small_linear._state, "amx", False)
     lin.prepare()
-    assert lin.widen_rows == small_linear.WIDEN_ROWS >= lin.max_rows
-    x = torch.randn(lin.widen_rows + 3, 96).bfloat16()
+    assert lin.paths.widen_rows == small_linear.WIDEN_ROWS >= lin.paths.max_rows
+    x = torch.randn(lin.paths.widen_rows + 3, 96).bfloat16()
     with torch.no_grad():
         out = lin(x)
         expect = (x.float() @ lin.weight.float().T + lin.bias.float()).bfloat16()
@@ -86,11 +87,11 @@ def test_bfloat16_steps_of_many_rows_widen_to_float32_where_the_cpu_lacks_amx(mo
         torch.testing.assert_close(out, expect, rtol=0, atol=0)
         # oneDNN's bfloat16 path sums in float32 too: the same values but for the summation order
         torch.testing.assert_close(out, F.linear(x, lin.weight, lin.bias), rtol=1e-2, atol=1e-2)
-        fewer = x[: lin.widen_rows - 1]
+        fewer = x[: lin.paths.widen_rows - 1]
         torch.testing.assert_close(lin(fewer), F.linear(fewer, lin.weight, lin.bias), rtol=0, atol=0)
     monkeypatch.setitem(small_linear._state, "amx", True)
     lin.prepare()
-    assert lin.widen_rows == 0  # with AMX, oneDNN's bfloat16 kernels are kept
+    assert lin.paths.widen_rows == 0  # with AMX, oneDNN's bfloat16 kernels are kept
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -166,7 +167,7 @@ def test_switched_off_the_torch_path_runs_every_dtype(monkeypatch):
 
     quantize_linear(lin)
     lin.prepare()
-    assert lin.max_rows == 0
+    assert lin.paths.max_rows == 0
     x = torch.randn(2, 64)
     with torch.no_grad():
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight.float() * lin.scales[:, None], lin.bias))

@@ -7,9 +7,10 @@ cores. Here one call runs every layer of the step: the same kernels (reached thr
 own libraries, so each keeps its compile flags), in the same order, on the same buffers, so the results are the
 Python path's bit for bit (`tests/test_decode_layers.py`).
 
-It applies where every row is a decode that the attention kernel reads in place (`NativeDecode.all_rows`), with at
-most as many rows as every linear layer's kernel takes (`small_linear.MAX_ROWS`) and layers that take the small
-step (`DecoderLayer.small_ops`), without tensor or context parallelism. Anything else takes the per-layer path.
+It applies where every row is a decode that the attention kernel reads in place (`NativeDecode.all_rows`), at a
+row count for which every linear layer's path (`Linear.paths`: fixed thresholds, or the stage's measured choice,
+`models/linear_tuning.py`) is the kernel and at most `layer_ops.MAX_ROWS`, with layers that take the small step
+(`DecoderLayer.small_ops`), without tensor or context parallelism. Anything else takes the per-layer path.
 `RINGSCHED_DECODE_LAYERS=0` turns it off (the per-layer path runs the same kernels); `RINGSCHED_NATIVE_LINEAR=0`
 turns it off with the kernels.
 """
@@ -73,16 +74,18 @@ class DecodeLayers:
         held = [model.model.layers[i] for i in range(stage.start_layer, stage.end_layer)]
         self.layers = held
         attn = held[0].self_attn if held else None
+        lins = [lin for y in held for lin in (y.self_attn.qkv, y.self_attn.o_proj, y.mlp.gate_up, y.mlp.down_proj)]
+        # the row counts whose every linear call the kernel takes: the one call runs the kernel alone
+        self.rows = frozenset(t for t in range(1, layer_ops.MAX_ROWS + 1)
+                              if all(lin.paths.path(t) == small_linear.NATIVE for lin in lins))  # fmt: skip
         self.ok = (
             bool(held) and all(getattr(y, "small_ops", False) for y in held)
             and not any(lin.sums_over_ranks for y in held for lin in (y.self_attn.o_proj, y.mlp.down_proj))
-            and all(lin.max_rows > 0 for y in held for lin in (y.self_attn.qkv, y.self_attn.o_proj,
-                                                                y.mlp.gate_up, y.mlp.down_proj))
+            and bool(self.rows)
         )  # fmt: skip
         if not self.ok:
             return
-        self.max_rows = min(layer_ops.MAX_ROWS, *(lin.max_rows for y in held for lin in (
-            y.self_attn.qkv, y.self_attn.o_proj, y.mlp.gate_up, y.mlp.down_proj)))  # fmt: skip
+        self.max_rows = max(self.rows)
         self.dtype = held[0].input_layernorm.weight.dtype
         self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.hidden = held[0].input_layernorm.weight.shape[0]
@@ -96,12 +99,12 @@ class DecodeLayers:
         self._all: tuple[range, torch.Tensor] | None = None
 
     def takes(self, batch) -> bool:
-        """Whether a step of `batch` runs here: every row a decode the attention kernel reads in place, at most
-        `max_rows` of them."""
+        """Whether a step of `batch` runs here: every row a decode the attention kernel reads in place, a row count
+        in `rows`."""
         nd = batch.native_decode
         return (
             self.ok and batch.cp is None and nd is not None and nd.all_rows
-            and 0 < batch.num_tokens <= self.max_rows and library() is not None
+            and batch.num_tokens in self.rows and library() is not None
         )  # fmt: skip
 
     def usable(self, batch, hidden: torch.Tensor, residual: torch.Tensor | None, kv_caches) -> bool:

@@ -22,6 +22,7 @@ from ringsched.models.decoder_layer import DecoderLayer, MissingLayer
 from ringsched.models.fused_linear import cpu_layout
 from ringsched.models.rmsnorm import RMSNorm
 from ringsched.models.rope import Rotary
+from ringsched.models.small_linear import Linear
 from ringsched.models.tp import SoloGroup, TPGroup
 from ringsched.models.vocab import lm_head, vocab_embedding
 
@@ -112,8 +113,20 @@ class StageModel(nn.Module):
             if quantization == "int8":
                 quantize_linear(self.lm_head)
             self.lm_head.prepare()
-        self.__dict__["decode_layers"] = DecodeLayers(self)
+        self.paths_chosen()
         return self
+
+    def linears(self) -> list[Linear]:
+        """The linear layers a step calls: each held layer's q/k/v, o_proj, gate/up and down_proj (after
+        `prepare_linears`), and the lm_head on the last stage."""
+        held = [y for y in self.model.layers if not isinstance(y, MissingLayer)]
+        out = [lin for y in held for lin in (y.self_attn.qkv, y.self_attn.o_proj, y.mlp.gate_up, y.mlp.down_proj)]
+        return out + [self.lm_head] if self.stage.is_last else out
+
+    def paths_chosen(self) -> None:
+        """Once every linear layer has its paths (`Linear.prepare`, or `models/linear_tuning.py` after it): the
+        one-call decode (`DecodeLayers`) takes the row counts whose every linear call is the kernel's."""
+        self.__dict__["decode_layers"] = DecodeLayers(self)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[S, vocab]` logits of the final hidden states (`LMHead.logits`), whole under tensor parallelism."""

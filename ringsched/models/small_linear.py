@@ -4,16 +4,18 @@ At one to a few dozen rows a linear layer streams its weights: each is read once
 should take the weight bytes over the memory bandwidth. PyTorch's CPU path does not get there at every shape
 and dtype. Measured on SmolLM2's shapes with whole-model weights streamed, 2 threads (docs/performance.md, "One
 request and moderate load"): at one row float32 runs as MKL does (23-24 GB/s) and faster at 2-8 rows (0.66-0.83x
-the time), bfloat16 at 21 GB/s against oneDNN's 8, int8 at 15 against `_weight_int8pack_mm`'s 2. Above
-`MAX_ROWS` a step is compute-bound and MKL/oneDNN's blocking wins, so batches with more rows keep torch's path
-(int8 then multiplies a float copy of the weight made per call, one layer at a time).
+the time), bfloat16 at 21 GB/s against oneDNN's 8, int8 at 15 against `_weight_int8pack_mm`'s 2. With more rows a
+step is compute-bound and MKL/oneDNN's blocking usually wins (int8 then multiplies a float copy of the weight made
+per call, one layer at a time).
 
 `Linear` is `nn.Linear` (the same parameter names, so loading and tensor parallelism are unchanged) whose
-`forward` picks the path per call by the row count. The thresholds are fixed per weight dtype, from
-measurement, rather than timed at start-up: the same batch then always takes the same arithmetic, run after
-run. Within the kernel each output's sum is formed in the same order whatever the batch, so a row's result does
-not depend on the other rows. `RINGSCHED_NATIVE_LINEAR=0` turns the kernel off (int8 then takes torch's path
-everywhere).
+`forward` asks its `paths` (a strategy: row count -> path) which of `PATHS` a call takes. `prepare()` gives it
+`FixedPaths`, thresholds per weight dtype measured on one Intel host (`MAX_ROWS`, `WIDEN_ROWS`); a stage then
+replaces them by the paths it times on its own CPU (`models/linear_tuning.py`, cached), unless
+`--linear-tuning off`. Either way the choice is made once, so the same batch always takes the same arithmetic
+in a process. Within the kernel each output's sum is formed in the same order whatever the batch, so a row's
+result does not depend on the other rows. `RINGSCHED_NATIVE_LINEAR=0` turns the kernel off (int8 then takes
+torch's path everywhere).
 
 bfloat16 steps of many rows are compute-bound, and without AMX oneDNN's bfloat16 matmul runs at about half of
 MKL's float32 rate on the same cores (measured on an AVX-512 Xeon without AMX, SmolLM2's shapes, 1 and 2 threads:
@@ -29,7 +31,9 @@ import ctypes
 import logging
 import os
 import threading
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +51,12 @@ COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c
 LINK_FLAGS = ["-shared", "-fopenmp"]
 
 _W_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
-# Rows up to which the kernel is used, by weight dtype (measured: docs/performance.md, "Small-batch linear").
+# A call's paths: the kernel; torch's `F.linear` (MKL/oneDNN; int8: of a float copy of the weight); bfloat16
+# widened to float32 (MKL's sgemm); int8 by `torch._weight_int8pack_mm`.
+NATIVE, TORCH, WIDEN, INT8PACK = "native", "torch", "widen", "int8pack"
+PATHS = (NATIVE, TORCH, WIDEN, INT8PACK)
+# Without tuning (`--linear-tuning off`): rows up to which the kernel is used, by weight dtype (measured on an
+# Intel host: docs/performance.md, "One request and moderate load").
 MAX_ROWS = {torch.float32: 8, torch.bfloat16: 16, torch.int8: 32}
 # bfloat16 steps of at least this many rows widen to float32 on CPUs without AMX (measured at 64 rows: 0.80-1.10x
 # the time, so not there); RINGSCHED_BF16_WIDEN_ROWS sets it, 0 turns widening off
@@ -122,30 +131,64 @@ def native_linear(
     return y
 
 
-class Linear(nn.Linear):
-    """`nn.Linear` that sends batches of up to `max_rows` rows to the native kernel. `prepare()` (after the
-    weights are loaded) decides `max_rows`: 0 off CPU, for dtypes the kernel lacks, or without the kernel.
-    An int8 layer (`quantize_int8`) holds `weight` int8 [N, K] and `scales` float32 [N]."""
+class Paths(Protocol):
+    """A linear layer's strategy: which of `PATHS` a call of `rows` rows takes (the same answer every call)."""
+
+    def path(self, rows: int) -> str: ...
+
+
+@dataclass(frozen=True)
+class FixedPaths:
+    """The fixed thresholds: the kernel up to `max_rows` rows, bfloat16 widened from `widen_rows` rows (0: never),
+    torch otherwise."""
 
     max_rows: int = 0
-    widen_rows: int = 0  # bfloat16 on a CPU without AMX: steps of at least this many rows widen to float32
+    widen_rows: int = 0
+
+    def path(self, rows: int) -> str:
+        if rows <= self.max_rows:
+            return NATIVE
+        return WIDEN if self.widen_rows and rows >= self.widen_rows else TORCH
+
+
+def apply(path: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+          bias_f32: torch.Tensor | None, scales: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    """`x @ weight.T (* scales) + bias` by `path` (torch's where `x` is not a float32 or bfloat16 matrix);
+    `bias_f32` is `bias` in float32 (the kernel's and widening's)."""
+    if path != TORCH and (x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16)):
+        path = TORCH
+    if path == NATIVE:
+        return native_linear(x, weight, bias_f32, scales)
+    if path == WIDEN:
+        return widened_linear(x, weight, bias_f32)
+    if path == INT8PACK:
+        y = torch._weight_int8pack_mm(x, weight, scales.to(x.dtype))  # scales in the activations' dtype
+        return y if bias is None else y + bias
+    if weight.dtype == torch.int8:
+        weight = weight.to(x.dtype) * scales.to(x.dtype)[:, None]
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` whose calls take the path its `paths` names for their row count. `prepare()` (after the
+    weights are loaded) gives it `FixedPaths`: torch only off CPU, for dtypes the kernel lacks, or without the
+    kernel; `models/linear_tuning.py` may then replace them by measured ones. An int8 layer (`quantize_int8`)
+    holds `weight` int8 [N, K] and `scales` float32 [N]."""
+
+    paths: Paths = FixedPaths()
     scales: torch.Tensor | None = None
     bias_f32: torch.Tensor | None = None  # the kernel adds a float32 bias
 
     def prepare(self) -> None:
         w = self.weight
         usable = w.device.type == "cpu" and w.dtype in MAX_ROWS and library() is not None
-        self.max_rows = MAX_ROWS[w.dtype] if usable else 0
         widen = w.device.type == "cpu" and w.dtype == torch.bfloat16 and WIDEN_ROWS > 0 and not has_amx()
-        self.widen_rows = WIDEN_ROWS if widen else 0
+        self.paths = FixedPaths(MAX_ROWS[w.dtype] if usable else 0, WIDEN_ROWS if widen else 0)
         self.bias_f32 = None if self.bias is None else self.bias.detach().float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] <= self.max_rows and x.dtype in (torch.float32, torch.bfloat16):
-            return native_linear(x, self.weight, self.bias_f32, self.scales)
-        if self.widen_rows and x.dim() == 2 and x.shape[0] >= self.widen_rows and x.dtype == torch.bfloat16:
-            return widened_linear(x, self.weight, self.bias_f32)
-        if self.weight.dtype == torch.int8:
-            w = self.weight.to(x.dtype) * self.scales.to(x.dtype)[:, None]
-            return F.linear(x, w, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        path = self.paths.path(x.shape[0]) if x.dim() == 2 else TORCH
+        return self.run(x, path)
+
+    def run(self, x: torch.Tensor, path: str) -> torch.Tensor:
+        return apply(path, x, self.weight, self.bias, self.bias_f32, self.scales)

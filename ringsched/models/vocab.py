@@ -16,7 +16,7 @@ from torch import nn
 
 from ringsched.models.config import ModelConfig
 from ringsched.models.parallel_linear import Sharded
-from ringsched.models.small_linear import Linear, widened_linear
+from ringsched.models.small_linear import NATIVE, Linear, apply
 from ringsched.models.tp import TPGroup
 
 # Vocabulary rows of the lm_head per step of `LMHead.logits` / `LMHead.greedy` on CPU. Measured (one thread, a
@@ -106,18 +106,18 @@ class LMHead(Linear):
 
     def _chunks(self, hidden: torch.Tensor):
         """(first word, logits `[S, chunk]`) per vocabulary chunk: on a GPU one launch over the whole vocabulary
-        is cheapest; on CPU `HEAD_VOCAB_CHUNK` words (0.5 MiB of logits at 128 rows)."""
-        if hidden.shape[0] <= self.max_rows:  # the native kernel: one pass over the vocabulary
+        is cheapest; on CPU `HEAD_VOCAB_CHUNK` words (0.5 MiB of logits at 128 rows). The path is the head's
+        `paths` for the row count; the kernel's takes the whole vocabulary in one pass."""
+        path = self.paths.path(hidden.shape[0])
+        if path == NATIVE:
             yield 0, self(hidden)
             return
         w = self.weight
         chunk = HEAD_VOCAB_CHUNK if hidden.device.type == "cpu" else w.shape[0]
-        widen = self.widen_rows and hidden.shape[0] >= self.widen_rows and hidden.dtype == torch.bfloat16
         for start in range(0, w.shape[0], chunk):
-            rows = w[start : start + chunk]
-            if self.scales is not None:  # int8: this chunk's float rows
-                rows = rows.to(hidden.dtype) * self.scales[start : start + chunk, None].to(hidden.dtype)
-            yield start, widened_linear(hidden, rows) if widen else F.linear(hidden, rows)
+            rows = slice(start, start + chunk)
+            scales = None if self.scales is None else self.scales[rows]
+            yield start, apply(path, hidden, w[rows], None, None, scales)
 
 
 class VocabParallelLMHead(Sharded, LMHead):

@@ -27,6 +27,7 @@ from ringsched.device import activation_reserve, set_matmul_precision
 from ringsched.kv.cache import BlockTable, KVPool, blocks_for_memory
 from ringsched.kv.cp_blocks import CPBlocks, request_capacity
 from ringsched.layout.rank import RankInfo, StageInfo
+from ringsched.models import linear_tuning
 from ringsched.models.config import ModelConfig
 from ringsched.models.loader import load_stage_model, weights_bytes
 from ringsched.scheduler import chunking
@@ -112,6 +113,7 @@ def _setup(cfg, spec: ModelSpec, where: RankInfo, addrs, ctx, ctl) -> tuple[Stag
         if where.decides:
             logger.info("flexible cut: stage 0 runs the first %d to %d layers of each micro-batch", flex.lo, flex.hi)
     model = load_stage_model(spec.model_dir, stage, cfg.torch_dtype, device, tp=tp, quantization=cfg.quantization)
+    linear_tuning.tune_stage(model, cfg.linear_tuning, cfg.torch_dtype)  # its threads and weights: after both
     local = tp.shard.local_config(mcfg) if tp else mcfg  # this rank's KV heads
     num_blocks = _kv_blocks(cfg, local, stage, device)
     pool = KVPool(local, stage.num_layers, num_blocks, cfg.block_size, cfg.torch_dtype, device)
