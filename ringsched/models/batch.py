@@ -38,58 +38,46 @@ def build_forward_batch(
 ) -> tuple[ForwardBatch, torch.Tensor]:
     """Returns the batch description and the flattened input ids `[T]` (used by the first stage only).
     `native`: describe the decodes for the CPU kernel (`models/native.py`) rather than as padded groups."""
-    ids: list[int] = []
-    positions: list[int] = []
-    slot_parts: list[torch.Tensor] = []
-    logit_rows: list[int] = []
-    dec_rows, dec_rids, dec_lens = [], [], []
-    prefills: list[PrefillSeq] = []
-    row = 0
-    for e in plan.entries:
-        n = len(e.token_ids)
-        ids += e.token_ids
-        positions += range(e.start, e.start + n)
-        slot_parts.append(blocks.slots(e.rid, e.start, e.start + n))
-        if n == 1:
-            dec_rows.append(row)
-            dec_rids.append(e.rid)
-            dec_lens.append(e.start + 1)
+    batch, ids, decs, chunks = _flatten(plan, blocks, device)
+    batch.prefills = [PrefillSeq(row, n, on_device(blocks.slots(rid, 0, ctx), device)) for row, rid, ctx, n in chunks]
+    if decs:
+        rows, rids, lens = (list(x) for x in zip(*decs, strict=True))
+        if native:
+            tables, _ = blocks.padded_blocks(rids, lens)
+            batch.native_decode = NativeDecode(torch.tensor(rows, dtype=torch.long), tables.contiguous(),
+                                               torch.tensor(lens), blocks.block_size, max(lens),
+                                               all_rows=len(rows) == batch.num_tokens)  # fmt: skip
         else:
-            ctx = on_device(blocks.slots(e.rid, 0, e.start + n), device)
-            prefills.append(PrefillSeq(row, n, ctx))
-        if e.samples:
-            logit_rows.append(row + n - 1)
-        row += n
-    batch = ForwardBatch(
-        positions=on_device(positions, device, torch.long),
-        logit_rows=on_device(logit_rows, device, torch.long),
-        slot_mapping=on_device(torch.cat(slot_parts), device),
-        prefills=prefills,
-    )
-    if native and dec_rows:
-        tables, _ = blocks.padded_blocks(dec_rids, dec_lens)
-        batch.native_decode = NativeDecode(
-            torch.tensor(dec_rows, dtype=torch.long),
-            tables.contiguous(),
-            torch.tensor(dec_lens),
-            blocks.block_size,
-            max(dec_lens),
-            all_rows=len(dec_rows) == row,
-        )
-    elif dec_rows:
-        batch.decodes = _decode_groups(dec_rows, dec_rids, dec_lens, blocks, device)
-    return batch, on_device(ids, device, torch.long)
+            batch.decodes = _decode_groups(rows, rids, lens, blocks, device)
+    return batch, ids
 
 
 def build_paged_batch(plan: BatchPlan, blocks: BlockTable, device: torch.device) -> tuple[ForwardBatch, torch.Tensor]:
     """`build_forward_batch` for the Triton kernels: the decodes and the prefill chunks each as block tables and
     lengths (`PagedSeqs`), read in place by the kernels; no padded gathers, no per-chunk slot lists."""
+    batch, ids, decs, chunks = _flatten(plan, blocks, device)
+    batch.block_size = blocks.block_size
+    if decs:
+        batch.paged_decodes = _paged([d[0] for d in decs], [d[1] for d in decs], [d[2] for d in decs], blocks, device)
+        batch.paged_decodes.all_rows = len(decs) == batch.num_tokens
+    if chunks:
+        batch.paged_extends = _paged([x[0] for x in chunks], [x[1] for x in chunks], [x[2] for x in chunks], blocks,
+                                     device)  # fmt: skip
+        batch.paged_extends.q_lens = on_device([x[3] for x in chunks], device, torch.int32)
+        batch.paged_extends.max_q_len = max(x[3] for x in chunks)
+    return batch, ids
+
+
+def _flatten(plan: BatchPlan, blocks: BlockTable, device) -> tuple[ForwardBatch, torch.Tensor, list, list]:
+    """What every backend's batch shares: positions, sampled rows and new tokens' slots, the input ids; and the
+    entries split into decodes `(row, rid, context length)` and prefill chunks `(first row, rid, context length,
+    new tokens)`."""
     ids: list[int] = []
     positions: list[int] = []
     slot_parts: list[torch.Tensor] = []
     logit_rows: list[int] = []
-    dec: list[tuple[int, str, int]] = []  # (row, rid, context length)
-    ext: list[tuple[int, str, int, int]] = []  # (first row, rid, context length, new tokens)
+    decs: list[tuple[int, str, int]] = []
+    chunks: list[tuple[int, str, int, int]] = []
     row = 0
     for e in plan.entries:
         n = len(e.token_ids)
@@ -97,26 +85,16 @@ def build_paged_batch(plan: BatchPlan, blocks: BlockTable, device: torch.device)
         positions += range(e.start, e.start + n)
         slot_parts.append(blocks.slots(e.rid, e.start, e.start + n))
         if n == 1:
-            dec.append((row, e.rid, e.start + 1))
+            decs.append((row, e.rid, e.start + 1))
         else:
-            ext.append((row, e.rid, e.start + n, n))
+            chunks.append((row, e.rid, e.start + n, n))
         if e.samples:
             logit_rows.append(row + n - 1)
         row += n
-    batch = ForwardBatch(
-        positions=on_device(positions, device, torch.long),
-        logit_rows=on_device(logit_rows, device, torch.long),
-        slot_mapping=on_device(torch.cat(slot_parts), device),
-        block_size=blocks.block_size,
-    )
-    if dec:
-        batch.paged_decodes = _paged([r for r, *_ in dec], [d[1] for d in dec], [d[2] for d in dec], blocks, device)
-        batch.paged_decodes.all_rows = len(dec) == row
-    if ext:
-        batch.paged_extends = _paged([r for r, *_ in ext], [x[1] for x in ext], [x[2] for x in ext], blocks, device)
-        batch.paged_extends.q_lens = on_device([x[3] for x in ext], device, torch.int32)
-        batch.paged_extends.max_q_len = max(x[3] for x in ext)
-    return batch, on_device(ids, device, torch.long)
+    batch = ForwardBatch(positions=on_device(positions, device, torch.long),
+                         logit_rows=on_device(logit_rows, device, torch.long),
+                         slot_mapping=on_device(torch.cat(slot_parts), device))  # fmt: skip
+    return batch, on_device(ids, device, torch.long), decs, chunks
 
 
 def _paged(rows: list[int], rids: list[str], lens: list[int], blocks: BlockTable, device) -> PagedSeqs:
