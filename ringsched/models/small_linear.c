@@ -116,6 +116,92 @@ INLINE void kn_panel(const void *x, int64_t ldx, const int xb, int64_t m0, const
 
 #define KN_CASE(MBV, XB) kn_panel(x, ldx, XB, m0, MBV, K, w, ldw, n0, nc, bias, y, (int)y_bf16, N)
 
+#if HAVE_AVX512
+/* More than MB rows: a panel's weights are read from memory once, not once per 4-row tile. The panel is walked
+ * in blocks of KN_BLOCK values of k; each block is first copied into a contiguous buffer (the [K, N] rows of a
+ * panel lie N floats apart, so re-reading them from the strided layout conflicts in the first-level cache), and
+ * then every 4-row tile runs over the buffer, its sums kept between blocks in `accb`. Each output's sum is the
+ * same chain of fused multiply-adds over k as kn_panel's, so a row's result does not depend on its batch. */
+#define KN_BLOCK 64
+#define KN_ROWS 64 /* rows per pass over the weights (the sums of all of them stay in the first-level cache) */
+#define KN_BLOCK_AHEAD 16
+
+INLINE void kn_block_tile(const float *buf, int kn, const void *x, int64_t ldx, const int xb, int64_t m0,
+                          const int mb, int64_t k0, float *accb, int first) {
+  __m512 acc[MB][4];
+  for (int m = 0; m < mb; m++)
+    for (int j = 0; j < 4; j++)
+      acc[m][j] = first ? _mm512_setzero_ps() : _mm512_load_ps(accb + (m0 + m) * KN_COLS + 16 * j);
+  for (int k = 0; k < kn; k++) {
+    __m512 wv[4];
+    for (int j = 0; j < 4; j++) wv[j] = _mm512_load_ps(buf + k * KN_COLS + 16 * j);
+    for (int m = 0; m < mb; m++) {
+      const __m512 xv = _mm512_set1_ps(load_act(x, xb, (m0 + m) * ldx + k0 + k));
+      for (int j = 0; j < 4; j++) acc[m][j] = _mm512_fmadd_ps(xv, wv[j], acc[m][j]);
+    }
+  }
+  for (int m = 0; m < mb; m++)
+    for (int j = 0; j < 4; j++) _mm512_store_ps(accb + (m0 + m) * KN_COLS + 16 * j, acc[m][j]);
+}
+
+#define KN_BLOCK_CASE(MBV, XB) kn_block_tile(buf, kn, x, ldx, XB, m0, MBV, k0, accb, k0 == 0)
+
+static void kn_panel_blocked(const void *x, int64_t ldx, int xb, int64_t M, int64_t K, const float *w, int64_t ldw,
+                             int64_t n0, int64_t nc, const float *bias, void *y, int y_bf16, int64_t N) {
+  float buf[KN_BLOCK * KN_COLS] __attribute__((aligned(64)));
+  float accb[KN_ROWS * KN_COLS] __attribute__((aligned(64)));
+  __mmask16 mask[4];
+  for (int j = 0; j < 4; j++) {
+    const int64_t left = nc - 16 * j;
+    mask[j] = left >= 16 ? (__mmask16)0xffff : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+  }
+  for (int64_t k0 = 0; k0 < K; k0 += KN_BLOCK) {
+    const int kn = K - k0 < KN_BLOCK ? (int)(K - k0) : KN_BLOCK;
+    for (int k = 0; k < kn; k++) {
+      const float *wk = w + (k0 + k) * ldw + n0;
+      for (int j = 0; j < 4; j++) _mm512_store_ps(buf + k * KN_COLS + 16 * j, _mm512_maskz_loadu_ps(mask[j], wk + 16 * j));
+      for (int j = 0; j < 4; j++) _mm_prefetch((const char *)(wk + KN_BLOCK_AHEAD * ldw + 16 * j), _MM_HINT_T0);
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += MB) {
+      const int64_t mb = M - m0 < MB ? M - m0 : MB;
+      if (xb) {
+        if (mb == 4) KN_BLOCK_CASE(4, 1); else if (mb == 3) KN_BLOCK_CASE(3, 1); else if (mb == 2) KN_BLOCK_CASE(2, 1); else KN_BLOCK_CASE(1, 1);
+      } else {
+        if (mb == 4) KN_BLOCK_CASE(4, 0); else if (mb == 3) KN_BLOCK_CASE(3, 0); else if (mb == 2) KN_BLOCK_CASE(2, 0); else KN_BLOCK_CASE(1, 0);
+      }
+    }
+  }
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t c = 0; c < nc; c++)
+      store_out(y, y_bf16, m * N + n0 + c, accb[m * KN_COLS + c] + (bias ? bias[n0 + c] : 0.0f));
+}
+#endif
+
+/* One thread's panels of 64 columns (the last may be narrower) from n0 to end, for all M rows. */
+static void kn_columns(const void *x, int64_t ldx, int64_t x_bf16, int64_t M, int64_t K, const float *w, int64_t ldw,
+                       int64_t N, const float *bias, void *y, int64_t y_bf16, int64_t start, int64_t end) {
+  const int64_t xsize = x_bf16 ? 2 : 4, ysize = y_bf16 ? 2 : 4;
+  for (int64_t n0 = start; n0 < end; n0 += KN_COLS) {
+    const int64_t nc = end - n0 < KN_COLS ? end - n0 : KN_COLS;
+#if HAVE_AVX512
+    if (M > MB) {
+      for (int64_t r = 0; r < M; r += KN_ROWS)
+        kn_panel_blocked((const char *)x + r * ldx * xsize, ldx, (int)x_bf16, M - r < KN_ROWS ? M - r : KN_ROWS, K, w,
+                         ldw, n0, nc, bias, (char *)y + r * N * ysize, (int)y_bf16, N);
+      continue;
+    }
+#endif
+    for (int64_t m0 = 0; m0 < M; m0 += MB) {
+      const int64_t mb = M - m0 < MB ? M - m0 : MB;
+      if (x_bf16) {
+        if (mb == 4) KN_CASE(4, 1); else if (mb == 3) KN_CASE(3, 1); else if (mb == 2) KN_CASE(2, 1); else KN_CASE(1, 1);
+      } else {
+        if (mb == 4) KN_CASE(4, 0); else if (mb == 3) KN_CASE(3, 0); else if (mb == 2) KN_CASE(2, 0); else KN_CASE(1, 0);
+      }
+    }
+  }
+}
+
 int linear_kn(const void *x, int64_t ldx, int64_t x_bf16, int64_t M, int64_t K, const float *w, int64_t ldw, int64_t N,
               const float *bias, void *y, int64_t y_bf16, int64_t nthreads) {
   /* Each thread takes an equal run of 16-column groups (whole 64-column panels would leave one thread a panel
@@ -126,18 +212,7 @@ int linear_kn(const void *x, int64_t ldx, int64_t x_bf16, int64_t M, int64_t K, 
 #pragma omp parallel for schedule(static, 1) num_threads(nthreads) if (nthreads > 1)
   for (int64_t t = 0; t < nthreads; t++) {
     const int64_t g0 = groups * t / nthreads, g1 = groups * (t + 1) / nthreads;
-    const int64_t end = 16 * g1 < N ? 16 * g1 : N;
-    for (int64_t n0 = 16 * g0; n0 < end; n0 += KN_COLS) {
-      const int64_t nc = end - n0 < KN_COLS ? end - n0 : KN_COLS;
-      for (int64_t m0 = 0; m0 < M; m0 += MB) {
-        const int64_t mb = M - m0 < MB ? M - m0 : MB;
-        if (x_bf16) {
-          if (mb == 4) KN_CASE(4, 1); else if (mb == 3) KN_CASE(3, 1); else if (mb == 2) KN_CASE(2, 1); else KN_CASE(1, 1);
-        } else {
-          if (mb == 4) KN_CASE(4, 0); else if (mb == 3) KN_CASE(3, 0); else if (mb == 2) KN_CASE(2, 0); else KN_CASE(1, 0);
-        }
-      }
-    }
+    kn_columns(x, ldx, x_bf16, M, K, w, ldw, N, bias, y, y_bf16, 16 * g0, 16 * g1 < N ? 16 * g1 : N);
   }
   return 0;
 }
