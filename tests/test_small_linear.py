@@ -174,12 +174,20 @@ def test_switched_off_the_torch_path_runs_every_dtype(monkeypatch):
 
 
 def test_a_rows_result_does_not_depend_on_its_batch_in_the_kn_layout():
-    """float32 weights laid out [K, N]: up to 4 rows walk the weights once per tile, more rows through buffered
-    blocks of k (64 at a time, 64 rows a pass); a row gets the same bits alone, in either form and past a pass."""
+    """float32 weights laid out [K, N]: up to 4 rows stream the halves of K, more rows go through buffered blocks
+    of k (64 rows a pass); a row gets the same bits alone, in either form, past a pass and on any thread count."""
     torch.manual_seed(1)
     w = cpu_layout("model.layers.0.mlp.down_proj.weight", torch.randn(200, 150))
     x, bias = torch.randn(80, 150), torch.randn(200)
     alone = small_linear.native_linear(x[69:70], w, bias)
     for rows in (4, 9, 70):
         assert torch.equal(small_linear.native_linear(x[70 - rows : 70], w, bias)[-1:], alone), rows
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            assert torch.equal(small_linear.native_linear(x[69:70], w, bias), alone), n
+            assert torch.equal(small_linear.native_linear(x[60:70], w, bias)[-1:], alone), n
+    finally:
+        torch.set_num_threads(threads)
     torch.testing.assert_close(small_linear.native_linear(x, w, bias), F.linear(x, w, bias), rtol=1e-5, atol=1e-5)

@@ -5,7 +5,8 @@
  * in long sequential runs with enough independent accumulators to keep up. Two forms:
  *
  * - `linear_kn`: float32 weights stored [K, N] (an output's weights strided by N; the layout MKL's sgemm
- *   prefers for prefill, see `cpu_layout`): a panel of 64 outputs walked down K, x's value broadcast.
+ *   prefers for prefill, see `cpu_layout`): the halves of K streamed front to back up to 4 rows, buffered
+ *   blocks of 64-column panels beyond; x's value broadcast.
  * - `linear_nk`: weights stored [N, K] (each output's weights contiguous): float32, bfloat16 or int8 with a
  *   float32 scale per output row; tiles of 4 outputs x 4 rows as dot products over K, reduced at the end.
  *
@@ -17,6 +18,7 @@
  * AVX512-BF16 the bfloat16 dot-product instruction, any other CPU portable loops.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -55,77 +57,94 @@ static inline float load_act(const void *x, int x_bf16, int64_t i) {
 
 /* ---------------------------------------------------------------------------------------------------------
  * [K, N] float32 weights: out[m, n] = sum_k x[m, k] * w[k * ldw + n]
+ *
+ * Every output's sum is two chains of fused multiply-adds, over k in [0, kh) and in [kh, K) (kh: half of K,
+ * rounded up to 16), added at the end: a fixed order, whatever the rows, threads or path, so a row's result does
+ * not depend on the batch it is in.
+ * - Up to MB rows (`kn_stream`): the two halves of the weight's rows go to two threads (or one after the other),
+ *   each reading its half front to back, one long sequential stream with software prefetch far ahead (the
+ *   layout's column panels would jump N floats at every k: about 20% below the bandwidth at one row).
+ * - More rows (`kn_blocked`, AVX-512): each thread takes its columns in panels of 64; a panel is walked in blocks
+ *   of KN_BLOCK values of k, each copied into a contiguous buffer once and then used by every 4-row tile, its
+ *   sums kept between blocks: the weights are read from memory once, not once per tile.
  * ------------------------------------------------------------------------------------------------------- */
 
-#define KN_COLS 64 /* outputs per panel: four 16-float vectors */
-#define MB 4       /* rows per tile */
+#define MB 4 /* rows per tile */
+#define KN_COLS 64
+#define KN_BLOCK 64
+#define KN_ROWS 64 /* rows per pass of kn_blocked: their sums stay in the first-level cache */
+#define KN_RK 8    /* k per step of kn_stream */
+#ifndef KN_PREFETCH
+#define KN_PREFETCH 16384 /* bytes ahead of kn_stream's reads */
+#endif
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 8192
 #endif
-#ifndef KN_AHEAD
-#define KN_AHEAD 8
-#endif
 #define INLINE static inline __attribute__((always_inline))
 
-/* One panel of up to 64 outputs for `mb` rows; inlined with constant `mb` and `xb` (activations bfloat16), so
- * each instance keeps its accumulators in registers and has no branches in the loop over K. */
-INLINE void kn_panel(const void *x, int64_t ldx, const int xb, int64_t m0, const int mb, int64_t K, const float *w,
-                     int64_t ldw, int64_t n0, int64_t nc, const float *bias, void *y, int y_bf16, int64_t N) {
+static inline int64_t kn_half(int64_t K) {
+  const int64_t kh = (K / 2 + 15) / 16 * 16;
+  return kh < K ? kh : K;
+}
+
+/* acc[m * N + c] for c in [c0, c1) += the chains over k in [k0, k1); inlined with constant `xb`. */
+INLINE void kn_stream_x(const void *x, int64_t ldx, const int xb, int64_t M, int64_t k0, int64_t k1, const float *w,
+                        int64_t ldw, int64_t c0, int64_t c1, float *acc, int64_t N) {
 #if HAVE_AVX512
-  __m512 acc[MB][4];
-  __mmask16 mask[4];
-  for (int j = 0; j < 4; j++) {
-    const int64_t left = nc - 16 * j;
-    mask[j] = left >= 16 ? (__mmask16)0xffff : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
-  }
-  for (int m = 0; m < mb; m++)
-    for (int j = 0; j < 4; j++) acc[m][j] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k++) {
-    const float *wk = w + k * ldw + n0;
-    __m512 wv[4];
-    for (int j = 0; j < 4; j++) wv[j] = _mm512_maskz_loadu_ps(mask[j], wk + 16 * j);
-    for (int j = 0; j < 4; j++) _mm_prefetch((const char *)(wk + KN_AHEAD * ldw + 16 * j), _MM_HINT_T0);
-    for (int m = 0; m < mb; m++) {
-      const __m512 xv = _mm512_set1_ps(load_act(x, xb, (m0 + m) * ldx + k));
-      for (int j = 0; j < 4; j++) acc[m][j] = _mm512_fmadd_ps(xv, wv[j], acc[m][j]);
+  for (int64_t kb = k0; kb < k1; kb += KN_RK) {
+    const int kn = k1 - kb < KN_RK ? (int)(k1 - kb) : KN_RK;
+    for (int64_t c = c0; c < c1; c += 16) {
+      const __mmask16 mk = c1 - c >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (c1 - c)) - 1);
+      __m512 wv[KN_RK];
+      for (int k = 0; k < kn; k++) {
+        wv[k] = _mm512_maskz_loadu_ps(mk, w + (kb + k) * ldw + c);
+        _mm_prefetch((const char *)(w + (kb + k) * ldw + c) + KN_PREFETCH, _MM_HINT_T0);
+      }
+      for (int64_t m = 0; m < M; m++) {
+        __m512 s = _mm512_maskz_loadu_ps(mk, acc + m * N + c);
+        for (int k = 0; k < kn; k++) s = _mm512_fmadd_ps(_mm512_set1_ps(load_act(x, xb, m * ldx + kb + k)), wv[k], s);
+        _mm512_mask_storeu_ps(acc + m * N + c, mk, s);
+      }
     }
-  }
-  for (int m = 0; m < mb; m++) {
-    float tmp[KN_COLS];
-    for (int j = 0; j < 4; j++) _mm512_storeu_ps(tmp + 16 * j, acc[m][j]);
-    for (int64_t c = 0; c < nc; c++)
-      store_out(y, y_bf16, (m0 + m) * N + n0 + c, tmp[c] + (bias ? bias[n0 + c] : 0.0f));
   }
 #else
-  float acc[MB][KN_COLS];
-  memset(acc, 0, sizeof acc);
-  for (int64_t k = 0; k < K; k++) {
-    const float *wk = w + k * ldw + n0;
-    for (int m = 0; m < mb; m++) {
-      const float xv = load_act(x, xb, (m0 + m) * ldx + k);
-      float *a = acc[m];
+  for (int64_t k = k0; k < k1; k++)
+    for (int64_t m = 0; m < M; m++) {
+      const float xv = load_act(x, xb, m * ldx + k);
+      float *a = acc + m * N;
+      const float *wk = w + k * ldw;
 #pragma omp simd
-      for (int64_t c = 0; c < nc; c++) a[c] += xv * wk[c];
+      for (int64_t c = c0; c < c1; c++) a[c] += xv * wk[c];
     }
-  }
-  for (int m = 0; m < mb; m++)
-    for (int64_t c = 0; c < nc; c++)
-      store_out(y, y_bf16, (m0 + m) * N + n0 + c, acc[m][c] + (bias ? bias[n0 + c] : 0.0f));
 #endif
 }
 
-#define KN_CASE(MBV, XB) kn_panel(x, ldx, XB, m0, MBV, K, w, ldw, n0, nc, bias, y, (int)y_bf16, N)
+static void kn_stream(const void *x, int64_t ldx, int64_t x_bf16, int64_t M, int64_t K, const float *w, int64_t ldw,
+                      int64_t N, const float *bias, void *y, int64_t y_bf16, int64_t nthreads) {
+  const int64_t kh = kn_half(K), groups = (N + 15) / 16;
+  int64_t cols = nthreads / 2; /* column groups per half, with more than two threads */
+  if (cols < 1) cols = 1;
+  if (cols > groups) cols = groups;
+  const int64_t tasks = 2 * cols, team = nthreads < tasks ? (nthreads < 1 ? 1 : nthreads) : tasks;
+  float *acc = calloc((size_t)(2 * M * N), sizeof(float)); /* the two halves' sums */
+  if (!acc) return;
+#pragma omp parallel num_threads(team) if (team > 1)
+  {
+#pragma omp for schedule(static, 1)
+    for (int64_t t = 0; t < tasks; t++) {
+      const int64_t h = t % 2, g = t / 2, c0 = 16 * (groups * g / cols), c1g = 16 * (groups * (g + 1) / cols);
+      const int64_t c1 = c1g < N ? c1g : N, k0 = h ? kh : 0, k1 = h ? K : kh;
+      if (x_bf16) kn_stream_x(x, ldx, 1, M, k0, k1, w, ldw, c0, c1, acc + h * M * N, N);
+      else kn_stream_x(x, ldx, 0, M, k0, k1, w, ldw, c0, c1, acc + h * M * N, N);
+    }
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < M * N; i++) store_out(y, (int)y_bf16, i, acc[i] + acc[M * N + i] + (bias ? bias[i % N] : 0.0f));
+  }
+  free(acc);
+}
 
 #if HAVE_AVX512
-/* More than MB rows: a panel's weights are read from memory once, not once per 4-row tile. The panel is walked
- * in blocks of KN_BLOCK values of k; each block is first copied into a contiguous buffer (the [K, N] rows of a
- * panel lie N floats apart, so re-reading them from the strided layout conflicts in the first-level cache), and
- * then every 4-row tile runs over the buffer, its sums kept between blocks in `accb`. Each output's sum is the
- * same chain of fused multiply-adds over k as kn_panel's, so a row's result does not depend on its batch. */
-#define KN_BLOCK 64
-#define KN_ROWS 64 /* rows per pass over the weights (the sums of all of them stay in the first-level cache) */
-#define KN_BLOCK_AHEAD 16
-
+/* One 4-row tile over a buffered block of kn values of k from k0; sums in accb[m][64]. */
 INLINE void kn_block_tile(const float *buf, int kn, const void *x, int64_t ldx, const int xb, int64_t m0,
                           const int mb, int64_t k0, float *accb, int first) {
   __m512 acc[MB][4];
@@ -144,76 +163,71 @@ INLINE void kn_block_tile(const float *buf, int kn, const void *x, int64_t ldx, 
     for (int j = 0; j < 4; j++) _mm512_store_ps(accb + (m0 + m) * KN_COLS + 16 * j, acc[m][j]);
 }
 
-#define KN_BLOCK_CASE(MBV, XB) kn_block_tile(buf, kn, x, ldx, XB, m0, MBV, k0, accb, k0 == 0)
+#define KN_BLOCK_CASE(MBV, XB) kn_block_tile(buf, kn, x, ldx, XB, m0, MBV, k0, accb[h], k0 == ks)
 
-static void kn_panel_blocked(const void *x, int64_t ldx, int xb, int64_t M, int64_t K, const float *w, int64_t ldw,
+/* One panel of nc <= 64 columns from n0, for M <= KN_ROWS rows. */
+static void kn_blocked_panel(const void *x, int64_t ldx, int xb, int64_t M, int64_t K, const float *w, int64_t ldw,
                              int64_t n0, int64_t nc, const float *bias, void *y, int y_bf16, int64_t N) {
   float buf[KN_BLOCK * KN_COLS] __attribute__((aligned(64)));
-  float accb[KN_ROWS * KN_COLS] __attribute__((aligned(64)));
+  float accb[2][KN_ROWS * KN_COLS] __attribute__((aligned(64)));
   __mmask16 mask[4];
   for (int j = 0; j < 4; j++) {
     const int64_t left = nc - 16 * j;
     mask[j] = left >= 16 ? (__mmask16)0xffff : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
   }
-  for (int64_t k0 = 0; k0 < K; k0 += KN_BLOCK) {
-    const int kn = K - k0 < KN_BLOCK ? (int)(K - k0) : KN_BLOCK;
-    for (int k = 0; k < kn; k++) {
-      const float *wk = w + (k0 + k) * ldw + n0;
-      for (int j = 0; j < 4; j++) _mm512_store_ps(buf + k * KN_COLS + 16 * j, _mm512_maskz_loadu_ps(mask[j], wk + 16 * j));
-      for (int j = 0; j < 4; j++) _mm_prefetch((const char *)(wk + KN_BLOCK_AHEAD * ldw + 16 * j), _MM_HINT_T0);
-    }
-    for (int64_t m0 = 0; m0 < M; m0 += MB) {
-      const int64_t mb = M - m0 < MB ? M - m0 : MB;
-      if (xb) {
-        if (mb == 4) KN_BLOCK_CASE(4, 1); else if (mb == 3) KN_BLOCK_CASE(3, 1); else if (mb == 2) KN_BLOCK_CASE(2, 1); else KN_BLOCK_CASE(1, 1);
-      } else {
-        if (mb == 4) KN_BLOCK_CASE(4, 0); else if (mb == 3) KN_BLOCK_CASE(3, 0); else if (mb == 2) KN_BLOCK_CASE(2, 0); else KN_BLOCK_CASE(1, 0);
+  const int64_t kh = kn_half(K);
+  memset(accb[1], 0, sizeof accb[1]); /* an empty second half (K <= 16) adds zeros */
+  for (int h = 0; h < 2; h++) {
+    const int64_t ks = h ? kh : 0, ke = h ? K : kh;
+    for (int64_t k0 = ks; k0 < ke; k0 += KN_BLOCK) {
+      const int kn = ke - k0 < KN_BLOCK ? (int)(ke - k0) : KN_BLOCK;
+      for (int k = 0; k < kn; k++) {
+        const float *wk = w + (k0 + k) * ldw + n0;
+        for (int j = 0; j < 4; j++) _mm512_store_ps(buf + k * KN_COLS + 16 * j, _mm512_maskz_loadu_ps(mask[j], wk + 16 * j));
+        for (int j = 0; j < 4; j++) _mm_prefetch((const char *)(wk + 16 * ldw + 16 * j), _MM_HINT_T0);
+      }
+      for (int64_t m0 = 0; m0 < M; m0 += MB) {
+        const int64_t mb = M - m0 < MB ? M - m0 : MB;
+        if (xb) {
+          if (mb == 4) KN_BLOCK_CASE(4, 1); else if (mb == 3) KN_BLOCK_CASE(3, 1); else if (mb == 2) KN_BLOCK_CASE(2, 1); else KN_BLOCK_CASE(1, 1);
+        } else {
+          if (mb == 4) KN_BLOCK_CASE(4, 0); else if (mb == 3) KN_BLOCK_CASE(3, 0); else if (mb == 2) KN_BLOCK_CASE(2, 0); else KN_BLOCK_CASE(1, 0);
+        }
       }
     }
   }
   for (int64_t m = 0; m < M; m++)
     for (int64_t c = 0; c < nc; c++)
-      store_out(y, y_bf16, m * N + n0 + c, accb[m * KN_COLS + c] + (bias ? bias[n0 + c] : 0.0f));
-}
-#endif
-
-/* One thread's panels of 64 columns (the last may be narrower) from n0 to end, for all M rows. */
-static void kn_columns(const void *x, int64_t ldx, int64_t x_bf16, int64_t M, int64_t K, const float *w, int64_t ldw,
-                       int64_t N, const float *bias, void *y, int64_t y_bf16, int64_t start, int64_t end) {
-  const int64_t xsize = x_bf16 ? 2 : 4, ysize = y_bf16 ? 2 : 4;
-  for (int64_t n0 = start; n0 < end; n0 += KN_COLS) {
-    const int64_t nc = end - n0 < KN_COLS ? end - n0 : KN_COLS;
-#if HAVE_AVX512
-    if (M > MB) {
-      for (int64_t r = 0; r < M; r += KN_ROWS)
-        kn_panel_blocked((const char *)x + r * ldx * xsize, ldx, (int)x_bf16, M - r < KN_ROWS ? M - r : KN_ROWS, K, w,
-                         ldw, n0, nc, bias, (char *)y + r * N * ysize, (int)y_bf16, N);
-      continue;
-    }
-#endif
-    for (int64_t m0 = 0; m0 < M; m0 += MB) {
-      const int64_t mb = M - m0 < MB ? M - m0 : MB;
-      if (x_bf16) {
-        if (mb == 4) KN_CASE(4, 1); else if (mb == 3) KN_CASE(3, 1); else if (mb == 2) KN_CASE(2, 1); else KN_CASE(1, 1);
-      } else {
-        if (mb == 4) KN_CASE(4, 0); else if (mb == 3) KN_CASE(3, 0); else if (mb == 2) KN_CASE(2, 0); else KN_CASE(1, 0);
-      }
-    }
-  }
+      store_out(y, y_bf16, m * N + n0 + c, accb[0][m * KN_COLS + c] + accb[1][m * KN_COLS + c] + (bias ? bias[n0 + c] : 0.0f));
 }
 
-int linear_kn(const void *x, int64_t ldx, int64_t x_bf16, int64_t M, int64_t K, const float *w, int64_t ldw, int64_t N,
-              const float *bias, void *y, int64_t y_bf16, int64_t nthreads) {
+static void kn_blocked(const void *x, int64_t ldx, int64_t x_bf16, int64_t M, int64_t K, const float *w, int64_t ldw,
+                       int64_t N, const float *bias, void *y, int64_t y_bf16, int64_t nthreads) {
   /* Each thread takes an equal run of 16-column groups (whole 64-column panels would leave one thread a panel
    * more than the other on N = 576: 9 panels), walked in panels of up to 64 columns. */
-  const int64_t groups = (N + 15) / 16;
+  const int64_t groups = (N + 15) / 16, xsize = x_bf16 ? 2 : 4, ysize = y_bf16 ? 2 : 4;
   if (nthreads > groups) nthreads = groups;
   if (nthreads < 1) nthreads = 1;
 #pragma omp parallel for schedule(static, 1) num_threads(nthreads) if (nthreads > 1)
   for (int64_t t = 0; t < nthreads; t++) {
-    const int64_t g0 = groups * t / nthreads, g1 = groups * (t + 1) / nthreads;
-    kn_columns(x, ldx, x_bf16, M, K, w, ldw, N, bias, y, y_bf16, 16 * g0, 16 * g1 < N ? 16 * g1 : N);
+    const int64_t g0 = groups * t / nthreads, g1 = groups * (t + 1) / nthreads, end = 16 * g1 < N ? 16 * g1 : N;
+    for (int64_t n0 = 16 * g0; n0 < end; n0 += KN_COLS)
+      for (int64_t r = 0; r < M; r += KN_ROWS)
+        kn_blocked_panel((const char *)x + r * ldx * xsize, ldx, (int)x_bf16, M - r < KN_ROWS ? M - r : KN_ROWS, K, w,
+                         ldw, n0, end - n0 < KN_COLS ? end - n0 : KN_COLS, bias, (char *)y + r * N * ysize, (int)y_bf16, N);
   }
+}
+#endif
+
+int linear_kn(const void *x, int64_t ldx, int64_t x_bf16, int64_t M, int64_t K, const float *w, int64_t ldw, int64_t N,
+              const float *bias, void *y, int64_t y_bf16, int64_t nthreads) {
+#if HAVE_AVX512
+  if (M > MB) {
+    kn_blocked(x, ldx, x_bf16, M, K, w, ldw, N, bias, y, y_bf16, nthreads);
+    return 0;
+  }
+#endif
+  kn_stream(x, ldx, x_bf16, M, K, w, ldw, N, bias, y, y_bf16, nthreads);
   return 0;
 }
 
