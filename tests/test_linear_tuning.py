@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from ringsched.config import ConfigError, EngineConfig
 from ringsched.layout.rank import StageInfo
-from ringsched.models import linear_tuning, small_linear
+from ringsched.models import linear_timing, linear_tuning, small_linear
 from ringsched.models.linear_tuning import BUCKETS, PathTable, Shape
 from ringsched.models.loader import load_stage_model
 from ringsched.models.random_model import random_config, write_random_model
@@ -102,7 +102,7 @@ def test_the_cache_key_changes_with_dtype_threads_and_cpu():
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_real_measurement_times_every_candidate_at_every_bucket(tiny, tmp_path, dtype):
+def test_a_real_measurement_times_the_candidates_at_every_bucket(tiny, tmp_path, dtype):
     model = tiny(dtype)
     tables = linear_tuning.tune(model.linears(), dtype, root=tmp_path)
     for shape, table in tables.items():
@@ -136,3 +136,28 @@ def test_a_layers_shapes_take_the_kernel_together_where_the_one_call_saves_more_
         assert [tables[s].path(b) for b in BUCKETS] == [NATIVE] * 4 + [TORCH] * 5
     head = linear_tuning.choose(times[shapes[0]], (NATIVE, TORCH))
     assert {head.path(b) for b in BUCKETS} == {TORCH}  # alone (the lm_head), each shape its fastest
+
+
+def test_a_path_falling_further_behind_is_retired_and_one_catching_up_is_kept(monkeypatch, tmp_path):
+    """Fake timings (us) per path and rows: `slow` is 10x behind at 1 and 2 rows and grows with the rows, so it
+    is not timed from 4 rows on (infinity in the table, the cache and the log); `late` starts 10x behind but
+    grows slowly (as int8 dequantized then MKL does) and wins at 256 rows: it is timed at every bucket."""
+    cost = {"native": lambda r: 10.0 * r, "slow": lambda r: 100.0 * r * r, "late": lambda r: 100.0 + 5.0 * r}
+    calls: list[tuple[str, int]] = []
+
+    def fake(paths, x, pieces):
+        calls.extend((p, x.shape[0]) for p in paths)
+        return {p: cost[p](x.shape[0]) * 1e-6 for p in paths}
+
+    monkeypatch.setattr(linear_timing, "_time_paths", fake)
+    layer = small_linear.Linear(8, 4, bias=False)
+    shape = Shape(4, 8, "float32", "float32", "nk")
+    times = linear_timing.measure_shape(shape, ("native", "slow", "late"), [layer])
+    assert {r for p, r in calls if p == "slow"} == {1, 2} and {r for p, r in calls if p == "late"} == set(BUCKETS)
+    assert times[4]["slow"] == float("inf") and times[256]["late"] < times[256]["native"]
+    assert linear_tuning.choose(times, ("native", "slow", "late")).path(256) == "late"
+    path = tmp_path / "t.json"
+    linear_tuning.write_times(path, shape, times, CPU, 2)
+    assert linear_tuning.read_times(path, ("native", "slow", "late")) == times
+    table = linear_tuning.choose(times, ("native", "slow", "late"))
+    assert "4 40/-/120" in linear_tuning.describe(table, times, ("native", "slow", "late"))

@@ -8,14 +8,7 @@ buckets takes the path of the bucket above (past the last, the last's): the kern
 MKL/oneDNN block rows too, so a call costs about what the bucket above costs, not the one below. Up to
 `layer_ops.MAX_ROWS` rows a decoder layer's shapes are chosen together (`choose_layers`): where every one takes
 the kernel, a decode step runs whole in one native call (`models/decode_layers.py`, which consults the same
-tables), which saves `ONE_CALL_CREDIT_S` a call.
-
-Each timed call runs the path over distinct weights of the shape (the stage's layers; the lm_head in slices of its
-vocabulary) until it has read `STREAM_BYTES` or done `FLOP_BUDGET`: the few-row calls stream many layers' weights as
-a step does, not one layer's from a core's cache (a larger last-level cache holds them). Per bucket: a warm-up call,
-one timed call per path, then `ROUNDS - 1` more for the paths within `SCREEN` times the best (interleaved); a path's
-time is its best (processes starting beside the stage only add time); a path whose warm-up took over twice `SCREEN`
-times the best's keeps that time and is not timed again.
+tables), which saves `ONE_CALL_CREDIT_S` a call. How the timings are taken: `models/linear_timing.py`.
 
 The timings are cached in `$RINGSCHED_CACHE/tuning/` (`fetch.cache_dir()`), one JSON file per CPU model and
 flags, dtypes, threads, shape and layout, torch version and kernel source (`cache_key`): a stage that finds its
@@ -40,41 +33,18 @@ import torch
 
 from ringsched.models import layer_ops, native_build, small_linear
 from ringsched.models.fetch import cache_dir
+from ringsched.models.linear_timing import BUCKETS, Shape, Times, measure_shape
 from ringsched.models.small_linear import INT8PACK, NATIVE, PATHS, TORCH, WIDEN, Linear
-from ringsched.models.vocab import HEAD_VOCAB_CHUNK, LMHead
+from ringsched.models.vocab import LMHead
 
 logger = logging.getLogger(__name__)
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-STREAM_BYTES = 64 * 2**20  # weights a timed call reads at least (or all the shape's), as a step streams them
-FLOP_BUDGET = 0.25e9  # ... unless a call would do more arithmetic than this: then fewer weights (at least one)
-HEAD_SLICE = 8 * HEAD_VOCAB_CHUNK  # vocabulary rows of an lm_head slice
-ROUNDS, SCREEN = 3, 2.0
 # What a decoder layer's linear call gains from the one-call decode (`models/decode_layers.py`), which runs a step
 # only where every linear call is the kernel's. Measured (SmolLM2 float32, 2 threads, Intel AMX host, a step at a
 # context of 200, medians of 5): one call 25.5 / 50.1 / 86.6 ms against 31.3 / 58.2 / 95.0 layer by layer at
 # 1 / 4 / 16 rows, 5.8-8.4 ms over 30 layers x 4 linear calls: 48-70 us a call; the lower end.
 ONE_CALL_CREDIT_S = 50e-6
 TUNING_DIR = "tuning"
-
-Times = dict[int, dict[str, float]]  # bucket -> path -> seconds per call of one layer
-
-
-@dataclass(frozen=True)
-class Shape:
-    """What a linear layer's timings depend on besides the CPU: `[n, k]`, the weight's and activations' dtypes,
-    and the weight's layout (`kn`: float32 stored `[in, out]`, `fused_linear.cpu_layout`; else `nk`)."""
-
-    n: int
-    k: int
-    weight: str
-    act: str
-    layout: str
-
-    def label(self) -> str:
-        acts = "" if self.act == self.weight else f" ({self.act} activations)"
-        return f"{self.n}x{self.k} {self.weight} {self.layout}{acts}"
-
 
 @dataclass(frozen=True)
 class PathTable:
@@ -186,64 +156,6 @@ def write_times(path: Path, shape: Shape, times: Times, cpu: tuple[str, str], th
 Measure = Callable[[Shape, tuple[str, ...], list[Linear]], Times]
 
 
-def _pieces(layers: list[Linear]) -> list[tuple]:
-    """(weight, scales, bias, float32 bias, chunk) of each distinct weight of the shape: a layer, or an lm_head's
-    vocabulary slice (its paths but the kernel's run `HEAD_VOCAB_CHUNK` rows at a time; chunk 0: whole)."""
-    out = []
-    for lin in layers:
-        if isinstance(lin, LMHead):
-            for s in range(0, lin.weight.shape[0], HEAD_SLICE):
-                rows = slice(s, s + HEAD_SLICE)
-                scales = None if lin.scales is None else lin.scales[rows]
-                out.append((lin.weight[rows], scales, None, None, HEAD_VOCAB_CHUNK))
-        else:
-            out.append((lin.weight, lin.scales, lin.bias, lin.bias_f32, 0))
-    return out
-
-
-def _call(path: str, x: torch.Tensor, pieces: list) -> None:
-    for w, scales, bias, bias_f32, chunk in pieces:
-        if chunk and path != NATIVE:  # as `LMHead._chunks` runs it
-            for s in range(0, w.shape[0], chunk):
-                part = None if scales is None else scales[s : s + chunk]
-                small_linear.apply(path, x, w[s : s + chunk], None, None, part)
-        else:
-            small_linear.apply(path, x, w, bias, bias_f32, scales)
-
-
-def measure_shape(shape: Shape, paths: tuple[str, ...], layers: list[Linear]) -> Times:
-    """Seconds per call of one layer of each path at each bucket, timed on the layers' own weights."""
-    pieces = _pieces(layers)
-    per_layer = len(pieces) / len(layers)  # an lm_head is several pieces
-    piece_bytes = pieces[0][0].numel() * pieces[0][0].element_size()
-    times: Times = {}
-    with torch.inference_mode():
-        for rows in BUCKETS:
-            flops = 2 * rows * pieces[0][0].numel()
-            count = min(len(pieces), math.ceil(STREAM_BYTES / piece_bytes), max(1, int(FLOP_BUDGET // flops)))
-            x = torch.randn(rows, shape.k, dtype=getattr(torch, shape.act))
-            times[rows] = {p: t * per_layer / count for p, t in _time_paths(paths, x, pieces[:count]).items()}
-    return times
-
-
-def _time_paths(paths: tuple[str, ...], x: torch.Tensor, pieces: list) -> dict[str, float]:
-    warm: dict[str, float] = {}
-    for p in paths:  # warm-up: first-call costs (oneDNN's primitives, allocations) stay out of the rounds
-        t = time.perf_counter()
-        _call(p, x, pieces)
-        warm[p] = time.perf_counter() - t
-    seen: dict[str, list[float]] = {p: [] for p in paths if warm[p] <= 2 * SCREEN * min(warm.values())}
-    for rnd in range(ROUNDS):
-        best = min(min(v) for v in seen.values()) if rnd else 0.0
-        for p in seen:
-            if rnd and min(seen[p]) > SCREEN * best:
-                continue  # far behind after one call: more rounds would not change the choice
-            t = time.perf_counter()
-            _call(p, x, pieces)
-            seen[p].append(time.perf_counter() - t)
-    return {p: min(seen[p]) if p in seen else warm[p] for p in paths}  # others' load only adds time
-
-
 def tune(layers: list[Linear], act: torch.dtype, *, measure: Measure = measure_shape, root: Path | None = None,
          threads: int | None = None, cpu: tuple[str, str] | None = None) -> dict[Shape, PathTable]:  # fmt: skip
     """Give each of `layers` (CPU, prepared; `act`: the model's dtype) the `PathTable` of its shape, from the
@@ -286,8 +198,12 @@ def describe(table: PathTable, times: Times, paths: tuple[str, ...]) -> str:
         else:
             runs.append([b, b, c])
     chosen = ", ".join(f"{lo}-{hi} {c}" if lo != hi else f"{lo} {c}" for lo, hi, c in runs)
-    cells = ", ".join(f"{b} " + "/".join(f"{times[b][p] * 1e6:.0f}" for p in paths) for b in table.buckets)
+    cells = ", ".join(f"{b} " + "/".join(_us(times[b][p]) for p in paths) for b in table.buckets)
     return f"{chosen} (us {'/'.join(paths)}: {cells})"
+
+
+def _us(seconds: float) -> str:
+    return f"{seconds * 1e6:.0f}" if math.isfinite(seconds) else "-"  # "-": retired, not timed
 
 
 def tune_stage(model, mode: str, act: torch.dtype, **kw) -> None:
