@@ -4,16 +4,15 @@ import msgpack
 import pytest
 import torch
 
-from ringsched.sampler import apply_repetition_penalty, make_generator, sample
+from ringsched.sampler import apply_repetition_penalty, sample, uniform
 from ringsched.sampling import SamplingParams
 
 RANDOM = SamplingParams(temperature=1.0)
 
 
 def draw_many(logits_row: torch.Tensor, params: SamplingParams, n: int, seed: int = 0) -> torch.Tensor:
-    """n draws of one row in one call: the same generator on every row advances once per row, in order."""
-    g = make_generator(seed)
-    return sample(logits_row.expand(n, -1), [params] * n, [[] for _ in range(n)], [g] * n)
+    """n draws of one row in one call: row i draws as the request's i-th output token would."""
+    return sample(logits_row.expand(n, -1), [params] * n, [[] for _ in range(n)], [(seed, i) for i in range(n)])
 
 
 @pytest.mark.parametrize(
@@ -78,7 +77,7 @@ def test_to_dict_from_dict_round_trip():
 
 
 def test_greedy_equals_argmax_float_and_bf16():
-    logits = torch.randn(8, 100, generator=make_generator(0))
+    logits = torch.randn(8, 100, generator=torch.Generator().manual_seed(0))
     params = [SamplingParams(temperature=0)] * 8
     out = sample(logits, params, [[] for _ in range(8)], [None] * 8)
     assert out.dtype == torch.int64 and torch.equal(out, logits.argmax(-1))
@@ -98,7 +97,7 @@ def test_repetition_penalty_changes_argmax_and_leaves_input_alone():
 
 
 def test_repetition_penalty_matches_hf_formula():
-    logits = torch.randn(3, 50, generator=make_generator(1))
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
     histories = [[1, 5, 5, 49, 0], [], [7, 8, 9]]
     penalties = [1.3, 1.3, 0.8]
     ours = apply_repetition_penalty(logits.clone(), penalties, histories)
@@ -113,7 +112,7 @@ def test_repetition_penalty_matches_hf_formula():
 
 def test_repetition_penalty_matches_hf_processor():
     logits_process = pytest.importorskip("transformers.generation.logits_process")
-    logits = torch.randn(2, 50, generator=make_generator(3))
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(3))
     histories = [[1, 5, 5, 49, 0], [7, 8, 9, 10, 7]]  # equal lengths: HF takes a [B, L] tensor
     hf = logits_process.RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor(histories), logits.clone())
     assert torch.equal(apply_repetition_penalty(logits.clone(), [1.3, 1.3], histories), hf)
@@ -122,20 +121,20 @@ def test_repetition_penalty_matches_hf_processor():
 def test_banned_ids_are_never_drawn():
     logits = torch.tensor([[5.0, 4.0, 0.0]])
     assert sample(logits, [SamplingParams(temperature=0)], [[]], [None], banned=[[0]]).item() == 1
-    g = make_generator(0)
-    out = sample(logits.expand(200, -1), [RANDOM] * 200, [[]] * 200, [g] * 200, banned=[[0, 1]] * 200)
+    keys = [(0, i) for i in range(200)]
+    out = sample(logits.expand(200, -1), [RANDOM] * 200, [[]] * 200, keys, banned=[[0, 1]] * 200)
     assert set(out.tolist()) == {2}
 
 
 def test_top_k_1_and_tiny_top_p_equal_greedy():
-    logits = torch.randn(16, 64, generator=make_generator(2))
-    gens = [make_generator(s) for s in range(16)]
+    logits = torch.randn(16, 64, generator=torch.Generator().manual_seed(2))
+    keys = [(s, 0) for s in range(16)]
     hist = [[] for _ in range(16)]
-    assert torch.equal(sample(logits, [SamplingParams(top_k=1)] * 16, hist, gens), logits.argmax(-1))
+    assert torch.equal(sample(logits, [SamplingParams(top_k=1)] * 16, hist, keys), logits.argmax(-1))
     tiny_p = [SamplingParams(temperature=1.5, top_p=1e-6)] * 16
-    assert torch.equal(sample(logits, tiny_p, hist, gens), logits.argmax(-1))
+    assert torch.equal(sample(logits, tiny_p, hist, keys), logits.argmax(-1))
     tiny_t = [SamplingParams(temperature=1e-30)] * 16  # stays finite rather than turning into nan
-    assert torch.equal(sample(logits * 100, tiny_t, hist, gens), logits.argmax(-1))
+    assert torch.equal(sample(logits * 100, tiny_t, hist, keys), logits.argmax(-1))
 
 
 def test_top_k_and_top_p_keep_the_right_set():
@@ -161,8 +160,7 @@ def test_same_seed_same_sequence_different_seed_different():
     flat = torch.zeros(1, 1000)
 
     def run(seed: int) -> list[int]:
-        g = make_generator(seed)
-        return [sample(flat, [RANDOM], [[]], [g]).item() for _ in range(20)]
+        return [sample(flat, [RANDOM], [[]], [(seed, i)]).item() for i in range(20)]
 
     assert run(42) == run(42)
     assert run(42) != run(43)  # equal by chance with probability 1e-60
@@ -180,17 +178,15 @@ def test_row_token_independent_of_batch_companions_and_order():
     ]
 
     def run(n_before: int, n_after: int, order: list[int]) -> list[int]:
-        g = make_generator(7)
-        comp_gens = [make_generator(100 + i) for i in range(len(companions))]
         picked = [companions[i] for i in order]
         tokens = []
-        for logits in steps:
+        for step, logits in enumerate(steps):
             rows = [torch.randn(1, 300) for _ in range(n_before)] + [logits]
             rows += [torch.randn(1, 300) for _ in range(n_after)]
             params = picked[:n_before] + [target] + picked[n_before : n_before + n_after]
-            gens = [comp_gens[i] for i in order[:n_before]] + [g]
-            gens += [comp_gens[i] for i in order[n_before : n_before + n_after]]
-            out = sample(torch.cat(rows), params, [[3, 4, 5]] * len(params), gens)
+            keys = [(100 + i, step) for i in order[:n_before]] + [(7, step)]
+            keys += [(100 + i, step) for i in order[n_before : n_before + n_after]]
+            out = sample(torch.cat(rows), params, [[3, 4, 5]] * len(params), keys)
             tokens.append(out[n_before].item())
         return tokens
 
@@ -209,12 +205,14 @@ def test_temperature_distribution_matches_softmax(temperature):
     assert torch.allclose(counts / n, expected, atol=0.02)
 
 
-def test_errors_for_missing_generator_and_length_mismatch():
+def test_errors_for_missing_key_and_length_mismatch():
     logits = torch.zeros(2, 5)
-    with pytest.raises(ValueError, match=r"rows \[1\] sample randomly .* make_generator"):
+    with pytest.raises(ValueError, match=r"rows \[1\] sample randomly .* have no key; give each such row"):
         sample(logits, [SamplingParams(temperature=0), RANDOM], [[], []], [None, None])
-    with pytest.raises(ValueError, match="one params/history/generator"):
-        sample(logits, [RANDOM], [[]], [make_generator(0)])
+    with pytest.raises(ValueError, match="one params/history/key"):
+        sample(logits, [RANDOM], [[]], [(0, 0)])
+    with pytest.raises(ValueError, match="a draw index counts the tokens .* got -1"):
+        uniform(0, -1)
 
 
 def test_a_row_whose_params_fail_gets_failed_and_the_others_their_tokens():
