@@ -294,3 +294,87 @@ def test_penalty_and_bias_bounds(kw, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kw)
     assert SamplingParams.from_dict(SamplingParams(logit_bias={"4": 1}).to_dict()).logit_bias == ((4, 1.0),)
+
+
+# -- counter-based draws: a token's uniform is a function of (seed, index), nothing else -------------------------
+def test_uniform_is_a_pure_function_of_seed_and_index():
+    from ringsched.sampler import _mix64
+
+    # splitmix64 itself: the first output of the reference generator seeded with 0.
+    assert _mix64(0x9E3779B97F4A7C15) == 0xE220A8397B1DCDAF
+    # Pinned values: the same bits on every machine, device and process (plain 64-bit integer arithmetic).
+    assert uniform(0, 0) == 0.6524484863740322
+    assert uniform(7, 3) == 0.6042348053683145
+    assert uniform(-1, 5) == uniform(2**64 - 1, 5)  # a negative seed wraps, as torch's manual_seed does
+    assert [uniform(42, i) for i in range(50)] == [uniform(42, i) for i in range(50)]
+    row = torch.randn(1, 300, generator=torch.Generator().manual_seed(5))
+    alone = [sample(row, [RANDOM], [[]], [(42, i)]).item() for i in range(20)]
+    companions = torch.randn(3, 300, generator=torch.Generator().manual_seed(6))
+    for i in range(20):  # the same key, in a batch, at another row, with other companions: the same token
+        batch = torch.cat([companions[:2], row, companions[2:]])
+        keys = [(9, 100 + i), (10, i), (42, i), (11, 0)]
+        assert sample(batch, [RANDOM] * 4, [[]] * 4, keys)[2].item() == alone[i]
+        flipped = torch.cat([row, companions.flip(0)])
+        assert sample(flipped, [RANDOM] * 4, [[]] * 4, [(42, i), (1, i), (2, i), (3, i)])[0].item() == alone[i]
+
+
+def test_uniforms_are_spread_evenly_and_streams_of_nearby_seeds_differ():
+    n = 4000
+    us = [uniform(1234, i) for i in range(n)]
+    assert all(0.0 <= u < 1.0 for u in us) and len(set(us)) == n
+    assert abs(sum(us) / n - 0.5) < 0.02  # the mean's standard error is 0.0046
+    assert abs(sum((u - 0.5) ** 2 for u in us) / n - 1 / 12) < 0.005
+    counts = torch.histc(torch.tensor(us, dtype=torch.float64), bins=10, min=0, max=1)
+    assert ((counts - n / 10) ** 2 / (n / 10)).sum() < 35  # chi-square, 9 d.o.f.: P(> 35) < 1e-4
+    # `n` sequences get seeds s, s + 1, ...: their streams must not be shifted copies of each other.
+    assert not set(us) & {uniform(1235, i) for i in range(n)}
+    assert len({uniform(s, 0) for s in range(1000)}) == 1000
+
+
+def test_sampled_frequencies_match_a_small_distribution():
+    probs = torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03])
+    n = 20000
+    counts = torch.bincount(draw_many(probs.log(), RANDOM, n, seed=99), minlength=5).double()
+    chi2 = ((counts - n * probs.double()) ** 2 / (n * probs.double())).sum().item()
+    # 4 degrees of freedom: P(chi2 > 30) < 1e-5 for a fair draw (this one scores 6.3); a draw that moved 0.01 of
+    # the mass off the rarest token (u * 0.99) scores 91.
+    assert chi2 < 30, (chi2, counts.tolist())
+
+
+def _decode(state, rid: str, start: int, ids: list[int], logits: torch.Tensor, announce=()) -> int:
+    from ringsched.comm.messages import BatchPlan, PlanEntry
+
+    plan = BatchPlan(0, 0, entries=[PlanEntry(rid, start, ids, True)], announce=list(announce))
+    state.apply(plan)
+    return state.sample(plan, logits).item()
+
+
+def test_a_fresh_sampler_state_resumes_a_request_token_for_token():
+    """A replacement process (or a recomputation after preemption) that gets the announcement and the history so
+    far samples exactly the tokens the original last stage went on to sample."""
+    from ringsched.comm.messages import NewRequest
+    from ringsched.stage.sampler_state import SamplerState
+
+    prompt, steps = [5, 6, 7], 12
+    params = SamplingParams(temperature=1.0, top_p=0.95, repetition_penalty=1.1, seed=2024, max_tokens=steps)
+    announce = [NewRequest("r", [], params.to_dict(), len(prompt))]
+
+    # The model's logits for the next token after a history: any fixed function of it, flat enough to be random.
+    def logits_after(history):
+        return torch.randn(1, 64, generator=torch.Generator().manual_seed(hash(tuple(history)) % 2**32)) * 0.5
+
+    original, out = SamplerState(torch.device("cpu")), []
+    out.append(_decode(original, "r", 0, prompt, logits_after(prompt), announce))
+    for _ in range(steps - 1):
+        history = prompt + out
+        out.append(_decode(original, "r", len(history) - 1, history[-1:], logits_after(history)))
+    assert len(set(out)) > 3  # it really sampled
+    for k in (1, 5, steps - 1):
+        fresh, history = SamplerState(torch.device("cpu")), prompt + out[:k]
+        resumed = [_decode(fresh, "r", 0, history, logits_after(history), announce)]  # recomputes from 0
+        for _ in range(k + 1, steps):
+            history = prompt + out[: len(resumed) + k]
+            resumed.append(_decode(fresh, "r", len(history) - 1, history[-1:], logits_after(history)))
+        assert resumed == out[k:], k
+    # The original, recomputing after a preemption, draws the same token again.
+    assert _decode(original, "r", 0, prompt + out[:4], logits_after(prompt + out[:4])) == out[4]
