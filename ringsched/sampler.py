@@ -1,11 +1,13 @@
 """Next-token sampling on the last pipeline stage, and the log-probabilities that travel back with the tokens.
 
-Contract: `sample(logits [S, V], params, histories, generators)` returns `[S]` int64 token ids, one per row.
+Contract: `sample(logits [S, V], params, histories, keys)` returns `[S]` int64 token ids, one per row.
 First every row's logits get its `logit_bias`, then the penalties: repetition (HF/vLLM, over prompt and output),
 then OpenAI's frequency and presence penalties (over the output only: `logit -= count * frequency +
 (count > 0) * presence`). Greedy rows (`temperature == 0` or `top_k == 1`) take the argmax of that.
-Random rows apply temperature, top-k, top-p, min-p and draw with their own generator,
-so a row's token depends only on its own logits, params and generator state, never on its batch companions.
+Random rows apply temperature, top-k, top-p, min-p and draw by inverse CDF with the uniform `uniform(seed, index)`
+of their key: a pure function of the request's seed and the index of the token in its output, so a row's token
+depends only on its own logits, params and key, never on its batch companions, the process or the device, and a
+request recomputed after preemption or replayed elsewhere draws the same token again.
 Stop tokens, stop strings, `ignore_eos` and `min_tokens` are the caller's: it knows the eos id and how many
 tokens a request has produced, and passes `banned` ids while a request is still under `min_tokens`.
 """
@@ -60,12 +62,28 @@ def logprob_width(ks: Sequence[int | None]) -> int:
     return sum(1 + 2 * k for k in ks if k is not None)
 
 
-def make_generator(seed: int, device: str | torch.device = "cpu") -> torch.Generator:
-    """One generator per request, seeded once. A CPU one is fine for GPU logits (and cheapest: a row takes
-    one number per step from it); a generator on the logits' device works too."""
-    g = torch.Generator(device=device)
-    g.manual_seed(seed)
-    return g
+DrawKey = tuple[int, int]  # (the request's seed, the index of the token being drawn in the request's output)
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN64 = 0x9E3779B97F4A7C15  # splitmix64's increment: 2**64 / the golden ratio, odd
+
+
+def _mix64(z: int) -> int:
+    """splitmix64's finaliser (Steele, Lea, Flood 2014): a bijection on 64-bit ints that mixes every bit."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def uniform(seed: int, index: int) -> float:
+    """The float64 uniform in [0, 1) (53 random bits) a request with `seed` draws its `index`-th output token
+    with. Counter-based, so no state to carry between steps or processes: the seed picks a splitmix64 stream
+    (hashed first, so the streams of seeds `s` and `s + 1`, as `n` sequences get, are unrelated, not shifted
+    copies) and `index` is the position in it. Plain 64-bit integer arithmetic: the same on every machine."""
+    if index < 0:
+        raise ValueError(f"a draw index counts the tokens a request has produced, so it is >= 0; got {index}")
+    stream = _mix64((seed + _GOLDEN64) & _MASK64)  # a negative seed wraps as torch's manual_seed does
+    return (_mix64((stream + (index + 1) * _GOLDEN64) & _MASK64) >> 11) * 2.0**-53
 
 
 def apply_repetition_penalty(
@@ -167,10 +185,10 @@ def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     return probs
 
 
-def _draw(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
-    """Inverse CDF with one float64 uniform per row from that row's own generator: every call advances a
-    generator by exactly one draw whatever the batch holds, and costs one number, not V, per row."""
-    u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64, device=g.device) for g in generators])
+def _draw(probs: torch.Tensor, keys: Sequence[DrawKey]) -> torch.Tensor:
+    """Inverse CDF with one float64 uniform per row, `uniform(*key)` of that row's key: one number, not V,
+    per row, and nothing that depends on the batch."""
+    u = torch.tensor([uniform(seed, index) for seed, index in keys], dtype=torch.float64)
     cdf = probs.double().cumsum(dim=-1)  # [R, V]; float64 so rare tokens keep their share
     target = (u.to(probs.device) * cdf[:, -1])[:, None]  # scaled by the row total, which rounding moves off 1
     # right=True skips zero-probability tokens (their cdf step is flat); the clamp only guards against
@@ -182,7 +200,7 @@ def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
     histories: list[list[int]],
-    generators: list[torch.Generator | None],
+    keys: Sequence[DrawKey | None],
     banned: list[Sequence[int]] | None = None,
     prompt_lens: Sequence[int] | None = None,
     allowed: Sequence[torch.Tensor | None] | None = None,
@@ -190,14 +208,15 @@ def sample(
     """Next token per row of `logits` [S, V] (float32 or bf16); returns [S] int64.
 
     `histories[i]` is row i's prompt + generated ids (for the penalties: `prompt_lens[i]` of them are its
-    prompt, 0 when not given); `generators[i]` may be None only when row i is greedy. `banned[i]`, if given,
+    prompt, 0 when not given); `keys[i]` is row i's (seed, index of the token it draws in its output), the
+    `DrawKey` its uniform comes from, and may be None only when row i is greedy. `banned[i]`, if given,
     lists ids row i must not draw this step (stop ids and eos while under `min_tokens`); `allowed[i]`, if given
     and not None, is row i's `[V]` bool mask of the only tokens it may draw (a grammar's)."""
     n = logits.shape[0]
-    if not len(params) == len(histories) == len(generators) == n or (banned is not None and len(banned) != n):
+    if not len(params) == len(histories) == len(keys) == n or (banned is not None and len(banned) != n):
         raise ValueError(
-            f"sample() needs one params/history/generator(/banned) per logits row: {n} rows, got "
-            f"{len(params)} params, {len(histories)} histories, {len(generators)} generators"
+            f"sample() needs one params/history/key(/banned) per logits row: {n} rows, got "
+            f"{len(params)} params, {len(histories)} histories, {len(keys)} keys"
         )
     if banned is None and all(p.plain for p in params):
         return logits.argmax(dim=-1)  # the hot path: one kernel, no copy
@@ -215,12 +234,12 @@ def sample(
     tokens = logits.argmax(dim=-1)  # final for greedy rows; random rows are overwritten below
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
-        missing = [i for i in rows if generators[i] is None]
+        missing = [i for i in rows if keys[i] is None]
         if missing:
             raise ValueError(
-                f"rows {missing} sample randomly (temperature > 0, top_k != 1) but have no generator; "
-                "give each such request one from make_generator(seed)"
+                f"rows {missing} sample randomly (temperature > 0, top_k != 1) but have no key; give each "
+                "such row (its request's seed, the index of the token it draws in the request's output)"
             )
         probs = _filtered_probs(logits[rows], [params[i] for i in rows])
-        tokens[rows] = _draw(probs, [generators[i] for i in rows])
+        tokens[rows] = _draw(probs, [keys[i] for i in rows])
     return tokens

@@ -104,7 +104,7 @@ class SamplingParams:
         _require(top_k_ok, "top_k", "-1 or 0 (disabled) or an int in [1, 2**63)", self.top_k)
         _require(0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
         seed_ok = self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**64)
-        _require(seed_ok, "seed", "None or an int in [-2**63, 2**64) (torch's range)", self.seed)
+        _require(seed_ok, "seed", "None or an int in [-2**63, 2**64) (64 bits, signed or not)", self.seed)
         ids = self.stop_token_ids
         _require(len(ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids", len(ids))
         ids_ok = all(_is_int64(i) and i >= 0 for i in ids)

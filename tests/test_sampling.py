@@ -4,16 +4,15 @@ import msgpack
 import pytest
 import torch
 
-from ringsched.sampler import apply_repetition_penalty, make_generator, sample
+from ringsched.sampler import apply_repetition_penalty, sample, uniform
 from ringsched.sampling import SamplingParams
 
 RANDOM = SamplingParams(temperature=1.0)
 
 
 def draw_many(logits_row: torch.Tensor, params: SamplingParams, n: int, seed: int = 0) -> torch.Tensor:
-    """n draws of one row in one call: the same generator on every row advances once per row, in order."""
-    g = make_generator(seed)
-    return sample(logits_row.expand(n, -1), [params] * n, [[] for _ in range(n)], [g] * n)
+    """n draws of one row in one call: row i draws as the request's i-th output token would."""
+    return sample(logits_row.expand(n, -1), [params] * n, [[] for _ in range(n)], [(seed, i) for i in range(n)])
 
 
 @pytest.mark.parametrize(
@@ -78,7 +77,7 @@ def test_to_dict_from_dict_round_trip():
 
 
 def test_greedy_equals_argmax_float_and_bf16():
-    logits = torch.randn(8, 100, generator=make_generator(0))
+    logits = torch.randn(8, 100, generator=torch.Generator().manual_seed(0))
     params = [SamplingParams(temperature=0)] * 8
     out = sample(logits, params, [[] for _ in range(8)], [None] * 8)
     assert out.dtype == torch.int64 and torch.equal(out, logits.argmax(-1))
@@ -98,7 +97,7 @@ def test_repetition_penalty_changes_argmax_and_leaves_input_alone():
 
 
 def test_repetition_penalty_matches_hf_formula():
-    logits = torch.randn(3, 50, generator=make_generator(1))
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
     histories = [[1, 5, 5, 49, 0], [], [7, 8, 9]]
     penalties = [1.3, 1.3, 0.8]
     ours = apply_repetition_penalty(logits.clone(), penalties, histories)
@@ -113,7 +112,7 @@ def test_repetition_penalty_matches_hf_formula():
 
 def test_repetition_penalty_matches_hf_processor():
     logits_process = pytest.importorskip("transformers.generation.logits_process")
-    logits = torch.randn(2, 50, generator=make_generator(3))
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(3))
     histories = [[1, 5, 5, 49, 0], [7, 8, 9, 10, 7]]  # equal lengths: HF takes a [B, L] tensor
     hf = logits_process.RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor(histories), logits.clone())
     assert torch.equal(apply_repetition_penalty(logits.clone(), [1.3, 1.3], histories), hf)
@@ -122,20 +121,20 @@ def test_repetition_penalty_matches_hf_processor():
 def test_banned_ids_are_never_drawn():
     logits = torch.tensor([[5.0, 4.0, 0.0]])
     assert sample(logits, [SamplingParams(temperature=0)], [[]], [None], banned=[[0]]).item() == 1
-    g = make_generator(0)
-    out = sample(logits.expand(200, -1), [RANDOM] * 200, [[]] * 200, [g] * 200, banned=[[0, 1]] * 200)
+    keys = [(0, i) for i in range(200)]
+    out = sample(logits.expand(200, -1), [RANDOM] * 200, [[]] * 200, keys, banned=[[0, 1]] * 200)
     assert set(out.tolist()) == {2}
 
 
 def test_top_k_1_and_tiny_top_p_equal_greedy():
-    logits = torch.randn(16, 64, generator=make_generator(2))
-    gens = [make_generator(s) for s in range(16)]
+    logits = torch.randn(16, 64, generator=torch.Generator().manual_seed(2))
+    keys = [(s, 0) for s in range(16)]
     hist = [[] for _ in range(16)]
-    assert torch.equal(sample(logits, [SamplingParams(top_k=1)] * 16, hist, gens), logits.argmax(-1))
+    assert torch.equal(sample(logits, [SamplingParams(top_k=1)] * 16, hist, keys), logits.argmax(-1))
     tiny_p = [SamplingParams(temperature=1.5, top_p=1e-6)] * 16
-    assert torch.equal(sample(logits, tiny_p, hist, gens), logits.argmax(-1))
+    assert torch.equal(sample(logits, tiny_p, hist, keys), logits.argmax(-1))
     tiny_t = [SamplingParams(temperature=1e-30)] * 16  # stays finite rather than turning into nan
-    assert torch.equal(sample(logits * 100, tiny_t, hist, gens), logits.argmax(-1))
+    assert torch.equal(sample(logits * 100, tiny_t, hist, keys), logits.argmax(-1))
 
 
 def test_top_k_and_top_p_keep_the_right_set():
@@ -161,8 +160,7 @@ def test_same_seed_same_sequence_different_seed_different():
     flat = torch.zeros(1, 1000)
 
     def run(seed: int) -> list[int]:
-        g = make_generator(seed)
-        return [sample(flat, [RANDOM], [[]], [g]).item() for _ in range(20)]
+        return [sample(flat, [RANDOM], [[]], [(seed, i)]).item() for i in range(20)]
 
     assert run(42) == run(42)
     assert run(42) != run(43)  # equal by chance with probability 1e-60
@@ -180,17 +178,15 @@ def test_row_token_independent_of_batch_companions_and_order():
     ]
 
     def run(n_before: int, n_after: int, order: list[int]) -> list[int]:
-        g = make_generator(7)
-        comp_gens = [make_generator(100 + i) for i in range(len(companions))]
         picked = [companions[i] for i in order]
         tokens = []
-        for logits in steps:
+        for step, logits in enumerate(steps):
             rows = [torch.randn(1, 300) for _ in range(n_before)] + [logits]
             rows += [torch.randn(1, 300) for _ in range(n_after)]
             params = picked[:n_before] + [target] + picked[n_before : n_before + n_after]
-            gens = [comp_gens[i] for i in order[:n_before]] + [g]
-            gens += [comp_gens[i] for i in order[n_before : n_before + n_after]]
-            out = sample(torch.cat(rows), params, [[3, 4, 5]] * len(params), gens)
+            keys = [(100 + i, step) for i in order[:n_before]] + [(7, step)]
+            keys += [(100 + i, step) for i in order[n_before : n_before + n_after]]
+            out = sample(torch.cat(rows), params, [[3, 4, 5]] * len(params), keys)
             tokens.append(out[n_before].item())
         return tokens
 
@@ -209,12 +205,14 @@ def test_temperature_distribution_matches_softmax(temperature):
     assert torch.allclose(counts / n, expected, atol=0.02)
 
 
-def test_errors_for_missing_generator_and_length_mismatch():
+def test_errors_for_missing_key_and_length_mismatch():
     logits = torch.zeros(2, 5)
-    with pytest.raises(ValueError, match=r"rows \[1\] sample randomly .* make_generator"):
+    with pytest.raises(ValueError, match=r"rows \[1\] sample randomly .* have no key; give each such row"):
         sample(logits, [SamplingParams(temperature=0), RANDOM], [[], []], [None, None])
-    with pytest.raises(ValueError, match="one params/history/generator"):
-        sample(logits, [RANDOM], [[]], [make_generator(0)])
+    with pytest.raises(ValueError, match="one params/history/key"):
+        sample(logits, [RANDOM], [[]], [(0, 0)])
+    with pytest.raises(ValueError, match="a draw index counts the tokens .* got -1"):
+        uniform(0, -1)
 
 
 def test_a_row_whose_params_fail_gets_failed_and_the_others_their_tokens():
@@ -296,3 +294,87 @@ def test_penalty_and_bias_bounds(kw, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kw)
     assert SamplingParams.from_dict(SamplingParams(logit_bias={"4": 1}).to_dict()).logit_bias == ((4, 1.0),)
+
+
+# -- counter-based draws: a token's uniform is a function of (seed, index), nothing else -------------------------
+def test_uniform_is_a_pure_function_of_seed_and_index():
+    from ringsched.sampler import _mix64
+
+    # splitmix64 itself: the first output of the reference generator seeded with 0.
+    assert _mix64(0x9E3779B97F4A7C15) == 0xE220A8397B1DCDAF
+    # Pinned values: the same bits on every machine, device and process (plain 64-bit integer arithmetic).
+    assert uniform(0, 0) == 0.6524484863740322
+    assert uniform(7, 3) == 0.6042348053683145
+    assert uniform(-1, 5) == uniform(2**64 - 1, 5)  # a negative seed wraps, as torch's manual_seed does
+    assert [uniform(42, i) for i in range(50)] == [uniform(42, i) for i in range(50)]
+    row = torch.randn(1, 300, generator=torch.Generator().manual_seed(5))
+    alone = [sample(row, [RANDOM], [[]], [(42, i)]).item() for i in range(20)]
+    companions = torch.randn(3, 300, generator=torch.Generator().manual_seed(6))
+    for i in range(20):  # the same key, in a batch, at another row, with other companions: the same token
+        batch = torch.cat([companions[:2], row, companions[2:]])
+        keys = [(9, 100 + i), (10, i), (42, i), (11, 0)]
+        assert sample(batch, [RANDOM] * 4, [[]] * 4, keys)[2].item() == alone[i]
+        flipped = torch.cat([row, companions.flip(0)])
+        assert sample(flipped, [RANDOM] * 4, [[]] * 4, [(42, i), (1, i), (2, i), (3, i)])[0].item() == alone[i]
+
+
+def test_uniforms_are_spread_evenly_and_streams_of_nearby_seeds_differ():
+    n = 4000
+    us = [uniform(1234, i) for i in range(n)]
+    assert all(0.0 <= u < 1.0 for u in us) and len(set(us)) == n
+    assert abs(sum(us) / n - 0.5) < 0.02  # the mean's standard error is 0.0046
+    assert abs(sum((u - 0.5) ** 2 for u in us) / n - 1 / 12) < 0.005
+    counts = torch.histc(torch.tensor(us, dtype=torch.float64), bins=10, min=0, max=1)
+    assert ((counts - n / 10) ** 2 / (n / 10)).sum() < 35  # chi-square, 9 d.o.f.: P(> 35) < 1e-4
+    # `n` sequences get seeds s, s + 1, ...: their streams must not be shifted copies of each other.
+    assert not set(us) & {uniform(1235, i) for i in range(n)}
+    assert len({uniform(s, 0) for s in range(1000)}) == 1000
+
+
+def test_sampled_frequencies_match_a_small_distribution():
+    probs = torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03])
+    n = 20000
+    counts = torch.bincount(draw_many(probs.log(), RANDOM, n, seed=99), minlength=5).double()
+    chi2 = ((counts - n * probs.double()) ** 2 / (n * probs.double())).sum().item()
+    # 4 degrees of freedom: P(chi2 > 30) < 1e-5 for a fair draw (this one scores 6.3); a draw that moved 0.01 of
+    # the mass off the rarest token (u * 0.99) scores 91.
+    assert chi2 < 30, (chi2, counts.tolist())
+
+
+def _decode(state, rid: str, start: int, ids: list[int], logits: torch.Tensor, announce=()) -> int:
+    from ringsched.comm.messages import BatchPlan, PlanEntry
+
+    plan = BatchPlan(0, 0, entries=[PlanEntry(rid, start, ids, True)], announce=list(announce))
+    state.apply(plan)
+    return state.sample(plan, logits).item()
+
+
+def test_a_fresh_sampler_state_resumes_a_request_token_for_token():
+    """A replacement process (or a recomputation after preemption) that gets the announcement and the history so
+    far samples exactly the tokens the original last stage went on to sample."""
+    from ringsched.comm.messages import NewRequest
+    from ringsched.stage.sampler_state import SamplerState
+
+    prompt, steps = [5, 6, 7], 12
+    params = SamplingParams(temperature=1.0, top_p=0.95, repetition_penalty=1.1, seed=2024, max_tokens=steps)
+    announce = [NewRequest("r", [], params.to_dict(), len(prompt))]
+
+    # The model's logits for the next token after a history: any fixed function of it, flat enough to be random.
+    def logits_after(history):
+        return torch.randn(1, 64, generator=torch.Generator().manual_seed(hash(tuple(history)) % 2**32)) * 0.5
+
+    original, out = SamplerState(torch.device("cpu")), []
+    out.append(_decode(original, "r", 0, prompt, logits_after(prompt), announce))
+    for _ in range(steps - 1):
+        history = prompt + out
+        out.append(_decode(original, "r", len(history) - 1, history[-1:], logits_after(history)))
+    assert len(set(out)) > 3  # it really sampled
+    for k in (1, 5, steps - 1):
+        fresh, history = SamplerState(torch.device("cpu")), prompt + out[:k]
+        resumed = [_decode(fresh, "r", 0, history, logits_after(history), announce)]  # recomputes from 0
+        for _ in range(k + 1, steps):
+            history = prompt + out[: len(resumed) + k]
+            resumed.append(_decode(fresh, "r", len(history) - 1, history[-1:], logits_after(history)))
+        assert resumed == out[k:], k
+    # The original, recomputing after a preemption, draws the same token again.
+    assert _decode(original, "r", 0, prompt + out[:4], logits_after(prompt + out[:4])) == out[4]

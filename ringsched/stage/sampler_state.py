@@ -1,8 +1,10 @@
-"""What the last stage remembers per request to sample: parameters, a seeded generator, the token history.
+"""What the last stage remembers per request to sample: parameters (with the seed), the token history.
 
 The history is indexed by position and rewritten from each plan entry, so a request recomputed after
-preemption does not duplicate tokens; its generator carries on, so seeded output does not depend on
-preemption, batch composition or the number of stages.
+preemption does not duplicate tokens. A random row draws with the key (seed, tokens the request has produced),
+both known from the announcement and the history, so seeded output does not depend on preemption, batch
+composition or the number of stages, and a fresh `SamplerState` given the same announcement and entries (a
+replacement process) samples the same next token as the one that sampled all along: there is no generator state.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from concurrent.futures import Future
 import torch
 
 from ringsched.comm.messages import BatchPlan
-from ringsched.sampler import logprob_values, make_generator, sample
+from ringsched.sampler import DrawKey, logprob_values, sample
 from ringsched.sampling import SamplingParams
 from ringsched.structured import Constraint, GrammarError, Grammars
 
@@ -30,21 +32,17 @@ class SamplerState:
         self.constraints: dict[str, Future[Constraint]] = {}
         self.prompt_len: dict[str, int] = {}
         self.params: dict[str, SamplingParams] = {}
-        self.generators: dict[str, torch.Generator | None] = {}
         self.history: dict[str, list[int]] = {}
 
     def apply(self, plan: BatchPlan) -> None:
         for rid in plan.drops:
             self.params.pop(rid, None)
-            self.generators.pop(rid, None)
             self.history.pop(rid, None)
             self.prompt_len.pop(rid, None)
             self.constraints.pop(rid, None)
         for new in plan.announce:
             p = SamplingParams.from_dict(new.params)
             self.params[new.rid] = p
-            # Stage 0 gives every request a seed, so even unseeded sampling replays identically.
-            self.generators[new.rid] = None if p.greedy else make_generator(p.seed or 0, self.device)
             self.history[new.rid] = []
             self.prompt_len[new.rid] = new.prompt_len
             if p.grammar is not None:
@@ -126,8 +124,16 @@ class SamplerState:
         needs_history = any(p.needs_history for p in params)
         histories = [self.history[r] if needs_history else [] for r in rids]
         prompt_lens = [self.prompt_len[r] if needs_history else 0 for r in rids]
-        return sample(logits, params, histories, [self.generators[r] for r in rids], self._banned(rids, params),
-                      prompt_lens, self._allowed(rids))  # fmt: skip
+        keys = [self._key(r, p) for r, p in zip(rids, params, strict=True)]
+        return sample(logits, params, histories, keys, self._banned(rids, params), prompt_lens, self._allowed(rids))
+
+    def _generated(self, rid: str) -> int:
+        """Tokens the request has produced so far: the index, in its output, of the token it samples now."""
+        return len(self.history[rid]) - self.prompt_len[rid]
+
+    def _key(self, rid: str, p: SamplingParams) -> DrawKey | None:
+        # Stage 0 gives every random request a seed (`Planner.add`), so even unseeded sampling replays identically.
+        return None if p.greedy else (p.seed or 0, self._generated(rid))
 
     def _banned(self, rids: list[str], params: list[SamplingParams]) -> list[list[int]] | None:
         """Under `min_tokens`, a request may not draw its stop ids (nor EOS unless it ignores EOS)."""
@@ -135,7 +141,6 @@ class SamplerState:
             return None
         out = []
         for rid, p in zip(rids, params, strict=True):
-            generated = len(self.history[rid]) - self.prompt_len[rid]
             stop = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_ids))
-            out.append(stop if generated < p.min_tokens else [])
+            out.append(stop if self._generated(rid) < p.min_tokens else [])
         return out
