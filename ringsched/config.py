@@ -122,6 +122,9 @@ class EngineConfig:
                                  "stage's loop may sit in one micro-batch, before the engine stops")  # fmt: skip
     heartbeat_timeout: float = _flag(10.0, "seconds without a stage's heartbeat (sent every 0.5 s) before it counts "
                                      "as hung and the engine stops naming it, idle or busy")  # fmt: skip
+    max_restarts: int = _flag(3, "ranks replaced within --restart-window after dying or hanging, every open request "
+                              "replayed (one node); beyond, or with 0, the engine stops as on any failure")  # fmt: skip
+    restart_window: float = _flag(600.0, "seconds over which --max-restarts counts replacements")
     nnodes: int = _flag(1, "nodes the stages span (the same command on each)", group="nodes")
     node_rank: int = _flag(0, "this node's index; node 0 runs stage 0 and the server", group="nodes")
     host_ip: str | None = _flag(None, "the address other nodes reach this one at (default: the route to node 0)",
@@ -158,6 +161,12 @@ class EngineConfig:
         if self.pp_max_micro_batch_size is not None:
             return self.pp_max_micro_batch_size
         return max(self.max_running_requests // self.pp_size, 1)
+
+    @property
+    def restarts_enabled(self) -> bool:
+        """Whether a failed rank is replaced (`process/recovery.py`): --max-restarts above 0, on one node (across
+        nodes a failure still stops the engine)."""
+        return self.max_restarts > 0 and self.nnodes == 1
 
     @property
     def stages_per_node(self) -> int:

@@ -93,8 +93,8 @@ def test_small_pool_preempts_and_recomputes():
     assert got == expected
 
 
-def test_killed_stage_stops_everything():
-    llm = Engine(pp_size=2, kv_cache_memory="64M", **KW)
+def test_killed_stage_stops_everything_with_max_restarts_0():
+    llm = Engine(pp_size=2, kv_cache_memory="64M", max_restarts=0, **KW)
     try:
         victim = llm.supervisor.procs[1]
         llm.submit(prompts(1, 16)[0], SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True))

@@ -96,8 +96,8 @@ def test_queue_full_then_sigterm_drains_and_exits():
         assert "every stage process has exited" in srv.log()
 
 
-def test_stage_death_ends_streams_with_an_error():
-    with ServerProcess(BASE) as srv:
+def test_stage_death_ends_streams_with_an_error_with_max_restarts_0():
+    with ServerProcess([*BASE, "--max-restarts", "0"]) as srv:
         url = f"{srv.url}/v1/completions"
         body = {"prompt": "Once upon a time", "ignore_eos": True, "max_tokens": 500}
 
@@ -163,7 +163,8 @@ def test_a_stopped_stage_is_noticed_by_its_heartbeat(busy, tp):
     """SIGSTOP of stage 1 (at TP=2, of its second rank: global rank 3)."""
     timeout = 3.0
     name, victim = ("ringsched-pp1", "stage 1") if tp == 1 else ("ringsched-pp1t1", "rank 3 (stage 1, tp 1)")
-    with ServerProcess([*BASE, "--tp-size", str(tp), "--heartbeat-timeout", str(timeout)]) as srv:
+    flags = ["--tp-size", str(tp), "--heartbeat-timeout", str(timeout), "--max-restarts", "0"]
+    with ServerProcess([*BASE, *flags]) as srv:
         pids = subprocess.run(["pgrep", "-x", name], capture_output=True, text=True).stdout.split()
         stage1 = srv.stage_pid(1, tp=1 if tp > 1 else None)
         assert str(stage1) in pids  # each rank is findable by name

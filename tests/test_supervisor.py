@@ -10,6 +10,7 @@ import pytest
 from ringsched.comm.messages import StageStatus
 from ringsched.comm.tensor_channel import without_source_paths
 from ringsched.config import EngineConfig
+from ringsched.process.diagnosis import describe
 from ringsched.process.supervisor import StageFailure, Supervisor
 from ringsched.spec import ModelSpec
 
@@ -31,7 +32,7 @@ class _Proc:
 
 @pytest.fixture
 def sup():
-    s = Supervisor(EngineConfig(pp_size=2, heartbeat_timeout=10.0, stage_timeout=5.0), SPEC)
+    s = Supervisor(EngineConfig(pp_size=2, heartbeat_timeout=10.0, stage_timeout=5.0, max_restarts=0), SPEC)
     s.ranks, s.procs = [0, 1], [_Proc(100), _Proc(101)]
     s._take_status([StageStatus(r, "ready", {"kv_tokens": 16}) for r in (0, 1)])
     yield s
@@ -81,15 +82,15 @@ def test_progress_or_idleness_is_not_stuck(sup):
 
 
 def test_the_cause_is_named_not_the_neighbour_that_lost_it():
-    s = Supervisor(EngineConfig(pp_size=2), SPEC)
+    s = Supervisor(EngineConfig(pp_size=2, max_restarts=0), SPEC)
     errors = {
         0: f"PeerLost: stage 0 lost stage 1: {GLOO}\nTraceback ...",
         1: "IndexError: index 50000 is out of bounds for dimension 1 with size 49152\nTraceback ...",
     }
-    text = s._describe(errors, [])
+    text = describe(s, errors, [])
     first = text.splitlines()[0]
     assert first.startswith("stage 1 failed: IndexError: index 50000") and "then stage 0 stopped too" in first
-    assert s._describe({0: errors[0]}, []).startswith("stage 0 failed: PeerLost: stage 0 lost stage 1: Connection")
+    assert describe(s, {0: errors[0]}, []).startswith("stage 0 failed: PeerLost: stage 0 lost stage 1: Connection")
     assert ".cc:" not in text
     s.stop()
 

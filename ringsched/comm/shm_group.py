@@ -41,8 +41,10 @@ def segment_bytes(size: int, slot_bytes: int = SLOT_BYTES) -> int:
 class ShmCollectives:
     """One rank's end of the segment at `path` (created, zeroed, by `create`; the others `attach`)."""
 
-    def __init__(self, path: str, rank: int, size: int, timeout: float, slot_bytes: int = SLOT_BYTES) -> None:
-        self.rank, self.size, self.timeout, self.slot_bytes = rank, size, timeout, slot_bytes
+    def __init__(self, path: str, rank: int, size: int, timeout: float, slot_bytes: int = SLOT_BYTES,
+                 abort=None) -> None:  # fmt: skip
+        """`abort`, if given, is called now and then while waiting for another rank and may raise to stop."""
+        self.rank, self.size, self.timeout, self.slot_bytes, self.abort = rank, size, timeout, slot_bytes, abort
         fd = os.open(path, os.O_RDWR)
         try:
             self._map = mmap.mmap(fd, segment_bytes(size, slot_bytes))
@@ -123,6 +125,8 @@ class ShmCollectives:
                 if spins > 64:  # another rank is still computing: give its core back (ranks may share cores)
                     os.sched_yield()
                 if spins % 4096 == 0:
+                    if self.abort is not None:
+                        self.abort()  # raises when the rank is asked to leave its generation of the ring
                     now = time.monotonic()
                     deadline = deadline or now + self.timeout
                     if now > deadline:

@@ -22,6 +22,11 @@ class StageGroup:
         self.gathers = 0
         self.gather_bytes = 0
 
+    def rebind(self, other: StageGroup) -> None:
+        """Carry on over `other`'s process group and shared memory (a new generation of the ring, built alike):
+        the layers keep this object."""
+        self.group, self.shm = other.group, other.shm
+
     @property
     def leads(self) -> bool:
         return self.rank == 0

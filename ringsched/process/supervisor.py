@@ -18,20 +18,20 @@ import socket
 import time
 from dataclasses import replace
 
-import torch
 import zmq
 
 from ringsched.comm.messages import Shutdown, StageStatus
-from ringsched.comm.tensor_channel import without_source_paths
 from ringsched.comm.zmq_io import Puller, Pusher, ipc_addr, new_ipc_dir
 from ringsched.config import EngineConfig
 from ringsched.layout.partition import head_layers, log_partition, partition_source
 from ringsched.layout.rank import node_rank_infos
-from ringsched.process.partition_auto import BatchShape, choose_partition, choose_partition_apart
+from ringsched.process.diagnosis import describe, liveness, remote_cause
+from ringsched.process.node_partition import own_partition
+from ringsched.process.recovery import Recovery, note_status, pid_signal
 from ringsched.process.rendezvous import Rendezvous
 from ringsched.process.spawn import stop_resource_tracker, without_main_module
 from ringsched.spec import ModelSpec
-from ringsched.stage.affinity import cpu_list, stage_cpus
+from ringsched.stage.affinity import cpu_list
 from ringsched.stage.heap import stage_allocator_env
 from ringsched.stage.worker import StageAddrs, process_name, stage_main
 
@@ -75,10 +75,12 @@ class Supervisor:
         self._ready_at: dict[int, float] = {}
         self._beats: dict[int, dict] = {}  # rank -> its latest heartbeat (sent_at, steps, in_step)
         self._stalled: dict[int, tuple[int, float]] = {}  # rank -> (steps, since) while inside one micro-batch
+        self.lost: set[int] = set()  # ranks that left their generation of the ring (`stage/rejoin.py`)
+        self.recovery = Recovery(self)
 
     def start(self, timeout: float = 600.0) -> None:
         """Meet the other nodes, spawn this node's stages, wait until each is ready."""
-        partition = self._own_partition()
+        partition = own_partition(self.cfg, self.spec)
         given, auto = self.cfg.pp_layer_partition, self.cfg.auto_partition  # before the stages are told the split
         try:
             self.rendezvous = Rendezvous(self.cfg, self.cfg.model, self.spec.model_dir, partition)
@@ -114,17 +116,18 @@ class Supervisor:
 
     def _spawn(self) -> None:
         """One process per rank of this node (spawned, not forked)."""
-        spawn = mp.get_context("spawn")
         for info in node_rank_infos(self.cfg.layout, self.rendezvous.partition, self.cfg.node_rank):
-            name = process_name(info.pp, info.tp if self.cfg.tp_size > 1 else None,
-                                info.cp if self.cfg.cp_size > 1 else None)
-            p = spawn.Process(
-                target=stage_main, args=(self.cfg, self.spec, info, self.addrs), name=name, daemon=True
-            )
-            with without_main_module(), stage_allocator_env():
-                p.start()
-            self.procs.append(p)
+            self.procs.append(self._start(info, 0))
             self.ranks.append(info.rank)
+
+    def _start(self, info, generation: int) -> mp.Process:
+        name = process_name(info.pp, info.tp if self.cfg.tp_size > 1 else None,
+                            info.cp if self.cfg.cp_size > 1 else None)  # fmt: skip
+        p = mp.get_context("spawn").Process(target=stage_main, args=(self.cfg, self.spec, info, self.addrs, generation),
+                                            name=name, daemon=True)  # fmt: skip
+        with without_main_module(), stage_allocator_env():
+            p.start()
+        return p
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -139,65 +142,58 @@ class Supervisor:
                 self.stop()
                 raise
 
-    def _own_partition(self) -> list[int] | None:
-        """This node's partition: the override or default, or for `auto` node 0's measured choice (other nodes
-        return None and take node 0's from the rendezvous)."""
-        mcfg = self.spec.config
-        if not self.cfg.auto_partition:
-            return self.cfg.partition(mcfg.num_layers, head_layers(mcfg))
-        if self.cfg.node_rank != 0:
-            return None
-        c = self.cfg
-        shape = BatchShape.for_workload(
-            c.micro_batch_size, c.chunked_prefill_size, c.context_len(mcfg.max_position_embeddings),
-            c.pp_auto_input_len, c.pp_auto_output_len,
-        )  # fmt: skip
-        device = torch.device("cuda", 0) if c.resolved_device == "cuda" else torch.device("cpu")
-        # Node 0 knows only its own cores: with several nodes, its first stage's stand in for every stage's.
-        here = [stage_cpus(c.threads, c.ranks_per_node, i * c.ranks_per_stage, c.resolved_device)
-                for i in range(c.stages_per_node)]  # fmt: skip
-        cpus = here if c.nnodes == 1 else [here[0]] * c.pp_size
-        choose = choose_partition_apart if device.type == "cuda" else choose_partition  # no CUDA context here
-        counts, _ = choose(mcfg, c.pp_size, shape, c.torch_dtype, device, c.threads, cpus,
-                           attention_backend=c.attention_backend)
-        return counts
-
     def check(self, timeout_ms: int = 0) -> None:
-        """Take in status messages; raise `StageFailure` if a stage reported an error or died."""
+        """Take in status messages; raise `StageFailure` if a stage reported an error or died (or, with
+        --max-restarts, once replacing it is beyond the limit or failed). While a recovery runs, it reads them."""
+        if self.recovery.running:
+            time.sleep(timeout_ms / 1000)
+            return
+        if self.failure is None and self.recovery.error:
+            self.failure = self.recovery.error
         if self.failure is None:
-            msg = self.ctl.recv(timeout_ms) if timeout_ms else None
-            errors = self._take_status(([msg] if msg else []) + self.ctl.drain())
+            errors = self._take_status(self.statuses(timeout_ms))
             dead = [(r, p) for r, p in zip(self.ranks, self.procs, strict=True) if p.exitcode is not None]
-            if errors or dead:
+            if errors or dead or self.lost:
                 # One failure brings down its neighbours (their connections close): wait a moment for every
                 # report, then name the root cause, a stage that died without saying why, first.
                 time.sleep(0.3)
-                errors.update(self._take_status(self.ctl.drain()))
+                errors.update(self._take_status(self.statuses()))
                 dead = [(r, p) for r, p in zip(self.ranks, self.procs, strict=True) if p.exitcode is not None]
-                self.failure = self._remote_cause(errors, dead) + self._describe(errors, dead)
+                failed = {r: self.exit_cause(r) for r, _ in dead} | errors
+                if self._recover(failed):
+                    return
+                self.failure = remote_cause(self, errors, dead) + describe(self, errors, dead)
             elif self.rendezvous is not None and self.rendezvous.check():
                 self.failure = self.rendezvous.failure
-            else:
-                self.failure = self._liveness()
+            elif (hung := liveness(self)) is not None:
+                if self._recover({hung[0]: hung[1]}):
+                    return
+                self.failure = hung[1]
             if self.failure and self.rendezvous is not None:
                 self.rendezvous.publish_failure(self.failure)
         if self.failure:
             raise StageFailure(self.failure)
 
-    def _remote_cause(self, errors: dict[int, str], dead: list) -> str:
-        """When every rank here only lost a neighbour on another node, that node's own account (which of its
-        ranks died, and how) comes first: `"node 1: rank 3 (...) was killed by signal 9; then here: "`."""
-        if self.rendezvous is None or self.cfg.nnodes == 1 or any(r not in errors for r, _ in dead):
-            return ""  # a rank here died without a word: the cause is here
-        if not errors or not all(e.startswith("PeerLost") for e in errors.values()):
-            return ""
-        remote = self.rendezvous.wait_remote_failure(3.0)
-        return f"{remote}; then here: " if remote else ""
+    def _recover(self, failed: dict[int, str]) -> bool:
+        """Hand `failed` (rank -> cause) to a recovery, if one is allowed."""
+        if not self.recovery.allowed(max(len(failed), 1)):
+            return False
+        self.recovery.start(failed)
+        return True
+
+    def statuses(self, timeout_ms: int = 0) -> list[StageStatus]:
+        """The status messages waiting (for up to `timeout_ms` when none is), with ready/heartbeat/stats/lost
+        taken in."""
+        msg = self.ctl.recv(timeout_ms) if timeout_ms else None
+        msgs = ([msg] if msg else []) + self.ctl.drain()
+        self._take_status(msgs)
+        return msgs
 
     def _take_status(self, msgs: list) -> dict[int, str]:
         errors = {}
         for m in msgs:
             assert isinstance(m, StageStatus)
+            note_status(self, m)
             if m.state == "ready":
                 self.info[m.rank] = m.info
                 self._ready_at[m.rank] = time.monotonic()
@@ -209,54 +205,45 @@ class Supervisor:
                 errors[m.rank] = m.error or "unknown error"
         return errors
 
-    def _liveness(self) -> str | None:
-        """A ready stage whose heartbeats stopped (hung), or whose loop sat in one micro-batch too long (stuck).
-        Heartbeats carry the stage's monotonic clock (one clock per machine), so a supervisor that was slow to
-        look does not mistake its own delay for the stage's silence."""
-        now, cfg = time.monotonic(), self.cfg
-        for rank, p in zip(self.ranks, self.procs, strict=True):
-            if rank not in self._ready_at:
-                continue  # still loading: start()'s deadline covers it
-            beat = self._beats.get(rank)
-            silent = now - (beat["sent_at"] if beat else self._ready_at[rank])
-            if silent > cfg.heartbeat_timeout:
-                return (
-                    f"{cfg.describe_rank(rank)} (pid {p.pid}) is hung: no heartbeat for {silent:.1f}s "
-                    f"(--heartbeat-timeout {cfg.heartbeat_timeout:g}); it is stopped, or blocked without releasing "
-                    "Python's GIL"
-                )
-            if beat is None or not beat["in_step"]:
-                self._stalled.pop(rank, None)
-                continue
-            steps, since = self._stalled.get(rank, (None, beat["sent_at"]))
-            if steps != beat["steps"]:
-                self._stalled[rank] = (beat["steps"], beat["sent_at"])
-            elif beat["sent_at"] - since > cfg.stage_timeout:
-                return (
-                    f"{cfg.describe_rank(rank)} (pid {p.pid}) is stuck: one micro-batch has taken "
-                    f"{beat['sent_at'] - since:.0f}s without finishing (--stage-timeout {cfg.stage_timeout:g})"
-                )
-        return None
+    # What a recovery (`process/recovery.py`) does to this node's ranks.
 
-    def _describe(self, errors: dict[int, str], dead: list[tuple[int, mp.Process]]) -> str:
-        """The root cause first: a stage that died without a word, else the first error that is not a stage
-        losing its neighbour (which is what the others report once the failed one is gone). `errors` is in the
-        order the reports arrived."""
-        silent = [(r, p) for r, p in dead if r not in errors]
-        if silent:
-            r, p = silent[0]
-            how = f"was killed by signal {-p.exitcode}" if p.exitcode < 0 else f"exited with code {p.exitcode}"
-            msg = f"{self.cfg.describe_rank(r)} (pid {p.pid}) {how} without reporting an error"
-            others = [f"{self.cfg.describe_rank(k)}: {without_source_paths(e.splitlines()[0])}"
-                      for k, e in errors.items()]  # fmt: skip
-            return msg + (f"; then {'; '.join(others)}" if others else "")
-        causes = [k for k, e in errors.items() if not e.startswith("PeerLost")] or list(errors)
-        r = causes[0]
-        first, _, details = errors[r].partition("\n")
-        then = [k for k in errors if k != r]
-        noun = ("rank" if self.cfg.ranks_per_stage > 1 else "stage") + ("s" if len(then) > 1 else "")
-        after = f"; then {noun} {', '.join(map(str, then))} stopped too" if then else ""
-        return f"{self.cfg.describe_rank(r)} failed: {without_source_paths(first)}{after}\n{details}"
+    def _proc(self, rank: int) -> mp.Process:
+        return self.procs[self.ranks.index(rank)]
+
+    def running(self, rank: int) -> bool:
+        return self._proc(rank).exitcode is None
+
+    def exit_cause(self, rank: int) -> str:
+        p = self._proc(rank)
+        how = f"was killed by signal {-p.exitcode}" if (p.exitcode or 0) < 0 else f"exited with code {p.exitcode}"
+        return f"{self.cfg.describe_rank(rank)} (pid {p.pid}) {how}"
+
+    def kill(self, rank: int) -> None:
+        p = self._proc(rank)
+        if p.exitcode is None:
+            p.kill()
+        p.join(5.0)
+
+    def signal(self, rank: int, sig: int) -> None:
+        pid_signal(self._proc(rank).pid, sig)
+
+    def forget_ready(self) -> None:
+        self.info, self._ready_at, self._beats, self._stalled = {}, {}, {}, {}
+        self.lost.clear()
+
+    def respawn(self, rank: int, generation: int) -> None:
+        """A new process for `rank`'s coordinates, starting in `generation` of the ring."""
+        info = next(i for i in node_rank_infos(self.cfg.layout, self.rendezvous.partition, self.cfg.node_rank)
+                    if i.rank == rank)  # fmt: skip
+        self.procs[self.ranks.index(rank)] = self._start(info, generation)
+
+    @property
+    def store(self):
+        return self.rendezvous.store
+
+    @property
+    def generation(self) -> int:
+        return self.recovery.generation
 
     @property
     def alive(self) -> bool:
@@ -268,6 +255,7 @@ class Supervisor:
 
     def stop(self, grace: float = 5.0) -> None:
         """Ask stage 0 to stop the ring, then make sure every child is gone."""
+        self.recovery.stop()
         if self.rendezvous is not None:
             self.rendezvous.announce_stop(self.failure or "")
             self.rendezvous.close()

@@ -55,3 +55,9 @@ def _sender(ctx, zstore, ipc: str, key: str) -> Pusher:
     """The sending end connects: to `ipc` on one node, or to what the receiver published under `key` (the
     store's `get` waits for it, up to the store's timeout)."""
     return Pusher(ctx, ipc if zstore is None else zstore.get(key).decode())
+
+
+def generation_store(store, generation: int):
+    """The store keys of one generation of the ring (`stage/rejoin.py`): the first uses the store as it is, a
+    later one its own prefix, so a replacement never reads an endpoint of the process it replaces."""
+    return store if store is None or generation == 0 else PrefixStore(f"gen{generation}", store)

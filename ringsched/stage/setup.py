@@ -1,0 +1,239 @@
+"""What a rank sets up before its loop runs, split by how long it lives.
+
+Once per process (`RankSetup.__init__` and the first `connect`): threads and device, this stage's weights (only
+its own layers, only its slice of each), its linear layers' paths, its KV pool. Once per generation of the ring
+(`connect`, undone by `leave`): the process group and the stage's TP/CP group, the KV block table (empty), stage
+0's planner (empty), the ZMQ channels and the loop over them. A rank that survives the replacement of another
+(`stage/rejoin.py`) leaves its generation and connects again with its weights and pool as they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+import os
+import random
+
+import torch
+
+from ringsched.comm.messages import StageStatus
+from ringsched.comm.tensor_channel import TensorChannel
+from ringsched.comm.zmq_io import Puller, Pusher
+from ringsched.config import EngineConfig, parse_memory
+from ringsched.device import activation_reserve, set_matmul_precision
+from ringsched.kv.cache import BlockTable, KVPool, blocks_for_memory
+from ringsched.kv.cp_blocks import CPBlocks, request_capacity
+from ringsched.layout.rank import RankInfo, StageInfo
+from ringsched.models import linear_tuning
+from ringsched.models.config import ModelConfig
+from ringsched.models.loader import load_stage_model, weights_bytes
+from ringsched.scheduler import chunking
+from ringsched.scheduler.planner import Planner
+from ringsched.spec import ModelSpec
+from ringsched.stage import chunk_probe, rejoin
+from ringsched.stage.affinity import allowed_cpus, stage_cpus
+from ringsched.stage.channels import generation_store, plan_channels, progress_channels
+from ringsched.stage.groups import process_groups
+from ringsched.stage.heap import keep_heap
+from ringsched.stage.loop import StageIO, StageLoop
+
+logger = logging.getLogger("ringsched.layout.rank")
+
+KV_BLOCKS_KEY = "ring/kv_blocks"  # the pool size every rank agreed on in its first generation
+
+
+class ParentGone(RuntimeError):
+    pass
+
+
+class RankSetup:
+    def __init__(self, cfg: EngineConfig, spec: ModelSpec, where: RankInfo, addrs, ctx, ctl) -> None:
+        self.cfg, self.spec, self.where, self.addrs, self.ctx, self.ctl = cfg, spec, where, addrs, ctx, ctl
+        self.parent = os.getppid()
+        self.device = _threads_and_device(cfg, where.local_rank)
+        self.model = self.pool = self.tp = self.cp = self.store = self.loop = None
+        self.stage, self.flex, self.num_blocks = where.stage, None, 0
+
+    def alive(self) -> None:
+        """Raises when this rank should stop (the launcher is gone) or leave its generation (`Rejoin`)."""
+        self.parent_alive()
+        rejoin.check()
+
+    def parent_alive(self) -> None:
+        if os.getppid() != self.parent:
+            raise ParentGone("the launcher is gone")
+
+    def connect(self, generation: int) -> tuple[StageLoop, dict]:
+        """Join generation `generation` of the ring: its loop, and what this rank reports as ready."""
+        cfg, where = self.cfg, self.where
+        self.store, tp, cp = process_groups(cfg, where, generation)
+        if self.model is None:
+            self.tp, self.cp = tp, cp
+            self._load()
+        else:  # the layers hold the group objects they were built with: give those the new generation's groups
+            for mine, new in ((self.tp, tp), (self.cp, cp)):
+                if mine is not None:
+                    mine.rebind(new)
+        local = self.tp.shard.local_config(self.spec.config) if self.tp else self.spec.config  # its KV heads
+        num_blocks = self.num_blocks = self._kv_blocks(local, generation)
+        if self.pool is None:
+            self.pool = KVPool(local, self.stage.num_layers, num_blocks, cfg.block_size, cfg.torch_dtype, self.device)
+        blocks = BlockTable(num_blocks, cfg.block_size, follower=not where.decides,
+                            prefix_caching=cfg.enable_prefix_caching)  # fmt: skip
+        planner = _planner(cfg, self.spec, local, blocks, self.device, cp=cp is not None,
+                           flex=self.flex is not None) if where.decides else None  # fmt: skip
+        self.loop = StageLoop(cfg, self.stage, self.model, blocks, self.pool, self._io(generation), planner,
+                              self.device, self.spec.eos_ids, self.flex, where=where, tp=self.tp,
+                              cp=self.cp)  # fmt: skip
+        info = _ready_info(cfg, where, self.stage, self.spec.partition[self.stage.rank], self.model, self.pool, blocks)
+        return self.loop, {**info, "generation": generation}
+
+    def _load(self) -> None:
+        cfg, where, mcfg = self.cfg, self.where, self.spec.config
+        self.flex = cfg.flex_boundary(mcfg.num_layers, list(self.spec.partition))
+        if self.flex:  # with a flexible cut, the stage also holds the shared layers around the cut
+            held = self.flex.held(where.pp)
+            self.stage = dataclasses.replace(self.stage, start_layer=held[0], end_layer=held[1])
+            if where.decides:
+                logger.info("flexible cut: stage 0 runs the first %d to %d layers of each micro-batch",
+                            self.flex.lo, self.flex.hi)  # fmt: skip
+        self.model = load_stage_model(self.spec.model_dir, self.stage, cfg.torch_dtype, self.device, tp=self.tp,
+                                      quantization=cfg.quantization)  # fmt: skip
+        linear_tuning.tune_stage(self.model, cfg.linear_tuning, cfg.torch_dtype)  # its threads and weights: after both
+
+    def _kv_blocks(self, local: ModelConfig, generation: int) -> int:
+        """The first generation agrees on the smallest pool of any rank (and records it); a later one keeps it,
+        so a replacement allocates what the survivors hold, whatever memory the machine has free by then."""
+        if self.pool is not None:
+            return self.num_blocks
+        if generation > 0 and self.store is not None and self.store.check([KV_BLOCKS_KEY]):
+            return int(self.store.get(KV_BLOCKS_KEY))
+        blocks = _kv_blocks(self.cfg, local, self.stage, self.device)
+        if self.store is not None and self.where.rank == 0:
+            self.store.set(KV_BLOCKS_KEY, str(blocks))
+        return blocks
+
+    def _io(self, generation: int) -> StageIO:
+        cfg, where, addrs, ctx, ctl = self.cfg, self.where, self.addrs, self.ctx, self.ctl
+        store = generation_store(self.store, generation)
+        plan_in, plan_out = plan_channels(cfg, where, addrs, ctx, store)
+        progress_in, progress_out = progress_channels(cfg, self.stage, addrs, ctx, store)
+        return StageIO(
+            chan=TensorChannel(self.device), plan_in=plan_in, plan_out=plan_out,
+            front_in=Puller(ctx, addrs.front_in) if where.decides else None,
+            front_out=Pusher(ctx, addrs.front_out) if where.decides else None,
+            alive=self.alive, report=lambda stats: ctl.send(StageStatus(where.rank, "stats", stats)),
+            progress_in=progress_in, progress_out=progress_out,
+        )  # fmt: skip
+
+    def leave(self) -> None:
+        """Undo `connect`: the loop's sockets (unsent messages dropped), the shared memory of the stage's group,
+        the process group. Weights and KV pool stay. The loop (and the sends it still holds) goes first, so the
+        group's connections close at once and a neighbour blocked on one of them fails instead of waiting."""
+        loop, self.loop = self.loop, None
+        io = loop.io if loop is not None else None
+        del loop
+        if io is not None:
+            for sock in (io.plan_in, io.plan_out, io.front_in, io.front_out, io.progress_in, io.progress_out):
+                if sock is not None:
+                    sock.close(**({} if isinstance(sock, Puller) else {"linger_ms": 0}))
+            io.chan = None
+        for group in (self.tp, self.cp):
+            if group is not None and group.shm is not None:
+                group.shm.close()
+                group.shm = None
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        gc.collect()
+
+
+def _planner(cfg: EngineConfig, spec: ModelSpec, local: ModelConfig, blocks: BlockTable, device: torch.device, *,
+             cp: bool, flex: bool) -> Planner:  # fmt: skip
+    """Stage 0's planner over its own block table (with --cp-size, over every CP rank's: its own is the first, and it
+    places each token); with --enable-dynamic-chunking, its chunk sizer from a start-up probe."""
+    tables = [blocks] + [BlockTable(blocks.num_blocks, cfg.block_size) for _ in range(cfg.cp_size - 1)]
+    allocator = CPBlocks(tables) if cp else blocks
+    chunker = None
+    if cfg.enable_dynamic_chunking:
+        cost, decode = chunk_probe.probe(local, cfg.torch_dtype, device, cfg.chunked_prefill_size, spec.context_len,
+                                         attention_backend=cfg.attention_backend)
+        chunker = chunking.ChunkSizer(cost, cfg.chunked_prefill_size, decode=decode)
+    return Planner(allocator, cfg.micro_batch_size, cfg.max_running_requests, cfg.chunked_prefill_size, spec.eos_ids,
+                   spec.context_len, random.Random(cfg.seed), spec.config.vocab_size, flexible_cut=flex,
+                   chunker=chunker)  # fmt: skip
+
+
+def _threads_and_device(cfg: EngineConfig, local_rank: int) -> torch.device:
+    keep_heap()
+    torch.set_num_threads(cfg.threads)
+    cpus = stage_cpus(cfg.threads, cfg.ranks_per_node, local_rank, cfg.resolved_device)
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
+    if cfg.resolved_device == "cuda":
+        torch.cuda.set_device(local_rank)
+        set_matmul_precision(torch.device("cuda", local_rank))
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def _ready_info(cfg: EngineConfig, where: RankInfo, stage: StageInfo, cut_layers: int, model, pool: KVPool,
+                blocks: BlockTable) -> dict:  # fmt: skip
+    info = {
+        "stage": where.pp,
+        "tp": where.tp,
+        "cp": where.cp,
+        "node": where.node,
+        "layers": [stage.start_layer, stage.end_layer],
+        "cut_layers": cut_layers,  # without --pp-flex-layers, the layer count
+        "weights_bytes": weights_bytes(model),
+        "kv_bytes": pool.nbytes,
+        "kv_tokens": blocks.capacity_tokens,
+        "request_kv_tokens": request_capacity(blocks.capacity_tokens, cfg.cp_size),  # spread over the CP ranks
+        "pid": os.getpid(),
+        "threads": torch.get_num_threads(),  # sized from the CPUs the launcher may use (EngineConfig.threads)
+        "cpus": allowed_cpus(),  # after the stage pinned itself
+    }
+    logger.info(
+        "layers %d-%d (%d), weights %.1f MiB, KV pool %.1f MiB = %d tokens", stage.start_layer,
+        stage.end_layer - 1, stage.num_layers, info["weights_bytes"] / 2**20, pool.nbytes / 2**20,
+        blocks.capacity_tokens,
+    )  # fmt: skip
+    return info
+
+
+def kv_budget_bytes(cfg: EngineConfig, device: torch.device, free: int | None = None,
+                    mcfg: ModelConfig | None = None) -> int:  # fmt: skip
+    """`--kv-cache-memory` in bytes for one stage: as given, or its fraction of the free memory this stage may
+    use (its GPU's; on CPU the node's available memory shared by the stages on this node). `free` overrides the
+    measured free memory (tests); on a GPU, with the model's config `mcfg`, `device.activation_reserve` is taken
+    off the free memory first."""
+    budget = parse_memory(cfg.kv_cache_memory)
+    if isinstance(budget, int):
+        return budget
+    if free is None and device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    elif free is None:
+        import psutil
+
+        free = psutil.virtual_memory().available
+    if device.type == "cuda" and mcfg is not None:  # the fraction is of what a step's activations leave
+        step = cfg.chunked_prefill_size + cfg.micro_batch_size
+        free -= activation_reserve(step, cfg.micro_batch_size, mcfg.hidden_size, mcfg.intermediate_size,
+                                   mcfg.vocab_size)  # fmt: skip
+    if device.type != "cuda":
+        free //= cfg.ranks_per_node
+    return max(int(free * budget), 0)
+
+
+def _kv_blocks(cfg: EngineConfig, mcfg: ModelConfig, stage: StageInfo, device: torch.device) -> int:
+    budget = kv_budget_bytes(cfg, device, mcfg=mcfg)
+    blocks = blocks_for_memory(mcfg, stage.num_layers, cfg.torch_dtype, budget, cfg.block_size)
+    if cfg.world_size > 1:
+        # Stage 0 admits against the smallest pool (over every rank); every rank allocates just that much.
+        t = torch.tensor([blocks], dtype=torch.long, device=device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+        blocks = int(t.item())
+    if blocks < 1:
+        raise RuntimeError(f"--kv-cache-memory {cfg.kv_cache_memory} holds no KV block; raise it")
+    return blocks
