@@ -145,6 +145,7 @@ class RankSetup:
                 group.shm = None
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        gc.unfreeze()  # the loop froze what it found at its start (`GcPolicy`), itself included: collect it now
         gc.collect()
 
 

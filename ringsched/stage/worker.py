@@ -78,13 +78,13 @@ def _serve(setup: RankSetup, ctl: Pusher, generation: int) -> None:
     """Connect, report ready, run the loop; on losing the ring (with restarts allowed), leave and join again."""
     rank, beating = setup.where.rank, False
     while True:
-        loop, info = setup.connect(generation)
+        info = setup.connect(generation)[1]  # the loop lives in `setup` alone, so `leave` can let it go
         if not beating:
             _start_heartbeat(setup.ctx, setup.addrs.ctl, rank, setup)
             beating = True
         ctl.send(StageStatus(rank, "ready", info))
         try:
-            loop.run()
+            setup.loop.run()
             return
         except (PeerLost, rejoin.Rejoin) as e:
             if not setup.cfg.restarts_enabled:
