@@ -108,15 +108,19 @@ def _start_heartbeat(ctx: zmq.Context, addr: str, rank: int, setup: RankSetup) -
         try:
             sock = Pusher(ctx, addr)
             while True:
-                loop = setup.loop  # None between generations
-                info = {"sent_at": time.monotonic(), "steps": loop.steps if loop else 0,
-                        "in_step": bool(loop and loop.in_step)}  # fmt: skip
-                sock.send(StageStatus(rank, "heartbeat", info))
+                sock.send(StageStatus(rank, "heartbeat", _progress(setup)))
                 time.sleep(HEARTBEAT_PERIOD_S)
         except zmq.ZMQError:  # the process is closing its sockets on the way down: nothing left to tell
             return
 
     threading.Thread(target=beat, name=f"heartbeat-{rank}", daemon=True).start()
+
+
+def _progress(setup: RankSetup) -> dict:
+    """The heartbeat's account of the loop, without holding on to it: a loop left behind by `leave` must go at
+    once, its process group's connections with it."""
+    loop = setup.loop  # None between generations
+    return {"sent_at": time.monotonic(), "steps": loop.steps if loop else 0, "in_step": bool(loop and loop.in_step)}
 
 
 def process_name(stage: int, tp: int | None = None, cp: int | None = None) -> str:
