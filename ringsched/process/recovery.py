@@ -51,7 +51,7 @@ class Recovery:
         return self._thread is not None and self._thread.is_alive()
 
     def allowed(self, more: int = 1) -> bool:
-        """Whether `more` replacements fit --max-restarts within --restart-window."""
+        """Whether `more` replacements (beside those counted) fit --max-restarts within --restart-window."""
         now = time.monotonic()
         recent = [t for t in self._times if now - t < self.cfg.restart_window]
         return self.cfg.restarts_enabled and len(recent) + more <= self.cfg.max_restarts
@@ -106,7 +106,12 @@ class Recovery:
         survivors = [r for r in sup.ranks if r not in failed]
         for rank in survivors:
             sup.signal(rank, signal.SIGUSR1)
-        failed = failed | self._wait_lost(survivors, set(failed))
+        newly = self._wait_lost(survivors, set(failed))
+        if newly:
+            self._count(newly)
+            if not self.allowed(0):
+                raise RecoveryFailed(self._beyond(newly))
+            failed = failed | newly
         for rank in failed:
             sup.kill(rank)
         self.generation += 1
