@@ -41,6 +41,7 @@ class Recovery:
         self.generation = 0  # of the ring; moves on when a recovery has every rank ready again
         self.replaced: dict[int, int] = {}  # rank -> times replaced (`ringsched:rank_restarts_total`)
         self.pauses: list[float] = []  # seconds from a failure seen to every rank ready, per recovery
+        self.starts: list[float] = []  # of those, seconds from the replacements' start to every rank ready
         self.error: str | None = None  # why a recovery gave up: the engine's failure
         self._times: list[float] = []  # when each replacement happened (for --restart-window)
         self._thread: threading.Thread | None = None
@@ -77,8 +78,8 @@ class Recovery:
                 if not self.allowed(len(failed)):
                     raise RecoveryFailed(self._beyond(failed))
             self.pauses.append(time.monotonic() - started)
-            logger.warning("the ring is whole again (generation %d) after %.1fs", self.generation,
-                           self.pauses[-1])  # fmt: skip
+            logger.warning("the ring is whole again (generation %d) after %.1fs, %.1fs of it the replacements' start",
+                           self.generation, self.pauses[-1], self.starts[-1])  # fmt: skip
         except RecoveryFailed as e:
             self.error = str(e)
         except Exception as e:  # noqa: BLE001 (whatever broke the recovery stops the engine, named)
@@ -116,10 +117,13 @@ class Recovery:
             sup.kill(rank)
         self.generation += 1
         sup.forget_ready()
+        spawned = time.monotonic()
         for rank in failed:
             sup.respawn(rank, self.generation)
         rejoin.publish_generation(sup.store)
-        return self._wait_ready()
+        failed = self._wait_ready()
+        self.starts.append(time.monotonic() - spawned)
+        return failed
 
     def _wait_lost(self, survivors: list[int], failed: set[int]) -> dict[int, str]:
         """Until every survivor has left its generation: those that died, failed or said nothing in time."""

@@ -247,7 +247,8 @@ class Supervisor:
 
     @property
     def alive(self) -> bool:
-        return self.failure is None and all(p.exitcode is None for p in self.procs)
+        """No failure, every rank running, none being replaced (`/health`)."""
+        return self.failure is None and not self.recovery.running and all(p.exitcode is None for p in self.procs)
 
     @property
     def local_ranks(self) -> list[int]:

@@ -1,0 +1,130 @@
+"""How long a stream pauses when a rank dies (`--max-restarts`), against what the pause is made of.
+
+Serves the model (`python -m ringsched.launch`, real HTTP), runs `--streams` streaming completions to the end
+undisturbed, then again with SIGKILL of one stage once every stream has `--kill-after` tokens, and reports per
+scenario: whether every text equals its undisturbed one and no stream saw an error; the recovery (the kill to the
+first token any stream receives after it, and to the last stream's first); the supervisor's own account (the
+failure seen to every rank ready, of it the replacement's start: a cold start of one stage); and the rest, the
+open requests' tokens prefilled again (from `/health` answering 200 to the first resumed token).
+
+    python scripts/bench_recovery.py --pp 2 --victims 0,1 --streams 16
+    python scripts/bench_recovery.py --pp 3 --victims 0,1,2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+PROMPT = "Write a long story about a lighthouse keeper and the ships she watched over the years."
+
+
+def serve(pp: int, port: int, log: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "ringsched.launch", "--pp-size", str(pp), "--port", str(port),
+           "--threads-per-stage", "1", "--max-model-len", "1024", "--kv-cache-memory", "256M"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited: see {log}")
+        time.sleep(0.5)
+    raise TimeoutError("the server was not ready in 300 s")
+
+
+async def stream(hc: httpx.AsyncClient, url: str, i: int, tokens: int, marks: list) -> tuple[str, list[float], str]:
+    body = {"prompt": f"{PROMPT} ({i})", "max_tokens": tokens, "ignore_eos": True, "stream": True,
+            "temperature": 0.8 if i % 2 else 0.0, "seed": i}  # fmt: skip
+    text, times, error = "", [], ""
+    async with hc.stream("POST", url, json=body) as r:
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                error = str(chunk["error"])
+                continue
+            text += chunk["choices"][0]["text"]
+            times.append(time.monotonic())
+            marks[i] = len(times)
+    return text, times, error
+
+
+async def run(port: int, n: int, tokens: int, kill: tuple[int, int] | None) -> dict:
+    """`kill`: (pid, after): SIGKILL `pid` once every stream has `after` chunks."""
+    url, marks = f"http://127.0.0.1:{port}/v1/completions", [0] * n
+    async with httpx.AsyncClient(timeout=600) as hc:
+        tasks = [asyncio.create_task(stream(hc, url, i, tokens, marks)) for i in range(n)]
+        killed = health = None
+        while kill and killed is None:
+            await asyncio.sleep(0.01)
+            if min(marks) >= kill[1]:
+                os.kill(kill[0], signal.SIGKILL)
+                killed = time.monotonic()
+        while killed and health is None:
+            await asyncio.sleep(0.05)
+            try:
+                if (await hc.get(f"http://127.0.0.1:{port}/health", timeout=1)).status_code == 200:
+                    health = time.monotonic()
+            except httpx.HTTPError:
+                pass
+        results = await asyncio.gather(*tasks)
+    out = {"texts": [r[0] for r in results], "errors": [r[2] for r in results if r[2]]}
+    if killed:
+        # Tokens already on their way when the stage died still arrive for a moment: a resumed token is one after
+        # `/health` answered 200 again (every rank ready, the requests replayed).
+        firsts = [next(t for t in r[1] if t > health) for r in results if any(t > health for t in r[1])]
+        out |= {"first": min(firsts) - killed, "last": max(firsts) - killed, "health": health - killed,
+                "reprefill": min(firsts) - health}  # fmt: skip
+    return out
+
+
+def stage_pid(stage: int) -> int:
+    return int(subprocess.run(["pgrep", "-n", "-x", f"ringsched-pp{stage}"], capture_output=True, text=True,
+                              check=True).stdout.split()[0])  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pp", type=int, default=2)
+    ap.add_argument("--victims", default="0,1")
+    ap.add_argument("--streams", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--kill-after", type=int, default=32)
+    ap.add_argument("--port", type=int, default=31500)
+    args = ap.parse_args()
+    log = Path(f"/tmp/bench_recovery_pp{args.pp}.log")
+    proc = serve(args.pp, args.port, log)
+    try:
+        base = asyncio.run(run(args.port, args.streams, args.tokens, None))
+        print(f"PP={args.pp}, {args.streams} streams x {args.tokens} tokens, kill after {args.kill_after}")
+        for victim in map(int, args.victims.split(",")):
+            got = asyncio.run(run(args.port, args.streams, args.tokens, (stage_pid(victim), args.kill_after)))
+            same = sum(a == b for a, b in zip(got["texts"], base["texts"], strict=True))
+            whole = re.findall(r"whole again \(generation \d+\) after ([\d.]+)s, ([\d.]+)s of it", log.read_text())
+            pause, start = (float(x) for x in whole[-1]) if whole else (float("nan"),) * 2
+            print(f"  kill stage {victim}: {same}/{args.streams} texts as undisturbed, {len(got['errors'])} errors; "
+                  f"first resumed token {got['first']:.2f} s after the kill (last stream {got['last']:.2f} s); "
+                  f"supervisor: whole again after {pause:.2f} s, replacement start {start:.2f} s; /health 200 "
+                  f"after {got['health']:.2f} s, re-prefill to the first token {got['reprefill']:.2f} s")  # fmt: skip
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(60)
+
+
+if __name__ == "__main__":
+    main()
