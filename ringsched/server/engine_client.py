@@ -6,8 +6,9 @@ the output socket; `client.start_routing()`, called on the server's event loop, 
 request's `TokenOutput`s until one carries a `finish_reason`; it raises `EngineError` when the request ends in
 an error or was aborted by anyone but its caller. Leaving the iteration early (the client went away) aborts the
 request on the ring, which frees its KV on every stage. When a stage dies, every open request ends with an
-`EngineError`, `healthy` turns False and `on_failure` is called. `shutdown(timeout)` lets running requests
-finish for up to `timeout` seconds, ends the rest with an error, and stops every stage process.
+`EngineError`, `healthy` turns False and `on_failure` is called. `replay_open()` resubmits every open request to a
+fresh ring (issue 47; `replay.py`). `shutdown(timeout)` lets running requests finish for up to `timeout` seconds,
+ends the rest with an error, and stops every stage process.
 """
 
 from __future__ import annotations
