@@ -46,6 +46,12 @@ class AsyncEngine:
         if self.client is not None:
             await self.client.close()
 
+    async def replay_open(self) -> int:
+        """`EngineClient.replay_open`: every open request resubmitted to a fresh ring; how many."""
+        if self.client is None:
+            raise RuntimeError("use the engine inside `async with AsyncEngine(...) as llm:`")
+        return await self.client.replay_open()
+
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:  # fmt: skip
         """The request's output after each new token; the last one has `finish_reason` set ("error", with

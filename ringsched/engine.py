@@ -1,14 +1,16 @@
 """The offline engine: `with Engine(model=..., pp_size=2) as llm: llm.generate(prompts, params)`.
 
 It starts the stage processes (via `Supervisor`), sends requests to stage 0 and collects the tokens stage 0
-streams back. Keyword arguments mirror the launcher's flags. Leaving the `with` block, an error, or
-`shutdown()` stops every stage process.
+streams back; it keeps what each open request needs to be replayed on a fresh ring (`replay_open`). Keyword
+arguments mirror the launcher's flags. Leaving the `with` block, an error, or `shutdown()` stops every stage
+process.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import random
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 from ringsched.comm.messages import AbortRequest, NewRequest, OutputBatch, TokenOutput
 from ringsched.config import EngineConfig
 from ringsched.link import RingLink
+from ringsched.replay import OpenRequests
 from ringsched.sampling import SamplingParams
 from ringsched.server.detokenizer import TextStream
 from ringsched.spec import ModelSpec
@@ -55,7 +58,9 @@ class Engine:
         self.model_dir, self.model_config, self.max_len = self.spec.model_dir, self.spec.config, self.spec.context_len
         self.tokenizer = Tokenizer(self.model_dir)
         self._ids = itertools.count()
+        self._seeds = random.Random(self.cfg.seed)  # seeds the unseeded random requests, in arrival order
         self.last_stats: dict = {}
+        self.open_requests = OpenRequests()  # what `replay_open` resubmits
         self.link = RingLink(self.cfg, self.spec)  # starts the stages
         self.supervisor = self.link.supervisor
 
@@ -70,13 +75,32 @@ class Engine:
         self, prompt: str | Sequence[int], params: SamplingParams | None = None, rid: str | None = None
     ) -> str:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        params = params or SamplingParams()
+        params = (params or SamplingParams()).seeded(self._seeds)
         rid = rid or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        self.link.send(NewRequest(rid, ids, params.to_dict()))
+        new = NewRequest(rid, ids, params.to_dict())
+        self.open_requests.sent(new)
+        self.link.send(new)
         return rid
 
     def abort(self, rid: str) -> None:
+        self.open_requests.ended(rid)
         self.link.send(AbortRequest(rid))
+
+    def replay_open(self) -> int:
+        """Resubmit every open request to a fresh ring (a replaced rank, a fresh stage 0: issue 47) with the tokens
+        already delivered, after re-creating the sockets to stage 0 (`RingLink.reconnect`: nothing queued for the
+        old stage 0 reaches the fresh one, outputs not yet read are dropped). Greedy and seeded requests go on with
+        exactly their undisturbed tokens. Returns how many were resubmitted (`requests_replayed` counts them all).
+        Nothing here detects the failure: whoever replaces the rank calls this."""
+        self.link.reconnect()
+        replays = self.open_requests.replays()
+        for new in replays:
+            self.link.send(new)
+        return len(replays)
+
+    @property
+    def requests_replayed(self) -> int:
+        return self.open_requests.replayed
 
     def poll(self, timeout: float = 0.1) -> list[TokenOutput]:
         """Outputs that arrived within `timeout`; raises `StageFailure` if a stage died."""
@@ -87,6 +111,8 @@ class Engine:
         for m in msgs:
             assert isinstance(m, OutputBatch)
             outs += m.outputs
+            for o in m.outputs:
+                self.open_requests.delivered(o)
             if m.stats:
                 self.last_stats = m.stats
         if not msgs:

@@ -4,8 +4,8 @@
 message is lost), connects the one requests and aborts go out on, and starts this node's stages through a
 `Supervisor` (blocking until every stage is ready; a failure or Ctrl-C while loading stops them all). `send`
 never blocks (a PUSH socket without a high-water mark), so it is safe in `finally` blocks; `recv` and `drain`
-read outputs synchronously (the server wraps `out.sock` for asyncio instead); `close` stops the stages and closes
-both sockets, once.
+read outputs synchronously (the server wraps `out.sock` for asyncio instead); `reconnect` re-creates both sockets
+for a fresh stage 0; `close` stops the stages and closes both sockets, once.
 """
 
 from __future__ import annotations
@@ -47,6 +47,19 @@ class RingLink:
 
     def drain(self) -> list[OutputBatch]:
         return self.out.drain()
+
+    def reconnect(self) -> None:
+        """Close and re-create both sockets to stage 0, for a fresh stage 0 that replaced the old one (issue 47).
+        Requests and aborts still queued for the old one are dropped (linger 0), so none reaches the fresh one
+        besides what is sent from now on; outputs of the old ring not yet read are dropped with the old outputs
+        socket. The fresh stage 0 binds `front_in` and connects to `front_out` as the old one did; ZMQ queues what
+        is sent before it binds."""
+        if self.closed:
+            return
+        self.inp.close(linger_ms=0)
+        self.out.close()
+        self.out = Puller(self.zctx, self.supervisor.addrs.front_out)
+        self.inp = Pusher(self.zctx, self.supervisor.addrs.front_in)
 
     def close(self) -> None:
         """Stop every stage of this node, then close the sockets (idempotent)."""

@@ -4,7 +4,8 @@ an error that names the field. The sampler that applies them is `sampler.py`."""
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+import random
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 
@@ -142,6 +143,14 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    def seeded(self, rng: random.Random) -> SamplingParams:
+        """These params, with a seed from `rng` if they sample randomly without one. The front ends call it once per
+        request in arrival order (`--seed` seeds `rng`, so a run repeats), before the request first goes to the
+        ring: a replay then carries the seed it first ran with and draws the same tokens."""
+        if self.seed is not None or self.greedy:
+            return self
+        return replace(self, seed=rng.randrange(2**31))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain types only (lists, not tuples), for msgpack and JSON."""

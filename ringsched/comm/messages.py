@@ -13,12 +13,15 @@ import msgpack
 
 @dataclass
 class NewRequest:
-    """Front end -> stage 0."""
+    """Front end -> stage 0. A *replay* (a request resubmitted to a fresh ring after a rank was replaced) carries
+    the tokens an earlier ring already delivered in `output_ids`: stage 0 computes prompt + those and samples on,
+    counting them as outputs (`max_tokens`, penalties, the seeded draw's index)."""
 
     rid: str
     token_ids: list[int]
     params: dict  # SamplingParams.to_dict()
     prompt_len: int = 0  # in announcements, where token_ids is left empty
+    output_ids: list[int] = field(default_factory=list)  # a replay's tokens delivered so far; empty when new
 
 
 @dataclass

@@ -78,13 +78,19 @@ class Planner:
         except (TypeError, ValueError) as e:
             return TokenOutput(new.rid, [], "error", f"bad sampling parameters: {e}", len(new.token_ids), 0)
         if params.seed is None and not params.greedy:
-            # Decided once, here: the last stage then samples reproducibly whatever the batch or pp size.
+            # A fallback: the front ends seed every random request (`SamplingParams.seeded`), so that a replay
+            # carries the seed it first ran with; one sent without a seed still samples reproducibly from here on.
             params = dataclasses.replace(params, seed=self._rng.randrange(2**31))
         error = refusal(new, params, max_len=self.max_len, capacity_tokens=self.blocks.capacity_tokens,
                         vocab_size=self.vocab_size, in_use=new.rid in self.requests)
         if error:
-            return TokenOutput(new.rid, [], "error", error, len(new.token_ids), 0)
-        r = Request(new.rid, list(new.token_ids), params, self._arrivals)
+            return TokenOutput(new.rid, [], "error", error, len(new.token_ids), len(new.output_ids))
+        # A replay starts as a preempted request does: prompt and outputs to compute, then the next token.
+        outs = list(new.output_ids)
+        r = Request(new.rid, list(new.token_ids), params, self._arrivals, outs, replay=bool(outs))
+        ended = r.check_finish(self.eos_ids, self.max_len) if r.output_ids else None
+        if ended:  # a replay of a request that had already ended: nothing left to generate
+            return TokenOutput(r.rid, [], ended, None, len(r.prompt_ids), len(r.output_ids))
         self._arrivals += 1
         self.requests[r.rid] = r
         self.waiting.append(r)

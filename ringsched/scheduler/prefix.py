@@ -60,7 +60,7 @@ class PrefixIndex:
             return
         self.cache.queries += r.num_tokens
         self.cache.hits += r.num_computed
-        if r.num_preemptions == 0:
+        if r.num_preemptions == 0 and not r.replay:
             r.cached_tokens = r.num_computed
         self.blocks.share(r.rid, cached)
 

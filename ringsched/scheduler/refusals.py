@@ -9,7 +9,8 @@ from ringsched.sampling import SamplingParams
 
 def refusal(new: NewRequest, params: SamplingParams, *, max_len: int, capacity_tokens: int,
             vocab_size: int | None, in_use: bool) -> str | None:  # fmt: skip
-    """The error message for a request that can never be served, or None. `in_use`: its id is taken."""
+    """The error message for a request that can never be served, or None. `in_use`: its id is taken. A replay
+    (`new.output_ids`) is checked as its first submission was, on its prompt: `max_tokens` counts its outputs."""
     ids, vocab = new.token_ids, vocab_size
     need = len(ids) + params.max_tokens
     if not ids:
@@ -25,6 +26,9 @@ def refusal(new: NewRequest, params: SamplingParams, *, max_len: int, capacity_t
         bad = [i for i in ids if not (isinstance(i, int) and 0 <= i < vocab)]
         if bad:
             return f"the prompt has token ids outside the vocabulary [0, {vocab}): {bad[:5]}"
+        bad = [i for i in new.output_ids if not (isinstance(i, int) and 0 <= i < vocab)]
+        if bad:
+            return f"the replayed output has token ids outside the vocabulary [0, {vocab}): {bad[:5]}"
         bad = [i for i in params.stop_token_ids if i >= vocab]
         if bad:
             return f"stop_token_ids has ids outside the vocabulary [0, {vocab}): {bad[:5]}"

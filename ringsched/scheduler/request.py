@@ -32,6 +32,9 @@ class Request:
     chunks: list[int] = field(default_factory=list)  # this prefill's chunk lengths so far (debug log)
     block_hashes: list[bytes] = field(default_factory=list)  # prefix caching: its full blocks' chained hashes
     cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
+    # admitted with outputs an earlier ring delivered (`NewRequest.output_ids`): the front end already holds
+    # its first admission's `cached_tokens`
+    replay: bool = False
 
     @property
     def all_ids(self) -> list[int]:

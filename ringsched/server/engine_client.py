@@ -6,8 +6,9 @@ the output socket; `client.start_routing()`, called on the server's event loop, 
 request's `TokenOutput`s until one carries a `finish_reason`; it raises `EngineError` when the request ends in
 an error or was aborted by anyone but its caller. Leaving the iteration early (the client went away) aborts the
 request on the ring, which frees its KV on every stage. When a stage dies, every open request ends with an
-`EngineError`, `healthy` turns False and `on_failure` is called. `shutdown(timeout)` lets running requests
-finish for up to `timeout` seconds, ends the rest with an error, and stops every stage process.
+`EngineError`, `healthy` turns False and `on_failure` is called. `replay_open()` resubmits every open request to a
+fresh ring (issue 47; `replay.py`). `shutdown(timeout)` lets running requests finish for up to `timeout` seconds,
+ends the rest with an error, and stops every stage process.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import signal
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -27,6 +29,7 @@ from ringsched.comm.messages import AbortRequest, NewRequest, OutputBatch, Token
 from ringsched.config import EngineConfig
 from ringsched.link import RingLink
 from ringsched.process.supervisor import StageFailure, Supervisor
+from ringsched.replay import OpenRequests
 from ringsched.sampling import SamplingParams
 from ringsched.spec import ModelSpec
 
@@ -78,6 +81,8 @@ class EngineClient:
         self._task: asyncio.Task | None = None
         self.sched_stats: dict = {}  # stage 0's latest scheduler gauges
         self.counters = RequestCounters()
+        self._seeds = random.Random(cfg.seed)  # seeds the unseeded random requests, in arrival order
+        self.open_requests = OpenRequests()  # what `replay_open` resubmits
         self.healthy = False
         self.accepting = False
         self.failure: str | None = None
@@ -110,6 +115,7 @@ class EngineClient:
                 for out in msg.outputs:
                     req = self._open.get(out.rid)
                     if req is not None:  # None: its caller left (an abort's acknowledgement, say)
+                        self.open_requests.delivered(out)
                         req.queue.put_nowait(out)
         finally:
             watch.cancel()
@@ -183,6 +189,7 @@ class EngineClient:
         """Forget `rid` (idempotent); if it reached the ring and did not finish there, abort it, which frees its KV
         on every stage."""
         req = self._open.pop(rid, None)
+        self.open_requests.ended(rid)
         if req is not None and req.sent and not req.done:
             self.abort(rid)
 
@@ -192,7 +199,9 @@ class EngineClient:
             req = self._open.get(rid)
             if req is None:
                 raise EngineError(f"request {rid!r} was not admitted (or was already released)", 500)
-            self.link.send(NewRequest(rid, list(token_ids), params.to_dict()))
+            new = NewRequest(rid, list(token_ids), params.seeded(self._seeds).to_dict())
+            self.open_requests.sent(new)
+            self.link.send(new)
             req.sent = True
             self.counters.prompt_tokens += len(token_ids)
             while True:
@@ -218,6 +227,29 @@ class EngineClient:
     def abort(self, rid: str) -> None:
         if not self._closed:
             self.link.send(AbortRequest(rid))
+
+    async def replay_open(self) -> int:
+        """Resubmit every open request to a fresh ring (a replaced rank, a fresh stage 0: issue 47) with the tokens
+        already routed to it; returns how many (`requests_replayed` counts them all). Routing stops while both
+        sockets to stage 0 are re-created (`RingLink.reconnect`: nothing queued for the old stage 0 reaches the fresh
+        one, the old ring's outputs not yet routed are dropped), then resumes. A request's queue, detokenizer and
+        stop strings carry on: its stream sees a pause, then the next tokens. Nothing here detects the failure:
+        whoever replaces the rank calls this."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self.link.reconnect()
+        replays = self.open_requests.replays()
+        for new in replays:
+            self.link.send(new)
+        if self._task is not None:
+            self.start_routing()
+        return len(replays)
+
+    @property
+    def requests_replayed(self) -> int:
+        return self.open_requests.replayed
 
     # -- stats --------------------------------------------------------------------------------------------
     def stage_stats(self) -> dict[int, dict]:

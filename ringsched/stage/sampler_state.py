@@ -30,6 +30,8 @@ class SamplerState:
         # structured requests: their grammar state, built on the grammar thread (a failed build fails its
         # request when it samples)
         self.constraints: dict[str, Future[Constraint]] = {}
+        # structured requests not yet sampled here: a replay's grammar first consumes the outputs it arrived with
+        self._unsampled: set[str] = set()
         self.prompt_len: dict[str, int] = {}
         self.params: dict[str, SamplingParams] = {}
         self.history: dict[str, list[int]] = {}
@@ -40,6 +42,7 @@ class SamplerState:
             self.history.pop(rid, None)
             self.prompt_len.pop(rid, None)
             self.constraints.pop(rid, None)
+            self._unsampled.discard(rid)
         for new in plan.announce:
             p = SamplingParams.from_dict(new.params)
             self.params[new.rid] = p
@@ -47,6 +50,7 @@ class SamplerState:
             self.prompt_len[new.rid] = new.prompt_len
             if p.grammar is not None:
                 self.constraints[new.rid] = self._build(p.grammar)
+                self._unsampled.add(new.rid)
         for e in plan.entries:
             h = self.history[e.rid]
             if e.cached_ids:  # a prefix this entry does not compute
@@ -57,9 +61,7 @@ class SamplerState:
     def _build(self, grammar: str) -> Future[Constraint]:
         if self.grammars is not None:
             return self.grammars.build(grammar)
-        failed: Future[Constraint] = Future()
-        failed.set_exception(GrammarError("this stage was started without structured-output support"))
-        return failed
+        return _failed("this stage was started without structured-output support")
 
     def greedy_only(self, plan: BatchPlan) -> bool:
         """Every row that samples takes the plain argmax (no penalty, nothing banned): the last stage can then
@@ -94,10 +96,23 @@ class SamplerState:
                 out.append(None)
                 continue
             try:
-                out.append(built.result().allowed())
+                out.append(self._caught_up(rid, built.result()).allowed())
             except GrammarError as e:  # a bad grammar fails its own request, never the stage
                 raise GrammarError(f"its grammar could not be used: {e}") from None
         return out
+
+    def _caught_up(self, rid: str, constraint: Constraint) -> Constraint:
+        """`constraint`, moved on by the outputs its request held when it first sampled here: none for a request
+        sampled here all along, the delivered tokens for a replay (a ring before this one sampled them)."""
+        if rid in self._unsampled:
+            self._unsampled.discard(rid)
+            try:
+                for tok in self.history[rid][self.prompt_len[rid] :]:
+                    constraint.advance(tok)
+            except Exception as e:  # the request fails, and stays failed when its row is sampled again alone
+                self.constraints[rid] = _failed(f"it refused a token delivered before the replay: {e}")
+                raise GrammarError(f"it refused a token delivered before the replay: {e}") from None
+        return constraint
 
     def _advance(self, rids: list[str], tokens: torch.Tensor) -> torch.Tensor:
         """Move each structured request's grammar on by its token (once the batch's tokens are final); a request
@@ -132,7 +147,8 @@ class SamplerState:
         return len(self.history[rid]) - self.prompt_len[rid]
 
     def _key(self, rid: str, p: SamplingParams) -> DrawKey | None:
-        # Stage 0 gives every random request a seed (`Planner.add`), so even unseeded sampling replays identically.
+        # Every random request arrives seeded (the front end's `SamplingParams.seeded`, else `Planner.add`'s fallback),
+        # so even unseeded sampling replays identically.
         return None if p.greedy else (p.seed or 0, self._generated(rid))
 
     def _banned(self, rids: list[str], params: list[SamplingParams]) -> list[list[int]] | None:
@@ -144,3 +160,10 @@ class SamplerState:
             stop = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_ids))
             out.append(stop if self._generated(rid) < p.min_tokens else [])
         return out
+
+
+def _failed(error: str) -> Future[Constraint]:
+    """A constraint that cannot be used: its request fails when it samples."""
+    failed: Future[Constraint] = Future()
+    failed.set_exception(GrammarError(error))
+    return failed

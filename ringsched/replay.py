@@ -1,0 +1,60 @@
+"""What a front end keeps per open request so it can resubmit it to a fresh ring (issue 47).
+
+When a rank of the ring is replaced, every request the ring held is lost with stage 0's state. A front end that
+records each request as it first sent it (prompt ids, params with the seed `SamplingParams.seeded` gave it) and the
+token ids delivered since can *replay* it: the same request, with those tokens as `NewRequest.output_ids`, which the
+fresh stage 0 computes and samples on from (`Planner.add`). Greedy and seeded sampling then continue with exactly
+the tokens the undisturbed run would have given; the front end's own per-request state (detokenizer, stop strings,
+counts) is untouched and carries on.
+
+Contract: `sent(new)` when a request goes to the ring; `delivered(out)` for each of its outputs the front end reads
+(one that ends it forgets it); `ended(rid)` when the front end ends it itself (an abort). `replays()` gives the
+`NewRequest`s to resubmit, one INFO line each, and counts them in `replayed`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from ringsched.comm.messages import NewRequest, TokenOutput
+
+logger = logging.getLogger("ringsched.replay")
+
+
+@dataclass
+class OpenRequest:
+    new: NewRequest  # as first sent, its seed included
+    delivered: list[int] = field(default_factory=list)  # token ids read from the ring so far
+
+
+class OpenRequests:
+    def __init__(self) -> None:
+        self.open: dict[str, OpenRequest] = {}
+        self.replayed = 0  # requests resubmitted so far (`ringsched:requests_replayed_total`)
+
+    def sent(self, new: NewRequest) -> None:
+        self.open[new.rid] = OpenRequest(new, list(new.output_ids))
+
+    def delivered(self, out: TokenOutput) -> None:
+        """Record `out`'s tokens; a finish (any reason: stop, length, abort, error) ends the request on the ring."""
+        req = self.open.get(out.rid)
+        if req is None:
+            return
+        if out.finish_reason is not None:
+            del self.open[out.rid]
+        else:
+            req.delivered += out.token_ids
+
+    def ended(self, rid: str) -> None:
+        self.open.pop(rid, None)
+
+    def replays(self) -> list[NewRequest]:
+        """A replay of every open request, in the order they were first sent (so arrival order is kept)."""
+        out = []
+        for rid, req in self.open.items():
+            n = req.new
+            out.append(NewRequest(rid, list(n.token_ids), dict(n.params), output_ids=list(req.delivered)))
+            logger.info("replaying request %s with %d delivered token(s)", rid, len(req.delivered))
+        self.replayed += len(out)
+        return out
