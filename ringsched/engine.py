@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from ringsched.comm.messages import AbortRequest, NewRequest, OutputBatch, TokenOutput
 from ringsched.config import EngineConfig
 from ringsched.link import RingLink
-from ringsched.replay import OpenRequests
+from ringsched.replay import FollowRecovery, OpenRequests
 from ringsched.sampling import SamplingParams
 from ringsched.server.detokenizer import TextStream
 from ringsched.spec import ModelSpec
@@ -63,6 +63,7 @@ class Engine:
         self.open_requests = OpenRequests()  # what `replay_open` resubmits
         self.link = RingLink(self.cfg, self.spec)  # starts the stages
         self.supervisor = self.link.supervisor
+        self._recovery = FollowRecovery(self.supervisor, self.link)
 
     def __enter__(self) -> Engine:
         return self
@@ -103,8 +104,9 @@ class Engine:
         return self.open_requests.replayed
 
     def poll(self, timeout: float = 0.1) -> list[TokenOutput]:
-        """Outputs that arrived within `timeout`; raises `StageFailure` if a stage died."""
-        self.supervisor.check()
+        """Outputs that arrived within `timeout`; raises `StageFailure` if a stage died (beyond --max-restarts). A
+        replaced rank's recovery pauses the outputs; then the open requests are replayed and go on."""
+        self._check()
         msg = self.link.recv(timeout_ms=int(timeout * 1000))
         msgs = [msg] + self.link.drain() if msg is not None else []
         outs: list[TokenOutput] = []
@@ -116,8 +118,13 @@ class Engine:
             if m.stats:
                 self.last_stats = m.stats
         if not msgs:
-            self.supervisor.check()
+            self._check()
         return outs
+
+    def _check(self) -> None:
+        self.supervisor.check()
+        if self._recovery.step():
+            self.replay_open()
 
     def generate(
         self,

@@ -39,8 +39,15 @@ class RingLink:
             raise
 
     def send(self, msg: object) -> None:
-        if not self.closed:
+        if not self.closed and self.inp is not None:  # paused: a recovery runs (`FollowRecovery`)
             self.inp.send(msg)
+
+    def pause(self) -> None:
+        """Stop sending to stage 0 until `reconnect`: the request socket closes with linger 0, so what is queued
+        for a ring that failed is dropped, and `send` drops what comes meanwhile (the front end replays it)."""
+        if self.inp is not None:
+            self.inp.close(linger_ms=0)
+            self.inp = None
 
     def recv(self, timeout_ms: int) -> OutputBatch | None:
         return self.out.recv(timeout_ms)
@@ -56,7 +63,7 @@ class RingLink:
         is sent before it binds."""
         if self.closed:
             return
-        self.inp.close(linger_ms=0)
+        self.pause()
         self.out.close()
         self.out = Puller(self.zctx, self.supervisor.addrs.front_out)
         self.inp = Pusher(self.zctx, self.supervisor.addrs.front_in)
@@ -68,6 +75,6 @@ class RingLink:
         self.closed = True
         atexit.unregister(self.close)
         self.supervisor.stop()
-        self.inp.close(linger_ms=0)
+        self.pause()
         self.out.close()
         self.zctx.destroy(linger=0)

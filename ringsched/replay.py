@@ -58,3 +58,28 @@ class OpenRequests:
             logger.info("replaying request %s with %d delivered token(s)", rid, len(req.delivered))
         self.replayed += len(out)
         return out
+
+
+class FollowRecovery:
+    """A front end's side of a recovery (`process/recovery.py`): once one runs, stop sending to stage 0 (`pause`:
+    the request socket closed with linger 0, so nothing queued for the ring that failed reaches its successor, and
+    nothing sent meanwhile is lost: a request submitted now is open and is replayed) and let the recovery go on
+    (`front_paused`, which it waits for before the new generation starts); once the ring is whole in the next
+    generation, `step` says to replay (`replay_open`)."""
+
+    def __init__(self, supervisor, link) -> None:
+        self.supervisor, self.link = supervisor, link
+        self.generation = 0
+        self.paused = False
+
+    def step(self) -> bool:
+        """Call after each `supervisor.check()`; True when the open requests are to be replayed now."""
+        recovery = self.supervisor.recovery
+        if recovery.running and not self.paused:
+            self.link.pause()
+            self.paused = True
+            recovery.front_paused.set()
+        if self.supervisor.generation != self.generation and not recovery.running:
+            self.generation, self.paused = self.supervisor.generation, False
+            return True
+        return False

@@ -32,8 +32,18 @@ from ringsched.stage.worker import StageAddrs
 from ringsched.tokenizer import Tokenizer
 
 
+class FakeRecovery:
+    """A `Recovery` that never runs (this ring replaces nothing)."""
+
+    def __init__(self) -> None:
+        self.running, self.front_paused = False, threading.Event()
+        self.replaced: dict[int, int] = {}
+        self.pauses: list[float] = []
+
+
 class FakeSupervisor:
-    """What `EngineClient` needs of a `Supervisor`: addresses, `check`, `stop`; `failure` makes `check` raise."""
+    """What `EngineClient` needs of a `Supervisor`: addresses, `check`, `stop`, its `recovery` and `generation`;
+    `failure` makes `check` raise."""
 
     def __init__(self) -> None:
         self.ipc_dir = new_ipc_dir()
@@ -44,6 +54,7 @@ class FakeSupervisor:
         self.ranks: list[int] = []
         self.procs: list = []
         self.failure: str | None = None
+        self.recovery, self.generation = FakeRecovery(), 0
 
     def start(self) -> None:
         pass

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("ringsched.launch")
 
 READY_TIMEOUT_S = 600.0  # a replacement loads its layers as at start-up
+FRONT_PAUSE_S = 5.0  # at most this long for the front end to stop sending (it checks every 0.25 s, or each poll)
 
 
 class RecoveryFailed(RuntimeError):
@@ -46,6 +47,9 @@ class Recovery:
         self._times: list[float] = []  # when each replacement happened (for --restart-window)
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
+        # The front end has stopped sending to stage 0 (`replay.FollowRecovery`): the next generation waits for it,
+        # so nothing sent to the failed ring reaches the new one beside its replay.
+        self.front_paused = threading.Event()
 
     @property
     def running(self) -> bool:
@@ -59,6 +63,7 @@ class Recovery:
 
     def start(self, failed: dict[int, str]) -> None:
         """Replace the ranks `failed` names (rank -> cause), in a thread; `running` until every rank is ready."""
+        self.front_paused.clear()
         self._thread = threading.Thread(target=self._run, args=(dict(failed),), name="recovery", daemon=True)
         self._thread.start()
 
@@ -117,6 +122,7 @@ class Recovery:
             sup.kill(rank)
         self.generation += 1
         sup.forget_ready()
+        self.front_paused.wait(FRONT_PAUSE_S)
         spawned = time.monotonic()
         for rank in failed:
             sup.respawn(rank, self.generation)

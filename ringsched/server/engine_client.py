@@ -29,7 +29,7 @@ from ringsched.comm.messages import AbortRequest, NewRequest, OutputBatch, Token
 from ringsched.config import EngineConfig
 from ringsched.link import RingLink
 from ringsched.process.supervisor import StageFailure, Supervisor
-from ringsched.replay import OpenRequests
+from ringsched.replay import FollowRecovery, OpenRequests
 from ringsched.sampling import SamplingParams
 from ringsched.spec import ModelSpec
 
@@ -91,6 +91,8 @@ class EngineClient:
         # Starts the stages (blocking); `start_routing()` wraps its output socket for asyncio on the server's loop.
         self.link = RingLink(cfg, spec, supervisor)
         self.supervisor = self.link.supervisor
+        self._recovery = FollowRecovery(self.supervisor, self.link)
+        self._replay: asyncio.Task | None = None  # the replay after a recovery (it restarts routing)
         self.healthy = self.accepting = True
 
     # -- the background task ------------------------------------------------------------------------------
@@ -129,6 +131,9 @@ class EngineClient:
                 self.supervisor.check()
             except StageFailure as e:
                 self._fail(str(e))
+                return
+            if self._recovery.step():  # a replaced rank: the ring is whole again; the replay restarts routing
+                self._replay = asyncio.create_task(self.replay_open())
                 return
             await asyncio.sleep(_WATCH_PERIOD_S)
 

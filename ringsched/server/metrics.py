@@ -28,7 +28,8 @@ class ServerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         # Defined in groups, in this order (the exposition lists them so).
-        for define in (self._define_requests, self._define_stages, self._define_ranks, self._define_totals):
+        for define in (self._define_requests, self._define_stages, self._define_ranks, self._define_totals,
+                       self._define_recovery):  # fmt: skip
             define(self.registry, "ringsched:")
 
     def _define_requests(self, r: CollectorRegistry, p: str) -> None:
@@ -119,6 +120,28 @@ class ServerMetrics:
             ["finished_reason"], registry=r,
         )  # fmt: skip
 
+    def _define_recovery(self, r: CollectorRegistry, p: str) -> None:
+        """Failed ranks replaced (`--max-restarts`) and the requests replayed into the ring after each."""
+        self.rank_restarts = Counter(f"{p}rank_restarts", "Times each rank was replaced after dying, failing or "
+                                     "hanging.", ["rank"], registry=r)  # fmt: skip
+        self.replayed = Counter(f"{p}requests_replayed", "Open requests replayed into a ring whose failed rank was "
+                                "replaced.", registry=r)  # fmt: skip
+        self.recovery_pause = Histogram(
+            f"{p}recovery_pause_seconds", "Seconds from a failed rank seen to every rank ready again, per recovery.",
+            buckets=_E2E, registry=r,
+        )  # fmt: skip
+        self._recovery_seen: tuple[dict[int, int], int, int] = ({}, 0, 0)  # restarts per rank, replayed, pauses
+
+    def _render_recovery(self, client: EngineClient) -> None:
+        recovery = client.supervisor.recovery
+        restarts, replayed, pauses = self._recovery_seen
+        for rank, n in recovery.replaced.items():
+            self.rank_restarts.labels(rank=str(rank)).inc(n - restarts.get(rank, 0))
+        self.replayed.inc(client.requests_replayed - replayed)
+        for pause in recovery.pauses[pauses:]:
+            self.recovery_pause.observe(pause)
+        self._recovery_seen = (dict(recovery.replaced), client.requests_replayed, len(recovery.pauses))
+
     def request_finished(
         self,
         reason: str,
@@ -173,6 +196,7 @@ class ServerMetrics:
             for kind in ("compute", "wait", "sched", "comm"):
                 self.stage_time.labels(stage=stage, kind=kind).set(s.get(f"{kind}_s", 0.0))
             self.peak_memory.labels(stage=stage).set(peak)
+        self._render_recovery(client)
         return generate_latest(self.registry)
 
 
