@@ -4,13 +4,18 @@ the limit the engine stops as it always did."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import re
 import signal
 import time
 
+import httpx
+import openai
 import pytest
 from ring_utils import children_of
 
+from ringsched.bench.server_process import ServerProcess
 from ringsched.engine import Engine
 from ringsched.process.supervisor import StageFailure
 from ringsched.sampling import SamplingParams
@@ -109,3 +114,88 @@ def test_beyond_max_restarts_the_engine_stops_as_before(tiny_llama_dir):
     finally:
         llm.shutdown()
     _no_leftovers(ipc)
+
+
+def _streams(llm: Engine, kill: tuple[int, int] | None = None) -> tuple[list[list[int]], list[str]]:
+    """Nine requests of 120 tokens (greedy, seeded, unseeded with a frequency penalty), read as they stream; with
+    `kill` (rank, after), SIGKILL that rank once every request has `after` tokens. Tokens and errors."""
+    kinds = [SamplingParams(max_tokens=120, temperature=0, ignore_eos=True),
+             SamplingParams(max_tokens=120, temperature=0.9, seed=5, ignore_eos=True),
+             SamplingParams(max_tokens=120, temperature=0.8, frequency_penalty=0.5, ignore_eos=True)]  # fmt: skip
+    rids = [llm.submit([1 + i, 2, 3 + i], kinds[i % 3]) for i in range(9)]
+    got, done, errors = {r: [] for r in rids}, set(), []
+    deadline = time.monotonic() + 120
+    while len(done) < len(rids):
+        assert time.monotonic() < deadline, "a request never ended"
+        for o in llm.poll(0.05):
+            got[o.rid] += o.token_ids
+            if o.finish_reason:
+                done.add(o.rid)
+                errors += [o.error] if o.error else []
+        if kill and min(len(t) for t in got.values()) >= kill[1]:
+            os.kill(llm.supervisor.procs[kill[0]].pid, signal.SIGKILL)
+            kill = None
+    return [got[r] for r in rids], errors
+
+
+@pytest.mark.parametrize("victim", [0, 2])
+def test_requests_in_flight_go_on_with_their_undisturbed_tokens(tiny_llama_dir, victim):
+    """A stage killed while nine requests stream: each ends with exactly the tokens of an undisturbed run (the
+    front end replays it from what it delivered), none with an error, and every pool empties after."""
+    with _engine(tiny_llama_dir, pp_size=3, seed=3) as llm:
+        undisturbed, _ = _streams(llm)
+    with _engine(tiny_llama_dir, pp_size=3, seed=3) as llm:
+        got, errors = _streams(llm, kill=(victim, 40))
+        assert errors == [] and got == undisturbed
+        assert llm.supervisor.generation == 1 and llm.requests_replayed == 9
+        assert llm.wait_idle()["kv_usage"] == 0.0
+
+
+def test_a_server_stream_pauses_and_goes_on_when_a_stage_dies():
+    """PP=3 server (SmolLM2), eight streams through the `openai` client, greedy and seeded; stage 1 killed while
+    they stream: every stream ends with its undisturbed text and no error, `/health` is 200 again, the metrics
+    count the restart and the replays, and the KV pools empty."""
+    args = ["--pp-size", "3", "--threads-per-stage", "1", "--kv-cache-memory", "64M", "--max-model-len", "512"]
+    with ServerProcess(args) as srv:
+        undisturbed = asyncio.run(_server_streams(srv.url, None))
+        got = asyncio.run(_server_streams(srv.url, lambda: os.kill(srv.stage_pid(1), signal.SIGKILL)))
+        assert got == undisturbed
+        assert httpx.get(f"{srv.url}/health", timeout=10).status_code == 200
+        text = httpx.get(f"{srv.url}/metrics", timeout=10).text
+        assert re.search(r'^ringsched:rank_restarts_total\{rank="1"\} 1\.0$', text, re.M)
+        assert re.search(r"^ringsched:requests_replayed_total 8\.0$", text, re.M)
+        deadline = time.monotonic() + 10  # the stages report every 0.5 s
+        while time.monotonic() < deadline and any(float(v) for v in _kv_usage(srv.url)):
+            time.sleep(0.2)
+        assert _kv_usage(srv.url) and not any(float(v) for v in _kv_usage(srv.url))
+
+
+def _kv_usage(url: str) -> list[str]:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return re.findall(r"^ringsched:kv_cache_usage_perc\{.*\} (\S+)$", text, re.M)
+
+
+async def _server_streams(url: str, kill) -> list[str]:
+    counts = [0] * 8
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
+
+    async def one(i: int) -> str:
+        extra = {"temperature": 0.8, "seed": i} if i % 2 else {"temperature": 0.0}
+        stream = await client.completions.create(model="smollm2-135m-instruct", prompt=f"A story about {i}:",
+                                                 max_tokens=48, stream=True, extra_body={"ignore_eos": True},
+                                                 **extra)  # fmt: skip
+        text = ""
+        async for chunk in stream:
+            text += chunk.choices[0].text
+            counts[i] += 1
+        return text
+
+    tasks = [asyncio.create_task(one(i)) for i in range(8)]
+    while kill and min(counts) < 8:
+        await asyncio.sleep(0.01)
+    if kill:
+        kill()
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        await client.close()
