@@ -92,7 +92,14 @@ def test_preemption_newest_idle_request_then_recompute():
     plan = p.plan(0, 5)
     plan = p.plan(0, 6) if not plan.entries else plan
     redo = [e for e in plan.entries if e.rid == "new"][0]
-    assert redo.start == 0 and redo.token_ids == list(range(10, 40)) + [200, 201, 201]  # prompt + every output so far
+    assert (redo.start, redo.token_ids, redo.samples) == (0, list(range(10, 40)), False)  # the prompt, then
+    seq, outputs = 7, []
+    while not outputs or not outputs[-1].samples:  # each output so far computed again one a step, as decoded
+        p.on_output(seq - 1, [0] * len([e for e in plan.entries if e.samples and e.rid != "new"]))
+        plan = p.plan(0, seq)
+        outputs += [e for e in plan.entries if e.rid == "new"]
+        seq += 1
+    assert [(e.start, e.token_ids) for e in outputs] == [(30, [200]), (31, [201]), (32, [201])]
 
 
 def test_requests_that_can_never_fit_are_refused():

@@ -34,17 +34,23 @@ def drive(p, tokens, seq=0, request=None):
     return plans, outs
 
 
-def test_a_replay_prefills_prompt_and_outputs_then_samples_the_next_token():
+def test_a_replay_prefills_its_prompt_then_its_outputs_one_a_step_then_samples_the_next_token():
+    """The delivered tokens are computed again as their decodes computed them, one a micro-batch, so their KV (and
+    every token after) is the undisturbed run's bit for bit; only the last one samples."""
     p = planner()
     assert p.add(new(delivered=TOKENS[:2])) is None
     plan = p.plan(0, 0)
     (e,) = plan.entries
-    assert (e.start, e.token_ids, e.samples) == (0, PROMPT + TOKENS[:2], True)
+    assert (e.start, e.token_ids, e.samples) == (0, PROMPT, False)
     (a,) = plan.announce
     assert a.prompt_len == len(PROMPT) and a.output_ids == []  # the last stage sees the delivered tokens as outputs
-    (out,) = p.on_output(0, [TOKENS[2]])
+    assert p.on_output(0, []) == []
+    steps = [p.plan(0, seq).entries[0] for seq in (1, 2)]  # pipelined: they sample nothing before the last
+    assert [(e.start, e.token_ids, e.samples) for e in steps] == [(20, [TOKENS[0]], False), (21, [TOKENS[1]], True)]
+    assert p.on_output(1, []) == []
+    (out,) = p.on_output(2, [TOKENS[2]])
     assert out.token_ids == [TOKENS[2]] and out.completion_tokens == 3 and out.prompt_tokens == len(PROMPT)
-    (e,) = p.plan(0, 1).entries
+    (e,) = p.plan(0, 3).entries
     assert (e.start, e.token_ids) == (len(PROMPT) + 2, [TOKENS[2]])  # then a plain decode
 
 
@@ -96,6 +102,7 @@ def test_a_replay_hits_the_prefix_cache_on_prompt_and_outputs_and_keeps_no_cache
     drive(p, TOKENS, request=new())  # the first run leaves prompt + outputs (26 tokens: one full block) cached
     p.add(new(delivered=TOKENS[:5]))  # 25 tokens: its first block is cached
     (e,) = p.plan(0, 100).entries
-    assert e.start == 16 and e.cached_ids == (PROMPT + TOKENS)[:16]
-    (out,) = p.on_output(100, [TOKENS[5]])
-    assert out.cached_tokens == 0  # the front end keeps the first admission's count
+    assert e.start == 16 and e.cached_ids == (PROMPT + TOKENS)[:16] and e.token_ids == PROMPT[16:]
+    assert p.on_output(100, []) == []
+    _, (out, *_) = drive(p, TOKENS[5:], seq=101)
+    assert out.token_ids == [TOKENS[5]] and out.cached_tokens == 0  # the front end keeps the first count

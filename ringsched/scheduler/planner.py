@@ -159,8 +159,8 @@ class Planner:
             if self._prefix.computed_beside(r, len(cached), planned):
                 continue  # the next micro-batch finds those blocks cached (n > 1, or a burst behind one prefix)
             r.num_computed = len(cached) * self.blocks.block_size
-            n = min(self._chunk(r), budget)
-            if not self.blocks.can_hold(r.rid, r.num_computed + n, cached):
+            n = min(self._chunk(r), budget)  # room for its outputs too, if it has some (it computes them next)
+            if not self.blocks.can_hold(r.rid, max(r.num_computed + n, r.num_tokens), cached):
                 r.num_computed = 0
                 break
             self.waiting.remove(r)
@@ -172,10 +172,12 @@ class Planner:
             planned |= self._prefix.planned_blocks(plan, plan.entries[-1:])
 
     def _chunk(self, r: Request) -> int:
-        """Tokens `r` would compute next with no budget limit: all it has left, or its dynamic chunk."""
-        if self.chunker is None or r.remaining <= 1:
-            return r.remaining
-        return self.chunker.size(r.num_computed, r.remaining, self._decoding)
+        """Tokens `r` computes next with no budget limit: what is left of its prompt, or its dynamic chunk of it.
+        Outputs computed again (a replay's, a preempted one's) go one a step as decoded: the same KV, bit for bit."""
+        prompt_left = min(r.remaining, len(r.prompt_ids) - r.num_computed)
+        if r.remaining <= 1 or prompt_left <= 0:
+            return min(r.remaining, 1)
+        return prompt_left if self.chunker is None else self.chunker.size(r.num_computed, prompt_left, self._decoding)
 
     def _count_decoding(self) -> int:
         """Running requests past their prefill (decoding here or in flight): the steps a chunk would delay."""
