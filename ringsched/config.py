@@ -123,13 +123,16 @@ class EngineConfig:
     heartbeat_timeout: float = _flag(10.0, "seconds without a stage's heartbeat (sent every 0.5 s) before it counts "
                                      "as hung and the engine stops naming it, idle or busy")  # fmt: skip
     max_restarts: int = _flag(3, "ranks replaced within --restart-window after dying or hanging, every open request "
-                              "replayed (one node); beyond, or with 0, the engine stops as on any failure")  # fmt: skip
+                              "replayed; beyond, or with 0, the engine stops as on any failure")  # fmt: skip
     restart_window: float = _flag(600.0, "seconds over which --max-restarts counts replacements")
     nnodes: int = _flag(1, "nodes the stages span (the same command on each)", group="nodes")
     node_rank: int = _flag(0, "this node's index; node 0 runs stage 0 and the server", group="nodes")
     host_ip: str | None = _flag(None, "the address other nodes reach this one at (default: the route to node 0)",
                                 type=str, group="nodes")  # fmt: skip
     dist_timeout: float = _flag(300.0, "seconds to wait for every node to join", group="nodes")
+    rejoin_timeout: float = _flag(60.0, "seconds the ring waits, requests held, for a node whose launcher is gone to "
+                                  "be started again with the same flags and --node-rank (with --max-restarts)",
+                                  group="nodes")  # fmt: skip
     block_size: int = 16
     seed: int = _flag(0, "seeds the requests that sample without a seed of their own (a run replays with the same "
                       "seed and arrival order)")  # fmt: skip
@@ -164,9 +167,8 @@ class EngineConfig:
 
     @property
     def restarts_enabled(self) -> bool:
-        """Whether a failed rank is replaced (`process/recovery.py`): --max-restarts above 0, on one node (across
-        nodes a failure still stops the engine)."""
-        return self.max_restarts > 0 and self.nnodes == 1
+        """Whether a failed rank is replaced (`process/recovery.py`): --max-restarts above 0."""
+        return self.max_restarts > 0
 
     @property
     def stages_per_node(self) -> int:

@@ -4,9 +4,10 @@
     greedy BASE --prompt P --chat C --max-tokens N
                                   one greedy completion and one greedy chat with the `openai` package;
                                   prints {"completion": text, "chat": text}
-    streams BASE --n K --max-tokens N
-                                  K concurrent streaming completions; prints "STARTED" once every stream has
-                                  its first token, then one JSON line per stream: how it ended
+    streams BASE --n K --max-tokens N [--sampled]
+                                  K concurrent streaming completions (greedy; with --sampled, every second one
+                                  samples with seed 1000 + its index); prints "STARTED" once every stream has its
+                                  first token, then one JSON line per stream: how it ended and its text
 
 Results are the last line of stdout, as JSON, so a test reads them from the process's log.
 """
@@ -54,16 +55,26 @@ def greedy(base: str, prompt: str, chat: str, max_tokens: int) -> int:
     return 0
 
 
-async def streams(base: str, n: int, max_tokens: int, timeout: float) -> int:
+def _stream_body(i: int, max_tokens: int, sampled: bool) -> dict:
     body = {"prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    if not sampled:
+        return body
+    return {**body, "prompt": f"Story {i}: once upon a time",
+            **({"temperature": 0.8, "seed": 1000 + i} if i % 2 else {"temperature": 0})}
+
+
+async def streams(base: str, n: int, max_tokens: int, timeout: float, sampled: bool = False) -> int:
     async with httpx.AsyncClient(timeout=timeout, trust_env=False) as hc:
         model = (await hc.get(f"{base}/v1/models")).json()["data"][0]["id"]
         firsts = [asyncio.Event() for _ in range(n)]
         url = f"{base}/v1/completions"
-        tasks = [asyncio.create_task(read_sse(hc, url, {**body, "model": model}, ev)) for ev in firsts]
+        tasks = [asyncio.create_task(read_sse(hc, url, {**_stream_body(i, max_tokens, sampled), "model": model}, ev))
+                 for i, ev in enumerate(firsts)]  # fmt: skip
         await asyncio.gather(*(ev.wait() for ev in firsts))
         print("STARTED", flush=True)
-        results = [{**r, "chunks": len(r["chunks"])} for r in await asyncio.gather(*tasks)]
+        results = [{**r, "chunks": len(r["chunks"]), "text": "".join(c["choices"][0].get("text") or "" for c in
+                                                                     r["chunks"] if c.get("choices"))}
+                   for r in await asyncio.gather(*tasks)]  # fmt: skip
     print(json.dumps(results))
     return 0
 
@@ -84,12 +95,13 @@ def main() -> int:
     s.add_argument("--n", type=int, default=3)
     s.add_argument("--max-tokens", type=int, default=500)
     s.add_argument("--timeout", type=float, default=60, help="longest silence on a stream before giving up")
+    s.add_argument("--sampled", action="store_true")
     a = p.parse_args()
     if a.cmd == "wait":
         return wait(a.urls, a.timeout)
     if a.cmd == "greedy":
         return greedy(a.base, a.prompt, a.chat, a.max_tokens)
-    return asyncio.run(streams(a.base, a.n, a.max_tokens, a.timeout))
+    return asyncio.run(streams(a.base, a.n, a.max_tokens, a.timeout, a.sampled))
 
 
 if __name__ == "__main__":

@@ -2,10 +2,11 @@
 node 0 in one and node 1 in the other, each started with the same `python -m ringsched.launch` command.
 
 Covered: greedy text equal to a single-node run at PP=2 (also with the cut decided while running), PP=4 and
-PP=2 x TP=2 (two ranks per node); node 1 killed and the link cut while streams are open (every process gone
-within --stage-timeout + 10 s, the error names node 1, every stream ends with an error chunk); one rank of node 1
-killed at TP=2 (the same, the error naming that rank); rendezvous refusing a different partition and timing out
-on a missing node.
+PP=2 x TP=2 (two ranks per node); with --max-restarts 0, node 1 killed and the link cut while streams are open
+(every process gone within --stage-timeout + 10 s, the error names node 1, every stream ends with an error chunk)
+and one rank of node 1 killed at TP=2 (the same, the error naming that rank); with restarts, node 1's launcher
+killed and started again, or its stage killed and replaced, while streams are open (every stream goes on with its
+undisturbed text); rendezvous refusing a different partition and timing out on a missing node.
 
 Every client request runs inside node 0's namespace (`tests/ns_client.py`): the test process itself has no
 route to the hosts. Needs root; skipped with the reason where network namespaces are unavailable.
@@ -14,8 +15,10 @@ route to the hosts. Needs root; skipped with the reason where network namespaces
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -63,12 +66,13 @@ def net(tmp_path, smollm2_dir) -> NetHosts:
 
 
 # -- helpers ---------------------------------------------------------------------------------------------------
-def launch(net: NetHosts, rank: int, pp: int, *extra: str, stage_timeout: float = STAGE_TIMEOUT) -> NsProcess:
+def launch(net: NetHosts, rank: int, pp: int, *extra: str, stage_timeout: float = STAGE_TIMEOUT,
+           name: str | None = None) -> NsProcess:  # fmt: skip
     argv = [
         sys.executable, "-m", "ringsched.launch", "--pp-size", str(pp), "--nnodes", "2", "--node-rank", str(rank),
         "--dist-init-addr", f"{net.hosts[0].ip}:{DIST_PORT}", "--stage-timeout", str(stage_timeout), *COMMON, *extra,
     ]  # fmt: skip
-    return net.spawn(rank, argv, f"node{rank}")
+    return net.spawn(rank, argv, name or f"node{rank}")
 
 
 def base_url(net: NetHosts) -> str:
@@ -110,11 +114,11 @@ def wait_gone(procs: list[NsProcess], timeout: float) -> float | None:
     return None
 
 
-def open_streams(net: NetHosts, nodes: list[NsProcess], n: int = 3) -> NsProcess:
+def open_streams(net: NetHosts, nodes: list[NsProcess], n: int = 3, *extra: str, name: str = "streams") -> NsProcess:
     """`n` streaming completions from inside node 0's host, once each has its first chunk; every stage process
     is remembered then, so "all gone" sees them."""
-    streams = net.spawn(0, [sys.executable, CLIENT, "streams", base_url(net), "--n", str(n), "--timeout", "60"],
-                        "streams")  # fmt: skip
+    streams = net.spawn(0, [sys.executable, CLIENT, "streams", base_url(net), "--n", str(n), "--timeout", "60", *extra],
+                        name)  # fmt: skip
     deadline = time.monotonic() + 60
     while "STARTED" not in streams.log():
         assert streams.poll() is None and time.monotonic() < deadline, f"{streams.log()}\n{logs(net)}"
@@ -146,9 +150,12 @@ def test_two_hosts_match_single_node_greedy(net, reference, pp, extra):
 
 
 # -- faults while streams are open ------------------------------------------------------------------------------
+FAIL_STOP = ("--max-restarts", "0")
+
+
 @pytest.mark.parametrize("fault", ["kill-node-1", "cut-link"])
 def test_lost_node_ends_every_process_and_stream(net, fault):
-    nodes = [launch(net, 0, 2), launch(net, 1, 2)]
+    nodes = [launch(net, 0, 2, *FAIL_STOP), launch(net, 1, 2, *FAIL_STOP)]
     wait_ready(net, nodes)
     streams = open_streams(net, nodes)
 
@@ -179,7 +186,7 @@ def test_lost_node_ends_every_process_and_stream(net, fault):
 
 def test_killed_rank_of_a_tensor_parallel_stage_ends_every_process_naming_it(net):
     """PP=2 x TP=2: SIGKILL of node 1's second rank (global rank 3) while streams are open."""
-    nodes = [launch(net, r, 2, *TP2) for r in (0, 1)]
+    nodes = [launch(net, r, 2, *TP2, *FAIL_STOP) for r in (0, 1)]
     wait_ready(net, nodes)
     streams = open_streams(net, nodes)
     victims = [p for p in nodes[1].descendants() if p.name() == "ringsched-pp1t1"]
@@ -195,6 +202,53 @@ def test_killed_rank_of_a_tensor_parallel_stage_ends_every_process_naming_it(net
     for r in json.loads(streams.log().strip().splitlines()[-1]):
         assert r["chunks"] > 0 and r["done"] and r["transport_error"] is None, (r, logs(net))
         assert "rank 3" in str(r["error"]), (r, logs(net))
+
+
+# -- a node started again -------------------------------------------------------------------------------------
+def stream_results(streams: NsProcess, net: NetHosts, timeout: float = 120) -> list[dict]:
+    assert streams.wait(timeout) == 0, f"{streams.log()}\n{logs(net)}"
+    return json.loads(streams.log().strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("fault", ["launcher", "rank"])
+def test_a_node_started_again_or_a_rank_replaced_on_node_1_every_stream_goes_on(net, fault):
+    """PP=2 over two hosts, four streams (greedy and seeded) open. `launcher`: node 1's launcher SIGKILLed (its
+    stages follow it), then started again with the same flags within --rejoin-timeout. `rank`: node 1's stage
+    SIGKILLed, its launcher replacing it. Every stream ends with exactly the text of an undisturbed run, no
+    error; both nodes healthy again, nothing of the first node 1 left."""
+    args = ("--rejoin-timeout", "60", "--max-restarts", "3")
+    nodes = [launch(net, r, 2, *args) for r in (0, 1)]
+    wait_ready(net, nodes)
+    streams_args = ("--sampled", "--max-tokens", "96")
+    undisturbed = stream_results(open_streams(net, nodes, 4, *streams_args, name="undisturbed"), net)
+    assert all(r["error"] is None and r["done"] for r in undisturbed), (undisturbed, logs(net))
+
+    streams = open_streams(net, nodes, 4, *streams_args)
+    time.sleep(1.5)  # some tokens delivered
+    first_stages = [p for p in nodes[1].descendants() if p.name() == "ringsched-pp1"]
+    assert len(first_stages) == 1, (nodes[1].descendants(), logs(net))
+    if fault == "rank":
+        first_stages[0].kill()
+        live = nodes
+    else:
+        os.kill(nodes[1].pid, signal.SIGKILL)  # the launcher alone: its stages notice and go
+        gone = wait_gone([nodes[1]], 20)
+        assert gone is not None, f"node 1's stages outlived their launcher: {nodes[1].leftovers()}\n{logs(net)}"
+        time.sleep(max(4.0 - gone, 0))  # node 0 says it waits for node 1 after 3 s without an answer
+        live = [nodes[0], launch(net, 1, 2, *args, name="node1-again")]
+    results = stream_results(streams, net, timeout=180)
+    for r, u in zip(results, undisturbed, strict=True):
+        assert r["error"] is None and r["transport_error"] is None and r["done"], (r, logs(net))
+        assert r["text"] == u["text"], (r["text"], u["text"], logs(net))
+    wait_ready(net, live, timeout=60)
+    assert not first_stages[0].is_running() or first_stages[0].status() == "zombie", logs(net)
+    said = lines_with(nodes[0].log(), "stage 1 (node 1)", "restart 1 of --max-restarts 3")
+    assert said, f"node 0's log does not count the replacement\n{logs(net)}"
+    if fault == "launcher":
+        assert lines_with(nodes[0].log(), "node 1", "rejoin"), f"node 0's log does not say it waited\n{logs(net)}"
+        assert lines_with(live[1].log(), "rejoins"), logs(net)
+    else:
+        assert lines_with(nodes[1].log(), "stage 1", "killed", "replacing"), logs(net)
 
 
 # -- rendezvous --------------------------------------------------------------------------------------------------

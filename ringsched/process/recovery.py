@@ -1,4 +1,4 @@
-"""Replacing a failed rank of this node (`--max-restarts`, one node).
+"""Replacing a failed rank of this node (`--max-restarts`).
 
 When a rank dies, reports an error, or is declared hung or stuck, the `Supervisor` hands the failed ranks to
 `Recovery.start` instead of stopping the engine, as long as fewer than `--max-restarts` replacements happened within
@@ -8,7 +8,8 @@ rank and waits until each has left its generation of the ring (`lost`; one that 
 only its own layers; publishes the next generation in the store (the survivors join it with their weights and
 pools as they are, `stage/rejoin.py`); and waits until every rank is ready again. A failure during a recovery
 starts the next one over the same steps (it counts as another restart). The front end sees `generation` move on
-and replays its open requests (`replay_open`); `/health` is 503 meanwhile, since a rank is missing.
+and replays its open requests (`replay_open`); `/health` is 503 meanwhile, since a rank is missing. Across
+nodes, every node's supervisor runs the same pass over its own ranks, node 0's deciding (`process/ring_nodes.py`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import time
 from typing import TYPE_CHECKING
 
 from ringsched.comm.messages import StageStatus
+from ringsched.process.ring_nodes import NodesFailed
 from ringsched.stage import rejoin
 
 if TYPE_CHECKING:
@@ -47,6 +49,7 @@ class Recovery:
         self._times: list[float] = []  # when each replacement happened (for --restart-window)
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
+        self._finished = threading.Event()  # a recovery ended well and `done` has not said so yet
         # The front end has stopped sending to stage 0 (`replay.FollowRecovery`): the next generation waits for it,
         # so nothing sent to the failed ring reaches the new one beside its replay.
         self.front_paused = threading.Event()
@@ -54,6 +57,12 @@ class Recovery:
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    def done(self) -> bool:
+        """True once after each recovery that made the ring whole."""
+        finished = self._finished.is_set()
+        self._finished.clear()
+        return finished
 
     def allowed(self, more: int = 1) -> bool:
         """Whether `more` replacements (beside those counted) fit --max-restarts within --restart-window."""
@@ -85,7 +94,8 @@ class Recovery:
             self.pauses.append(time.monotonic() - started)
             logger.warning("the ring is whole again (generation %d) after %.1fs, %.1fs of it the replacements' start",
                            self.generation, self.pauses[-1], self.starts[-1])  # fmt: skip
-        except RecoveryFailed as e:
+            self._finished.set()
+        except (RecoveryFailed, NodesFailed) as e:
             self.error = str(e)
         except Exception as e:  # noqa: BLE001 (whatever broke the recovery stops the engine, named)
             self.error = f"replacing a failed rank failed: {type(e).__name__}: {e}"
@@ -104,9 +114,11 @@ class Recovery:
                 f"--max-restarts {self.cfg.max_restarts} within {self.cfg.restart_window:g}s")  # fmt: skip
 
     def _replace(self, failed: dict[int, str]) -> dict[int, str]:
-        """One pass: the failed ranks gone, the survivors out of the ring, replacements started, the next
-        generation published; then every rank ready (returns {}) or the ranks that failed meanwhile."""
-        sup = self.sup
+        """One pass, on every node at once (`process/ring_nodes.py`): the failed ranks gone, the survivors out of
+        the ring, replacements started, the next generation published; then every rank ready (returns {}) or the
+        ranks that failed meanwhile."""
+        sup, nodes = self.sup, self.sup.nodes
+        generation = nodes.begin(self.generation + 1)
         for rank in failed:
             sup.kill(rank)
         survivors = [r for r in sup.ranks if r not in failed]
@@ -120,16 +132,45 @@ class Recovery:
             failed = failed | newly
         for rank in failed:
             sup.kill(rank)
-        self.generation += 1
+        self._count_remote(*nodes.left(generation, failed))
+        self.generation = generation
         sup.forget_ready()
-        self.front_paused.wait(FRONT_PAUSE_S)
+        if sup.cfg.node_rank == 0:
+            self.front_paused.wait(FRONT_PAUSE_S)
         spawned = time.monotonic()
         for rank in failed:
             sup.respawn(rank, self.generation)
-        rejoin.publish_generation(sup.store)
+        nodes.publish(generation)
         failed = self._wait_ready()
+        failed |= nodes.ready(generation, failed)
         self.starts.append(time.monotonic() - spawned)
         return failed
+
+    def _count_remote(self, failed: dict[int, str], restarts: int) -> None:
+        """Node 0 counts the other nodes' replacements too (a node started again counts once)."""
+        self._times.extend([time.monotonic()] * restarts)
+        for rank, cause in failed.items():
+            self.replaced[rank] = self.replaced.get(rank, 0) + 1
+            logger.warning("%s failed: %s; its node replaces it (restart %d of --max-restarts %d within %gs)",
+                           self.cfg.describe_rank(rank), cause.splitlines()[0], len(self._times),
+                           self.cfg.max_restarts, self.cfg.restart_window)  # fmt: skip
+        if restarts and not self.allowed(0):
+            raise RecoveryFailed(self._beyond(failed))
+
+    def join_running(self, spawn) -> None:
+        """A node started again while its ring runs (its launcher had gone): ask node 0 for a pass, start every
+        rank of this node in the generation it builds (`spawn(generation)`), and say so; the caller then waits
+        for them and calls `joined`."""
+        nodes = self.sup.nodes
+        generation = nodes.begin(int(self.sup.store.add(rejoin.GENERATION_KEY, 0)) + 1)
+        logger.warning("node %d rejoins the running ring in its generation %d", self.cfg.node_rank, generation)
+        spawn(generation)
+        cause = f"node {self.cfg.node_rank}'s launcher was started again"
+        nodes.left(generation, {r: cause for r in self.sup.ranks}, restart=True)
+        self.generation = generation
+
+    def joined(self) -> None:
+        self.sup.nodes.ready(self.generation, {})
 
     def _wait_lost(self, survivors: list[int], failed: set[int]) -> dict[int, str]:
         """Until every survivor has left its generation: those that died, failed or said nothing in time."""

@@ -11,14 +11,38 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import replace
 
 from torch.distributed import PrefixStore
 
 from ringsched import __version__
 from ringsched.comm.store import RendezvousError, connect_store, route_ip, split_addr
 from ringsched.config import EngineConfig
+from ringsched.layout.partition import head_layers, log_partition, partition_source
+from ringsched.spec import ModelSpec
+
+logger = logging.getLogger("ringsched.launch")
+
+
+def meet(cfg: EngineConfig, spec: ModelSpec, partition: list[int] | None) -> tuple[Rendezvous, EngineConfig, ModelSpec]:
+    """Join the rendezvous with this node's `partition`; the config and spec then carry the partition node 0 runs
+    (the stages, and this node when it left `auto` to node 0, take it)."""
+    given, auto = cfg.pp_layer_partition, cfg.auto_partition  # before the stages are told the split
+    rdv = Rendezvous(cfg, cfg.model, spec.model_dir, partition)
+    rdv.join()
+    cfg = replace(cfg, host_ip=rdv.host_ip, pp_layer_partition=",".join(map(str, rdv.partition)))
+    cfg.check_partition(sum(rdv.partition))  # `auto` may leave no room for the flex
+    spec = spec.with_partition(rdv.partition)
+    if cfg.node_rank == 0:  # `auto` logged its measured costs; otherwise the head is weighed as the default split
+        log_partition(rdv.partition, partition_source(given), 0.0 if auto else head_layers(spec.config))
+    if cfg.nnodes > 1:
+        logger.info("node %d of %d joined the rendezvous at %s as %s; ranks %s run here", cfg.node_rank, cfg.nnodes,
+                    cfg.dist_init_addr, cfg.host_ip, list(cfg.local_ranks))  # fmt: skip
+    return rdv, cfg, spec
 
 
 def model_fingerprint(model_dir: str) -> str:
@@ -104,7 +128,8 @@ class Rendezvous:
         return {n: json.loads(self.nodes.get(f"meta/{n}"))["host_ip"] for n in range(self.cfg.nnodes)}
 
     # -- heartbeat -----------------------------------------------------------------------------------------
-    def start_heartbeat(self, period: float = 1.0) -> None:
+    def start_heartbeat(self, period: float = 1.0, on_beat: Callable[[], None] | None = None) -> None:
+        """Beat, and watch the other nodes' beats; `on_beat` also runs each period, in the same thread."""
         if self.cfg.nnodes == 1:
             return
         watched = range(1, self.cfg.nnodes) if self.cfg.node_rank == 0 else [0]
@@ -121,6 +146,8 @@ class Rendezvous:
                         if n != self.cfg.node_rank and n not in self.remote_failures:
                             if self.nodes.check([f"failed/{n}"]):
                                 self.remote_failures[n] = self.nodes.get(f"failed/{n}").decode()
+                    if on_beat is not None:
+                        on_beat()
                     self.nodes.add(f"hb/{self.cfg.node_rank}", 1)
                     for n in watched:
                         count = self.nodes.add(f"hb/{n}", 0)
@@ -153,6 +180,12 @@ class Rendezvous:
                     "or the link to it is cut"
                 )
         return self.failure
+
+    def forgive(self) -> None:
+        """A recovery has dealt with the silence `check` found: watch every node afresh."""
+        now = time.monotonic()
+        self.failure, self._last_ok = None, now
+        self._seen = {n: (count, now) for n, (count, _) in self._seen.items()}
 
     def publish_failure(self, reason: str) -> None:
         """This node's root cause, for the other nodes: written by a thread of its own, which `close` waits for

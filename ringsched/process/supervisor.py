@@ -23,12 +23,12 @@ import zmq
 from ringsched.comm.messages import Shutdown, StageStatus
 from ringsched.comm.zmq_io import Puller, Pusher, ipc_addr, new_ipc_dir
 from ringsched.config import EngineConfig
-from ringsched.layout.partition import head_layers, log_partition, partition_source
 from ringsched.layout.rank import node_rank_infos
 from ringsched.process.diagnosis import describe, liveness, remote_cause
 from ringsched.process.node_partition import own_partition
 from ringsched.process.recovery import Recovery, note_status, pid_signal
-from ringsched.process.rendezvous import Rendezvous
+from ringsched.process.rendezvous import Rendezvous, meet
+from ringsched.process.ring_nodes import mark_started, nodes_for, ring_started
 from ringsched.process.spawn import stop_resource_tracker, without_main_module
 from ringsched.spec import ModelSpec
 from ringsched.stage.affinity import cpu_list
@@ -75,37 +75,28 @@ class Supervisor:
         self._ready_at: dict[int, float] = {}
         self._beats: dict[int, dict] = {}  # rank -> its latest heartbeat (sent_at, steps, in_step)
         self._stalled: dict[int, tuple[int, float]] = {}  # rank -> (steps, since) while inside one micro-batch
+        self.nodes = None  # this node's part in a recovery (`process/ring_nodes.py`), once the store is there
         self.lost: set[int] = set()  # ranks that left their generation of the ring (`stage/rejoin.py`)
         self.recovery = Recovery(self)
 
     def start(self, timeout: float = 600.0) -> None:
         """Meet the other nodes, spawn this node's stages, wait until each is ready."""
-        partition = own_partition(self.cfg, self.spec)
-        given, auto = self.cfg.pp_layer_partition, self.cfg.auto_partition  # before the stages are told the split
         try:
-            self.rendezvous = Rendezvous(self.cfg, self.cfg.model, self.spec.model_dir, partition)
-            self.rendezvous.join()
-            # The stages (and this node, when it left `auto` to node 0) take the partition node 0 runs.
-            decided = ",".join(map(str, self.rendezvous.partition))
-            self.cfg = replace(self.cfg, host_ip=self.rendezvous.host_ip, pp_layer_partition=decided)
-            self.cfg.check_partition(sum(self.rendezvous.partition))  # `auto` may leave no room for the flex
-            self.spec = self.spec.with_partition(self.rendezvous.partition)
+            self.rendezvous, self.cfg, self.spec = meet(self.cfg, self.spec, own_partition(self.cfg, self.spec))
         except BaseException:
             self.stop()
             raise
-        if self.cfg.node_rank == 0:
-            # `auto` logged its measured costs; otherwise the head is weighed as the default split weighs it.
-            head = 0.0 if auto else head_layers(self.spec.config)
-            log_partition(self.rendezvous.partition, partition_source(given), head)
-        if self.cfg.nnodes > 1:
-            logger.info(
-                "node %d of %d joined the rendezvous at %s as %s; ranks %s run here",
-                self.cfg.node_rank, self.cfg.nnodes, self.cfg.dist_init_addr, self.cfg.host_ip,
-                list(self.cfg.local_ranks),
-            )  # fmt: skip
-        self._spawn()
-        self._wait_ready(timeout)
-        self.rendezvous.start_heartbeat()
+        self.nodes = nodes_for(self.cfg, self.store, lambda: self.rendezvous.stopped)
+        if self.cfg.node_rank > 0 and self.cfg.restarts_enabled and ring_started(self.store):
+            self.recovery.join_running(self._spawn)  # this node's launcher had gone: its ring still runs
+            self._wait_ready(timeout)
+            self.recovery.joined()
+        else:
+            self._spawn(0)
+            self._wait_ready(timeout)
+            if self.cfg.node_rank == 0:
+                mark_started(self.store)
+        self.rendezvous.start_heartbeat(on_beat=getattr(self.nodes, "watch", None))
         for rank in sorted(self.info):
             i = self.info[rank]
             logger.info(
@@ -114,10 +105,10 @@ class Supervisor:
                 i["kv_tokens"], i["threads"], cpu_list(i["cpus"]), i["pid"],
             )  # fmt: skip
 
-    def _spawn(self) -> None:
-        """One process per rank of this node (spawned, not forked)."""
+    def _spawn(self, generation: int) -> None:
+        """One process per rank of this node (spawned, not forked), starting in `generation` of the ring."""
         for info in node_rank_infos(self.cfg.layout, self.rendezvous.partition, self.cfg.node_rank):
-            self.procs.append(self._start(info, 0))
+            self.procs.append(self._start(info, generation))
             self.ranks.append(info.rank)
 
     def _start(self, info, generation: int) -> mp.Process:
@@ -150,6 +141,8 @@ class Supervisor:
             return
         if self.failure is None and self.recovery.error:
             self.failure = self.recovery.error
+        elif self.recovery.done() and self.rendezvous is not None:
+            self.rendezvous.forgive()  # a node silent while the ring was rebuilt is not silent now
         if self.failure is None:
             errors = self._take_status(self.statuses(timeout_ms))
             dead = [(r, p) for r, p in zip(self.ranks, self.procs, strict=True) if p.exitcode is not None]
@@ -164,7 +157,11 @@ class Supervisor:
                     return
                 self.failure = remote_cause(self, errors, dead) + describe(self, errors, dead)
             elif self.rendezvous is not None and self.rendezvous.check():
+                if self._recover_node():
+                    return
                 self.failure = self.rendezvous.failure
+            elif self.nodes is not None and self.nodes.pending(self.generation) and self._recover({}):
+                return
             elif (hung := liveness(self)) is not None:
                 if self._recover({hung[0]: hung[1]}):
                     return
@@ -173,6 +170,15 @@ class Supervisor:
                 self.rendezvous.publish_failure(self.failure)
         if self.failure:
             raise StageFailure(self.failure)
+
+    def _recover_node(self) -> bool:
+        """Node 0, a node silent: a recovery waits for it to be started again (--rejoin-timeout)."""
+        if self.cfg.node_rank != 0 or self.rendezvous.stopped is not None or not self._recover({}):
+            return False
+        logger.warning("%s; waiting up to --rejoin-timeout %gs for it to be started again", self.rendezvous.failure,
+                       self.cfg.rejoin_timeout)  # fmt: skip
+        self.rendezvous.forgive()
+        return True
 
     def _recover(self, failed: dict[int, str]) -> bool:
         """Hand `failed` (rank -> cause) to a recovery, if one is allowed."""
