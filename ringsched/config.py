@@ -93,6 +93,10 @@ class EngineConfig:
         None, "auto: each stage times its linear layers' paths (native kernel, MKL/oneDNN, bfloat16 widened, int8) "
         "per shape and row count at start-up, cached per CPU, and takes the fastest; off: the fixed thresholds "
         f"(default: ${LINEAR_TUNING_ENV}, else auto)", type=str, choices=LINEAR_TUNINGS)  # fmt: skip
+    enable_deterministic_inference: bool = _flag(
+        False, "CPU: every row count takes the same kernels (the native linear kernel and layer ops, bit-invariant "
+        "across rows), so a request's tokens do not depend on the requests that share its micro-batch: reruns, and "
+        "replays after a rank is replaced, give exactly the same text; prefill up to ~1.3x slower")  # fmt: skip
     device: str = _flag("auto", "cuda gives each stage one GPU (NCCL between them); auto picks cuda when present",
                         choices=("auto", "cpu", "cuda"))  # fmt: skip
     threads_per_stage: int | None = _flag(None, "CPU threads per rank (default: cores // ranks on this node; a rank "

@@ -9,12 +9,14 @@ counts) is untouched and carries on.
 
 Contract: `sent(new)` when a request goes to the ring; `delivered(out)` for each of its outputs the front end reads
 (one that ends it forgets it); `ended(rid)` when the front end ends it itself (an abort). `replays()` gives the
-`NewRequest`s to resubmit, one INFO line each, and counts them in `replayed`.
+`NewRequest`s to resubmit, one INFO line each, and counts them in `replayed`. A replayed request's first new token
+logs its pause (from the last token it had before the failure, or from its submission) and adds it to `pauses`.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 from ringsched.comm.messages import NewRequest, TokenOutput
@@ -26,12 +28,15 @@ logger = logging.getLogger("ringsched.replay")
 class OpenRequest:
     new: NewRequest  # as first sent, its seed included
     delivered: list[int] = field(default_factory=list)  # token ids read from the ring so far
+    last_at: float = field(default_factory=time.monotonic)  # when it was sent or its last token read
+    replayed: bool = False  # resubmitted, and no token read since
 
 
 class OpenRequests:
     def __init__(self) -> None:
         self.open: dict[str, OpenRequest] = {}
         self.replayed = 0  # requests resubmitted so far (`ringsched:requests_replayed_total`)
+        self.pauses: list[float] = []  # per replayed request, seconds without a token (`request_replay_pause_seconds`)
 
     def sent(self, new: NewRequest) -> None:
         self.open[new.rid] = OpenRequest(new, list(new.output_ids))
@@ -41,6 +46,14 @@ class OpenRequests:
         req = self.open.get(out.rid)
         if req is None:
             return
+        now = time.monotonic()
+        if req.replayed and (out.token_ids or out.finish_reason is not None):
+            self.pauses.append(now - req.last_at)
+            logger.info("request %s resumed after a %.2fs pause (replayed with %d delivered token(s))", out.rid,
+                        self.pauses[-1], len(req.delivered))  # fmt: skip
+            req.replayed = False
+        if out.token_ids:
+            req.last_at = now
         if out.finish_reason is not None:
             del self.open[out.rid]
         else:
@@ -55,6 +68,7 @@ class OpenRequests:
         for rid, req in self.open.items():
             n = req.new
             out.append(NewRequest(rid, list(n.token_ids), dict(n.params), output_ids=list(req.delivered)))
+            req.replayed = True
             logger.info("replaying request %s with %d delivered token(s)", rid, len(req.delivered))
         self.replayed += len(out)
         return out

@@ -102,6 +102,9 @@ async def run(port: int, n: int, tokens: int, kill: tuple[str, int, str, str] | 
                 await asyncio.sleep(0.05)
             os.kill(stage_pid(kill[0]), signal.SIGKILL)
             killed = time.monotonic()
+        noticed = time.monotonic() + 10  # a hung rank is noticed after --heartbeat-timeout: /health 503 first
+        while killed and await healthy(hc, port) and time.monotonic() < noticed:
+            await asyncio.sleep(0.05)
         while killed and health is None:
             await asyncio.sleep(0.05)
             if await healthy(hc, port):
@@ -144,6 +147,11 @@ def main() -> None:
             got = asyncio.run(run(args.port, args.streams, args.tokens,
                                   (victim, args.kill_after, args.fault, args.second)))  # fmt: skip
             same = sum(a == b for a, b in zip(got["texts"], base["texts"], strict=True))
+            for i, (a, b) in enumerate(zip(got["texts"], base["texts"], strict=True)):
+                if a != b:
+                    at = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                    print(f"  stream {i} ({'seeded' if i % 2 else 'greedy'}) differs at character {at}: "
+                          f"{b[max(at - 30, 0):at + 30]!r} became {a[max(at - 30, 0):at + 30]!r}")
             whole = re.findall(r"whole again \(generation \d+\) after ([\d.]+)s, ([\d.]+)s of it", log.read_text())
             pause, start = (float(x) for x in whole[-1]) if whole else (float("nan"),) * 2
             print(f"  {args.fault} {victim}: {same}/{args.streams} texts as undisturbed, {len(got['errors'])} errors; "

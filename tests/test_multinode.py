@@ -216,7 +216,7 @@ def test_a_node_started_again_or_a_rank_replaced_on_node_1_every_stream_goes_on(
     stages follow it), then started again with the same flags within --rejoin-timeout. `rank`: node 1's stage
     SIGKILLed, its launcher replacing it. Every stream ends with exactly the text of an undisturbed run, no
     error; both nodes healthy again, nothing of the first node 1 left."""
-    args = ("--rejoin-timeout", "60", "--max-restarts", "3")
+    args = ("--rejoin-timeout", "60", "--max-restarts", "3", "--enable-deterministic-inference")
     nodes = [launch(net, r, 2, *args) for r in (0, 1)]
     wait_ready(net, nodes)
     streams_args = ("--sampled", "--max-tokens", "96")

@@ -142,12 +142,14 @@ def _streams(llm: Engine, kill: tuple[int, int] | None = None) -> tuple[list[lis
 def test_requests_in_flight_go_on_with_their_undisturbed_tokens(tiny_llama_dir, victim):
     """A stage killed while nine requests stream: each ends with exactly the tokens of an undisturbed run (the
     front end replays it from what it delivered), none with an error, and every pool empties after."""
-    with _engine(tiny_llama_dir, pp_size=3, seed=3) as llm:
+    kw = {"pp_size": 3, "seed": 3, "enable_deterministic_inference": True}
+    with _engine(tiny_llama_dir, **kw) as llm:
         undisturbed, _ = _streams(llm)
-    with _engine(tiny_llama_dir, pp_size=3, seed=3) as llm:
+    with _engine(tiny_llama_dir, **kw) as llm:
         got, errors = _streams(llm, kill=(victim, 40))
         assert errors == [] and got == undisturbed
         assert llm.supervisor.generation == 1 and llm.requests_replayed == 9
+        assert len(llm.open_requests.pauses) == 9 and all(p > 0 for p in llm.open_requests.pauses)
         assert llm.wait_idle()["kv_usage"] == 0.0
 
 
@@ -155,7 +157,8 @@ def test_a_server_stream_pauses_and_goes_on_when_a_stage_dies():
     """PP=3 server (SmolLM2), eight streams through the `openai` client, greedy and seeded; stage 1 killed while
     they stream: every stream ends with its undisturbed text and no error, `/health` is 200 again, the metrics
     count the restart and the replays, and the KV pools empty."""
-    args = ["--pp-size", "3", "--threads-per-stage", "1", "--kv-cache-memory", "64M", "--max-model-len", "512"]
+    args = ["--pp-size", "3", "--threads-per-stage", "1", "--kv-cache-memory", "64M", "--max-model-len", "512",
+            "--enable-deterministic-inference"]  # exactly the undisturbed text, whatever shares a micro-batch
     with ServerProcess(args) as srv:
         undisturbed = asyncio.run(_server_streams(srv.url, None))
         got = asyncio.run(_server_streams(srv.url, lambda: os.kill(srv.stage_pid(1), signal.SIGKILL)))
@@ -164,6 +167,7 @@ def test_a_server_stream_pauses_and_goes_on_when_a_stage_dies():
         text = httpx.get(f"{srv.url}/metrics", timeout=10).text
         assert re.search(r'^ringsched:rank_restarts_total\{rank="1"\} 1\.0$', text, re.M)
         assert re.search(r"^ringsched:requests_replayed_total 8\.0$", text, re.M)
+        assert re.search(r"^ringsched:request_replay_pause_seconds_count 8\.0$", text, re.M)
         deadline = time.monotonic() + 10  # the stages report every 0.5 s
         while time.monotonic() < deadline and any(float(v) for v in _kv_usage(srv.url)):
             time.sleep(0.2)

@@ -121,6 +121,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, group)
 
     small_ops = False  # `prepare_linears` turns it on where `layer_ops` can run this layer's small steps
+    small_rows = layer_ops.MAX_ROWS  # steps of up to this many rows take them (every step: `batch_invariant`)
 
     def fusion_groups(self, prefix: str) -> list[list[tuple[str, nn.Linear]]]:
         """(parameter prefix, module) of each group of projections `prepare_linears` fuses: q/k/v and gate/up;
@@ -152,7 +153,7 @@ class DecoderLayer(nn.Module):
         self.small_ops = not attn.qk_norm and same and layer_ops.usable(w.dtype, w.device)
 
     def forward(self, hidden, residual, batch: ForwardBatch, kv):
-        small = self.small_ops and kv is not None and hidden.shape[0] <= layer_ops.MAX_ROWS and batch.cp is None
+        small = self.small_ops and kv is not None and hidden.shape[0] <= self.small_rows and batch.cp is None
         if small and hidden.is_contiguous() and (residual is None or residual.is_contiguous()):
             return self._small_step(hidden, residual, batch, kv)
         h, residual = self.input_layernorm.add_forward(hidden, residual)

@@ -11,6 +11,8 @@ the pair `(hidden_states, residual)`: a non-last stage returns both, a non-first
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 
@@ -122,6 +124,18 @@ class StageModel(nn.Module):
         held = [y for y in self.model.layers if not isinstance(y, MissingLayer)]
         out = [lin for y in held for lin in (y.self_attn.qkv, y.self_attn.o_proj, y.mlp.gate_up, y.mlp.down_proj)]
         return out + [self.lm_head] if self.stage.is_last else out
+
+    def batch_invariant(self) -> list[str]:
+        """`--enable-deterministic-inference`: every linear layer takes the kernel, and every layer its native
+        elementwise ops, at every row count, so a row's result is the same whichever rows share its step (where
+        the kernel does not run, torch's path stays and the names of those layers are returned)."""
+        names = {id(m): n for n, m in self.named_modules()}
+        left = [names.get(id(lin), "lm_head") for lin in self.linears() if not lin.batch_invariant()]
+        for layer in self.model.layers:
+            if isinstance(layer, DecoderLayer) and layer.small_ops:
+                layer.small_rows = sys.maxsize
+        self.paths_chosen()
+        return left
 
     def paths_chosen(self) -> None:
         """Once every linear layer has its paths (`Linear.prepare`, or `models/linear_tuning.py` after it): the

@@ -30,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -185,6 +186,14 @@ class Linear(nn.Linear):
         widen = w.device.type == "cpu" and w.dtype == torch.bfloat16 and WIDEN_ROWS > 0 and not has_amx()
         self.paths = FixedPaths(MAX_ROWS[w.dtype] if usable else 0, WIDEN_ROWS if widen else 0)
         self.bias_f32 = None if self.bias is None else self.bias.detach().float()
+
+    def batch_invariant(self) -> bool:
+        """Take the kernel at every row count, where it runs (its rows are bit-invariant: a row's result does not
+        depend on the others); False where it does not."""
+        if self.paths.path(1) != NATIVE:
+            return False
+        self.paths = FixedPaths(max_rows=sys.maxsize)
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         path = self.paths.path(x.shape[0]) if x.dim() == 2 else TORCH

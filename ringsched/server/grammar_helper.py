@@ -58,6 +58,7 @@ def _answer(job: dict, grammars: Grammars) -> dict:
 
 def main(argv: list[str]) -> int:
     model_dir, vocab_size, eos, memory_mb = argv
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the pool ends us (EOF)
     eos_ids = tuple(int(t) for t in eos.split(",") if t)
     out = os.fdopen(os.dup(1), "w", encoding="utf-8")
     os.dup2(2, 1)

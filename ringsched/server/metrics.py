@@ -130,17 +130,25 @@ class ServerMetrics:
             f"{p}recovery_pause_seconds", "Seconds from a failed rank seen to every rank ready again, per recovery.",
             buckets=_E2E, registry=r,
         )  # fmt: skip
-        self._recovery_seen: tuple[dict[int, int], int, int] = ({}, 0, 0)  # restarts per rank, replayed, pauses
+        self.request_pause = Histogram(
+            f"{p}request_replay_pause_seconds", "Seconds a replayed request went without a token, per request.",
+            buckets=_E2E, registry=r,
+        )  # fmt: skip
+        # restarts per rank, replayed, recovery pauses, request pauses
+        self._recovery_seen: tuple[dict[int, int], int, int, int] = ({}, 0, 0, 0)
 
     def _render_recovery(self, client: EngineClient) -> None:
         recovery = client.supervisor.recovery
-        restarts, replayed, pauses = self._recovery_seen
+        restarts, replayed, pauses, request_pauses = self._recovery_seen
         for rank, n in recovery.replaced.items():
             self.rank_restarts.labels(rank=str(rank)).inc(n - restarts.get(rank, 0))
         self.replayed.inc(client.requests_replayed - replayed)
         for pause in recovery.pauses[pauses:]:
             self.recovery_pause.observe(pause)
-        self._recovery_seen = (dict(recovery.replaced), client.requests_replayed, len(recovery.pauses))
+        waits = client.open_requests.pauses
+        for pause in waits[request_pauses:]:
+            self.request_pause.observe(pause)
+        self._recovery_seen = (dict(recovery.replaced), client.requests_replayed, len(recovery.pauses), len(waits))
 
     def request_finished(
         self,
@@ -217,6 +225,11 @@ async def log_throughput(client: EngineClient, period: float = 5.0) -> None:
             kv = ", ".join(f"{s.get('kv_usage', 0.0):.1%}" for s in stages)
             logger.info(
                 "running %d, waiting %d, prompt %.1f tok/s, generation %.1f tok/s, KV usage per stage %s",
-                running, waiting, (prefill_now - prefill) / dt, (gen_now - gen) / dt, kv or "-",
+                running, waiting, _since(prefill_now, prefill) / dt, (gen_now - gen) / dt, kv or "-",
             )  # fmt: skip
         last, prefill, gen = now, prefill_now, gen_now
+
+
+def _since(now: int, before: int) -> int:
+    """A counter's growth over a period; stage 0's counts start again from 0 when a recovery replaces its planner."""
+    return now - before if now >= before else now

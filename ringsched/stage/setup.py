@@ -100,7 +100,12 @@ class RankSetup:
                             self.flex.lo, self.flex.hi)  # fmt: skip
         self.model = load_stage_model(self.spec.model_dir, self.stage, cfg.torch_dtype, self.device, tp=self.tp,
                                       quantization=cfg.quantization)  # fmt: skip
-        linear_tuning.tune_stage(self.model, cfg.linear_tuning, cfg.torch_dtype)  # its threads and weights: after both
+        if cfg.enable_deterministic_inference:
+            left = self.model.batch_invariant()
+            logger.info("deterministic inference: every row count takes the native kernels%s",
+                        f" but in {', '.join(left)} (torch's path, not batch-invariant)" if left else "")  # fmt: skip
+        else:
+            linear_tuning.tune_stage(self.model, cfg.linear_tuning, cfg.torch_dtype)  # its threads, weights: after both
 
     def _kv_blocks(self, local: ModelConfig, generation: int) -> int:
         """The first generation agrees on the smallest pool of any rank (and records it); a later one keeps it,
