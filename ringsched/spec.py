@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ringsched.config import ConfigError, EngineConfig
 from ringsched.layout.partition import default_partition, head_layers
+from ringsched.models.checkpoint_check import check_checkpoint
 from ringsched.models.config import ModelConfig
 from ringsched.models.fetch import resolve_model
 from ringsched.models.tp import TPLayoutError, check_tp
@@ -32,6 +33,7 @@ class ModelSpec:
         UnsupportedModelError or FileNotFoundError with a message naming the flag."""
         model_dir = str(resolve_model(cfg.model, quiet=quiet))
         mcfg = ModelConfig.from_dir(model_dir)
+        check_checkpoint(model_dir, mcfg)  # nothing loads silently wrong
         head = head_layers(mcfg)
         cfg.check_partition(mcfg.num_layers, head)  # a bad --pp-layer-partition fails here, not in a child
         try:

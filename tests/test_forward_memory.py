@@ -69,7 +69,7 @@ def test_slice_counts():
 @pytest.mark.parametrize("tokens", [129, 300, 512])
 def test_sliced_mlp_equals_the_whole(monkeypatch, tokens):
     torch.manual_seed(0)
-    mlp = MLP(SimpleNamespace(hidden_size=64, intermediate_size=256)).eval()
+    mlp = MLP(SimpleNamespace(hidden_size=64, intermediate_size=256, mlp_bias=False)).eval()
     x = torch.randn(tokens, 64)
     with torch.no_grad():
         whole = mlp(x)

@@ -29,7 +29,9 @@ class ModelConfig:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    attention_bias: bool = False  # bias on the q/k/v projections (Qwen2 always; others with `attention_bias`)
+    o_proj_bias: bool = False  # and on o_proj (Llama, Mistral, Qwen3 with `attention_bias`; never Qwen2)
+    mlp_bias: bool = False  # bias on gate, up and down (Llama's `mlp_bias`)
     qk_norm: bool = False  # Qwen3: RMSNorm on each head of q and k before rotary
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -84,6 +86,8 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            o_proj_bias=arch != "Qwen2ForCausalLM" and bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,

@@ -36,7 +36,7 @@ class Attention(nn.Module):
         self.q_proj = ColumnParallelLinear(hidden, (q0 * d, h * d), cfg.num_heads * d, bias)
         self.k_proj = ColumnParallelLinear(hidden, (k0 * d, kvh * d), cfg.num_kv_heads * d, bias)
         self.v_proj = ColumnParallelLinear(hidden, (k0 * d, kvh * d), cfg.num_kv_heads * d, bias)
-        self.o_proj = RowParallelLinear((q0 * d, h * d), cfg.num_heads * d, hidden, group)
+        self.o_proj = RowParallelLinear((q0 * d, h * d), cfg.num_heads * d, hidden, group, cfg.o_proj_bias)
         self.__dict__["qkv"] = None  # `fuse_linears` of q/k/v once the weights are in (not a submodule)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -71,9 +71,9 @@ class MLP(nn.Module):
         super().__init__()
         group = group if group is not None else SoloGroup()
         part, hidden, inter = group.shard.intermediate(cfg), cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = ColumnParallelLinear(hidden, part, inter, bias=False)
-        self.up_proj = ColumnParallelLinear(hidden, part, inter, bias=False)
-        self.down_proj = RowParallelLinear(part, inter, hidden, group)
+        self.gate_proj = ColumnParallelLinear(hidden, part, inter, bias=cfg.mlp_bias)
+        self.up_proj = ColumnParallelLinear(hidden, part, inter, bias=cfg.mlp_bias)
+        self.down_proj = RowParallelLinear(part, inter, hidden, group, cfg.mlp_bias)
         self.__dict__["gate_up"] = None  # `fuse_linears` of gate/up once the weights are in (not a submodule)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

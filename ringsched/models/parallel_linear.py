@@ -48,15 +48,22 @@ class ColumnParallelLinear(Sharded, Linear):
 
 
 class RowParallelLinear(Sharded, Linear):
-    """Input features `part` of a `whole`-wide linear layer, its output summed over `group` (no bias: it would
-    be added once per rank). `partial_sum` and `reduce` split the call for a caller that runs the product in
-    pieces and sums the whole once (the MLP's row slices)."""
+    """Input features `part` of a `whole`-wide linear layer, its output summed over `group`; a bias is read whole
+    and kept by the group's first rank alone (zeroed on the others at `prepare`), so the sum adds it once.
+    `partial_sum` and `reduce` split the call for a caller that runs the product in pieces and sums the whole once
+    (the MLP's row slices)."""
 
     split_dim = 1
 
-    def __init__(self, part: Part, whole: int, out_features: int, group: TPGroup) -> None:
-        super().__init__(part[1], out_features, bias=False)
+    def __init__(self, part: Part, whole: int, out_features: int, group: TPGroup, bias: bool = False) -> None:
+        super().__init__(part[1], out_features, bias=bias)
         self.part, self.whole, self.group = part, whole, group
+
+    def prepare(self) -> None:
+        if self.bias is not None and self.group.shard.rank != 0:
+            with torch.no_grad():
+                self.bias.zero_()
+        super().prepare()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.group.all_reduce(super().forward(x))
