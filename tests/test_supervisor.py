@@ -99,3 +99,16 @@ def test_source_paths_are_dropped():
     assert without_source_paths(f"stage 0 lost stage 1: {GLOO}") == (
         "stage 0 lost stage 1: Connection closed by peer [127.0.0.1]:5000"
     )
+
+
+def test_the_ready_log_says_what_the_pools_allow_a_request(caplog):
+    from ringsched.process.ready_log import log_ready
+
+    info = {r: {"layers": [0, 15], "weights_bytes": 2**20, "kv_tokens": 4096, "threads": 1, "cpus": [0], "pid": 1}
+            for r in (0, 1)}  # fmt: skip
+    with caplog.at_level("INFO", logger="ringsched.launch"):
+        log_ready(EngineConfig(pp_size=2), info, 2048)
+        log_ready(EngineConfig(pp_size=2), info, 8192)
+    assert any("may hold 2048 tokens (--max-model-len 2048), 2.0 requests" in r.message for r in caplog.records)
+    warned = [r.message for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and "4096 tokens, less than --max-model-len 8192" in warned[0]

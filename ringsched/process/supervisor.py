@@ -26,12 +26,12 @@ from ringsched.config import EngineConfig
 from ringsched.layout.rank import node_rank_infos
 from ringsched.process.diagnosis import describe, liveness, remote_cause
 from ringsched.process.node_partition import own_partition
+from ringsched.process.ready_log import log_ready
 from ringsched.process.recovery import Recovery, note_status, pid_signal
 from ringsched.process.rendezvous import Rendezvous, meet
 from ringsched.process.ring_nodes import mark_started, nodes_for, ring_started
 from ringsched.process.spawn import stop_resource_tracker, without_main_module
 from ringsched.spec import ModelSpec
-from ringsched.stage.affinity import cpu_list
 from ringsched.stage.heap import stage_allocator_env
 from ringsched.stage.worker import StageAddrs, process_name, stage_main
 
@@ -97,13 +97,7 @@ class Supervisor:
             if self.cfg.node_rank == 0:
                 mark_started(self.store)
         self.rendezvous.start_heartbeat(on_beat=getattr(self.nodes, "watch", None))
-        for rank in sorted(self.info):
-            i = self.info[rank]
-            logger.info(
-                "%s ready: layers %d-%d, weights %.1f MiB, KV %d tokens, %d thread(s) on CPUs %s (pid %d)",
-                self.cfg.describe_rank(rank), i["layers"][0], i["layers"][1] - 1, i["weights_bytes"] / 2**20,
-                i["kv_tokens"], i["threads"], cpu_list(i["cpus"]), i["pid"],
-            )  # fmt: skip
+        log_ready(self.cfg, self.info, self.spec.context_len)
 
     def _spawn(self, generation: int) -> None:
         """One process per rank of this node (spawned, not forked), starting in `generation` of the ring."""
