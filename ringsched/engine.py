@@ -88,7 +88,7 @@ class Engine:
         self.link.send(AbortRequest(rid))
 
     def replay_open(self) -> int:
-        """Resubmit every open request to a fresh ring (a replaced rank, a fresh stage 0: issue 47) with the tokens
+        """Resubmit every open request to a fresh ring (a replaced rank, a fresh stage 0) with the tokens
         already delivered, after re-creating the sockets to stage 0 (`RingLink.reconnect`: nothing queued for the
         old stage 0 reaches the fresh one, outputs not yet read are dropped). Greedy and seeded requests go on with
         exactly their undisturbed tokens. Returns how many were resubmitted (`requests_replayed` counts them all).

@@ -56,7 +56,7 @@ class RingLink:
         return self.out.drain()
 
     def reconnect(self) -> None:
-        """Close and re-create both sockets to stage 0, for a fresh stage 0 that replaced the old one (issue 47).
+        """Close and re-create both sockets to stage 0, for a fresh stage 0 that replaced the old one.
         Requests and aborts still queued for the old one are dropped (linger 0), so none reaches the fresh one
         besides what is sent from now on; outputs of the old ring not yet read are dropped with the old outputs
         socket. The fresh stage 0 binds `front_in` and connects to `front_out` as the old one did; ZMQ queues what

@@ -1,4 +1,4 @@
-"""What a front end keeps per open request so it can resubmit it to a fresh ring (issue 47).
+"""What a front end keeps per open request so it can resubmit it to a fresh ring (`--max-restarts`).
 
 When a rank of the ring is replaced, every request the ring held is lost with stage 0's state. A front end that
 records each request as it first sent it (prompt ids, params with the seed `SamplingParams.seeded` gave it) and the

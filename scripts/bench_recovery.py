@@ -149,7 +149,7 @@ def main() -> None:
             same = sum(a == b for a, b in zip(got["texts"], base["texts"], strict=True))
             for i, (a, b) in enumerate(zip(got["texts"], base["texts"], strict=True)):
                 if a != b:
-                    at = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                    at = next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
                     print(f"  stream {i} ({'seeded' if i % 2 else 'greedy'}) differs at character {at}: "
                           f"{b[max(at - 30, 0):at + 30]!r} became {a[max(at - 30, 0):at + 30]!r}")
             whole = re.findall(r"whole again \(generation \d+\) after ([\d.]+)s, ([\d.]+)s of it", log.read_text())

@@ -67,9 +67,11 @@ def test_fp8_scales_are_refused_naming_the_tensor(tiny):
 
 def test_unknown_and_missing_tensors_are_refused(tiny):
     _edit(tiny, lambda s: s.update({"model.layers.0.mlp.experts.0.w1.weight": torch.ones(2, 2)}))
-    with pytest.raises(UnsupportedModelError, match=r"1 tensor\(s\) .* not read, e\.g\. model\.layers\.0\.mlp\.experts"):
+    unread = r"1 tensor\(s\) .* not read, e\.g\. model\.layers\.0\.mlp\.experts"
+    with pytest.raises(UnsupportedModelError, match=unread):
         ModelSpec.resolve(EngineConfig(model=str(tiny)))
-    _edit(tiny, lambda s: [s.pop("model.layers.0.mlp.experts.0.w1.weight"), s.pop("model.layers.1.mlp.up_proj.weight")])
+    drop = ("model.layers.0.mlp.experts.0.w1.weight", "model.layers.1.mlp.up_proj.weight")
+    _edit(tiny, lambda s: [s.pop(name) for name in drop])
     with pytest.raises(UnsupportedModelError, match=r"lacks 1 tensor\(s\).*model\.layers\.1\.mlp\.up_proj\.weight"):
         ModelSpec.resolve(EngineConfig(model=str(tiny)))
 

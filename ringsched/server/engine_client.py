@@ -7,7 +7,7 @@ request's `TokenOutput`s until one carries a `finish_reason`; it raises `EngineE
 an error or was aborted by anyone but its caller. Leaving the iteration early (the client went away) aborts the
 request on the ring, which frees its KV on every stage. When a stage dies, every open request ends with an
 `EngineError`, `healthy` turns False and `on_failure` is called. `replay_open()` resubmits every open request to a
-fresh ring (issue 47; `replay.py`). `shutdown(timeout)` lets running requests finish for up to `timeout` seconds,
+fresh ring (`replay.py`). `shutdown(timeout)` lets running requests finish for up to `timeout` seconds,
 ends the rest with an error, and stops every stage process.
 """
 
@@ -234,7 +234,7 @@ class EngineClient:
             self.link.send(AbortRequest(rid))
 
     async def replay_open(self) -> int:
-        """Resubmit every open request to a fresh ring (a replaced rank, a fresh stage 0: issue 47) with the tokens
+        """Resubmit every open request to a fresh ring (a replaced rank, a fresh stage 0) with the tokens
         already routed to it; returns how many (`requests_replayed` counts them all). Routing stops while both
         sockets to stage 0 are re-created (`RingLink.reconnect`: nothing queued for the old stage 0 reaches the fresh
         one, the old ring's outputs not yet routed are dropped), then resumes. A request's queue, detokenizer and
