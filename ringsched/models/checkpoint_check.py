@@ -51,19 +51,19 @@ def check_config(raw: dict) -> None:
             raise UnsupportedModelError(f"config.json: {field} = {json.dumps(raw[field])}: {why}")
 
 
-def expected_tensors(cfg: ModelConfig) -> set[str]:
-    """The tensor names a whole (one-stage) model of `cfg` reads."""
+def expected_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
+    """The name and shape of every tensor a whole (one-stage) model of `cfg` reads."""
     from ringsched.models.llama import StageModel  # the model imports the layers, which import the config
 
     with torch.device("meta"):
         model = StageModel(cfg, StageInfo(0, 1, 0, cfg.num_layers))
-    return set(model.state_dict())
+    return {name: t.shape for name, t in model.state_dict().items()}
 
 
 def check_tensors(cfg: ModelConfig, names: set[str]) -> None:
     """Raise `UnsupportedModelError` if the checkpoint's tensor `names` miss one the model needs or hold ones it would
     not read."""
-    want = expected_tensors(cfg)
+    want = set(expected_shapes(cfg))
     optional = {"lm_head.weight"}  # tied, or absent: the embedding serves as the head (`loader`)
     missing = sorted(want - names - optional)
     extra = sorted(n for n in names - want if not n.endswith(IGNORED_SUFFIXES))

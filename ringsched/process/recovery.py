@@ -22,7 +22,7 @@ import time
 from typing import TYPE_CHECKING
 
 from ringsched.comm.messages import StageStatus
-from ringsched.process.ring_nodes import NodesFailed
+from ringsched.process.ring_nodes import READY_TIMEOUT_S, NodesFailed
 from ringsched.stage import rejoin
 
 if TYPE_CHECKING:
@@ -30,7 +30,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("ringsched.launch")
 
-READY_TIMEOUT_S = 600.0  # a replacement loads its layers as at start-up
 FRONT_PAUSE_S = 5.0  # at most this long for the front end to stop sending (it checks every 0.25 s, or each poll)
 
 

@@ -7,7 +7,8 @@ next generation of the ring is published. One pass, on every node at once:
    own asks for a pass (`ring/requests`) and waits for that key.
 2. Each node kills its failed ranks and moves its survivors out of the ring, then says which ranks it replaces
    (`left`: `ring/left/<gen>/<node>`). Node 0 waits for every node's answer up to `--rejoin-timeout`: a node whose
-   launcher is gone answers once it is started again with the same flags and `--node-rank` (`Rejoining`).
+   launcher is gone answers once it is started again with the same flags and `--node-rank`
+   (`Recovery.join_running`).
 3. Node 0 publishes the generation (`rejoin.publish_generation`); every node waits for its ranks to be ready and
    says so, with any that failed meanwhile (`ready`: `ring/ready/<gen>/<node>`), which starts the next pass.
 
@@ -26,6 +27,7 @@ from ringsched.stage import rejoin
 NEXT_KEY, REQUESTS_KEY, STARTED_KEY = "ring/next", "ring/requests", "ring/started"
 POLL_S = 0.1
 ANSWER_S = 3.0  # a live node answers a pass within this; one that does not is waited for as gone
+READY_TIMEOUT_S = 600.0  # a replacement loads its layers as at start-up
 
 logger = logging.getLogger("ringsched.launch")
 
@@ -64,20 +66,17 @@ class _Nodes:
         self.store, self.node, self.nnodes = store, node, nnodes
         self.rejoin_timeout, self.stopped, self.describe_node = rejoin_timeout, stopped, describe_node
 
-    def _wait(self, key: str, deadline: float, why: Callable[[], str]) -> bytes:
+    def _wait(self, key: str, deadline: float, why: Callable[[], str] | None = None) -> bytes | None:
+        """`key`'s value once it is set; at `deadline`, `NodesFailed(why())`, or None without `why`."""
         while not self.store.check([key]):
             if self.stopped() is not None:
                 raise NodesFailed(f"node 0 stopped the ring: {self.stopped() or 'shut down'}")
             if time.monotonic() > deadline:
+                if why is None:
+                    return None
                 raise NodesFailed(why())
             time.sleep(POLL_S)
         return self.store.get(key)
-
-    def _answers(self, key: str, within: float) -> bool:
-        deadline = time.monotonic() + within
-        while not self.store.check([key]) and time.monotonic() < deadline:
-            time.sleep(POLL_S)
-        return self.store.check([key])
 
     def _put(self, kind: str, generation: int, failed: dict[int, str], restart: bool = False) -> None:
         self.store.set(f"ring/{kind}/{generation}/{self.node}", json.dumps({"failed": failed, "restart": restart}))
@@ -99,7 +98,7 @@ class Coordinator(_Nodes):
         deadline = time.monotonic() + self.rejoin_timeout
         theirs, restarts = {}, 0
         for n in range(1, self.nnodes):
-            if not self._answers(f"ring/left/{generation}/{n}", ANSWER_S):
+            if self._wait(f"ring/left/{generation}/{n}", time.monotonic() + ANSWER_S) is None:
                 logger.warning("%s has not answered: waiting up to --rejoin-timeout %gs for it to rejoin (its "
                                "launcher started again with the same flags)", self.describe_node(n),
                                self.rejoin_timeout)  # fmt: skip
@@ -116,8 +115,6 @@ class Coordinator(_Nodes):
         assert published == generation, (published, generation)
 
     def ready(self, generation: int, failed: dict[int, str]) -> dict[int, str]:
-        from ringsched.process.recovery import READY_TIMEOUT_S
-
         deadline, theirs = time.monotonic() + READY_TIMEOUT_S, {}
         for n in range(1, self.nnodes):
             said = json.loads(self._wait(f"ring/ready/{generation}/{n}", deadline,
