@@ -25,7 +25,7 @@ from ringsched.config_checks import (
     check_layer_partition,
 )
 from ringsched.config_checks import parse_memory as parse_memory  # importers take it from here
-from ringsched.device import cpus_here, read_checkpoint_config, resolve_dtype
+from ringsched.device import cpu_has_fast_bf16, cpus_here, read_checkpoint_config, resolve_dtype
 from ringsched.layout.flex import FLEX_POLICIES, FlexBoundary
 from ringsched.layout.partition import ENV_OVERRIDE, PartitionError, resolve_partition
 from ringsched.layout.rank import Layout
@@ -79,8 +79,9 @@ class EngineConfig:
                                                "stages)")  # fmt: skip
     max_model_len: int | None = _flag(None, "context length (default: the model's)", type=int)
     dtype: str = _flag("auto", "weights and activations; auto: the checkpoint's torch_dtype on GPU (bfloat16 if it "
-                       "names none), float32 on CPU; bfloat16 halves memory (and on CPUs with AMX runs faster), "
-                       "float16 is for GPUs", choices=("auto", "float32", "bfloat16", "float16"))  # fmt: skip
+                       "names none); on CPU bfloat16 for a bfloat16 checkpoint where the CPU has AVX512-BF16 or AMX, "
+                       "else float32; bfloat16 halves memory, float16 is for GPUs",
+                       choices=("auto", "float32", "bfloat16", "float16"))  # fmt: skip
     attention_backend: str = _flag("auto", "attention kernels: auto (triton on CUDA; on CPU the native decode kernel "
                                    "where it builds, else torch), torch, native, triton (on CPU it runs under "
                                    "triton's interpreter: for tests only, very slow)",
@@ -222,7 +223,8 @@ class EngineConfig:
         if self.dtype != "auto":
             return DTYPES[self.dtype]
         device = self.resolved_device
-        return DTYPES[resolve_dtype("auto", device, read_checkpoint_config(self.model) if device == "cuda" else {})]
+        checkpoint = read_checkpoint_config(self.model)
+        return DTYPES[resolve_dtype("auto", device, checkpoint, device != "cuda" and cpu_has_fast_bf16())]
 
     @property
     def resolved_device(self) -> str:

@@ -30,16 +30,29 @@ def gpu_shortfall(pp_size: int, nnodes: int, tp_size: int, cp_size: int, visible
     )
 
 
-def resolve_dtype(requested: str, device: str, checkpoint: dict) -> str:
-    """`--dtype auto`: the checkpoint's `torch_dtype` (or `dtype`) on a GPU, bfloat16 when it names none or one
-    we do not run; float32 on CPU (the greedy-equality tests and the CPU kernels are float32). An explicit dtype
-    is kept."""
+def resolve_dtype(requested: str, device: str, checkpoint: dict, fast_bf16: bool = False) -> str:
+    """`--dtype auto`: the checkpoint's `torch_dtype` (or `dtype`) where the device computes it well. On a GPU, that
+    dtype (bfloat16 when it names none or one we do not run). On a CPU, bfloat16 where the checkpoint is bfloat16
+    and the CPU multiplies bfloat16 natively (`fast_bf16`: AVX512-BF16 or AMX), float32 otherwise (float16 has no
+    fast CPU path; float32 is what the greedy-equality tests compare). An explicit dtype is kept."""
     if requested != "auto":
         return requested
-    if device != "cuda":
-        return "float32"
     named = str(checkpoint.get("torch_dtype") or checkpoint.get("dtype") or "").removeprefix("torch.")
+    if device != "cuda":
+        return "bfloat16" if named == "bfloat16" and fast_bf16 else "float32"
     return named if named in DTYPES else "bfloat16"
+
+
+def dtype_note(chosen: str, device: str, checkpoint: dict) -> str | None:
+    """The log line for an `auto` dtype that is not the checkpoint's own, or None."""
+    named = str(checkpoint.get("torch_dtype") or checkpoint.get("dtype") or "").removeprefix("torch.")
+    if not named or named == chosen:
+        return None
+    why = f"{named} has no fast path here"
+    if named == "bfloat16":
+        why = "this CPU has no native bfloat16 (AVX512-BF16 or AMX)"
+    return (f"--dtype auto: the checkpoint is {named}, running {chosen} on {device} ({why}); --dtype {named} runs it "
+            "as it is")
 
 
 # Held back from a fractional --kv-cache-memory on a GPU before the fraction is taken: the allocator's slack,
@@ -64,6 +77,16 @@ def usable_cpus(affinity: set[int] | None, cpu_count: int | None) -> int:
 def cpus_here() -> int:
     affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     return usable_cpus(affinity, os.cpu_count())
+
+
+def cpu_has_fast_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX-BF16 in /proc/cpuinfo's flags)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def read_checkpoint_config(model: str) -> dict:

@@ -40,6 +40,10 @@ class ModelSpec:
             check_tp(mcfg, cfg.tp_size)
         except TPLayoutError as e:
             raise ConfigError(str(e)) from None
+        if cfg.cp_size > 1 and (mcfg.layer_types or mcfg.attn_softcap):
+            raise ConfigError(f"--cp-size {cfg.cp_size}: context parallelism runs full attention without soft-capping, "
+                              f"and this {mcfg.architecture} has sliding-window or soft-capped layers; use --cp-size 1 "
+                              "(--pp-size and --tp-size split it)")  # fmt: skip
         auto = cfg.auto_partition
         counts = default_partition(mcfg.num_layers, cfg.pp_size, head) if auto else cfg.partition(mcfg.num_layers, head)
         return cls(model_dir, mcfg, cfg.context_len(mcfg.max_position_embeddings), _eos_ids(model_dir, mcfg),

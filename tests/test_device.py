@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ringsched.config import ConfigError, EngineConfig
-from ringsched.device import activation_reserve, gpu_shortfall, resolve_dtype, usable_cpus
+from ringsched.device import activation_reserve, dtype_note, gpu_shortfall, resolve_dtype, usable_cpus
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,6 +40,20 @@ def test_gpu_shortfall_counts_this_nodes_ranks(pp, nnodes, tp, cp, gpus, ok):
 )  # fmt: skip
 def test_resolve_dtype(requested, device, checkpoint, want):
     assert resolve_dtype(requested, device, checkpoint) == want
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "fast_bf16", "want"),
+    [({"torch_dtype": "bfloat16"}, True, "bfloat16"), ({"torch_dtype": "bfloat16"}, False, "float32"),
+     ({"dtype": "float16"}, True, "float32"), ({"torch_dtype": "float32"}, True, "float32"), ({}, True, "float32")],
+)  # fmt: skip
+def test_auto_on_a_cpu_takes_bfloat16_only_where_the_cpu_computes_it(checkpoint, fast_bf16, want):
+    assert resolve_dtype("auto", "cpu", checkpoint, fast_bf16) == want
+    note = dtype_note(want, "cpu", checkpoint)
+    named = checkpoint.get("torch_dtype") or checkpoint.get("dtype")
+    assert (note is None) == (named in (None, want))
+    if note:
+        assert f"the checkpoint is {named}, running {want}" in note and f"--dtype {named}" in note
 
 
 def test_usable_cpus_prefers_the_affinity_mask():

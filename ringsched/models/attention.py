@@ -22,6 +22,7 @@ from ringsched.models.native import NativeDecode
 
 if TYPE_CHECKING:  # the CP attention builds on this module
     from ringsched.models.cp_attention import CPForward
+    from ringsched.models.window_attention import WindowedAttention
 
 
 @dataclass
@@ -75,6 +76,10 @@ class ForwardBatch:
     # --cp-size > 1: this CP rank's rows of the micro-batch and the attention over the group's split KV, which
     # replaces the paged attention above; None otherwise
     cp: CPForward | None = None
+    # Every sequence as `(first row, new tokens, context length, the context's cache slots)`, built on first call
+    # (`batch._flatten`): what a sliding or soft-capped layer attends over (`models/window_attention.py`).
+    contexts: Callable[[], list[tuple[int, int, int, torch.Tensor]]] = field(
+        default_factory=lambda: lambda: [], repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -99,17 +104,18 @@ def paged_attention(
     k_cache: torch.Tensor | None,  # [num_slots, KVH, D]
     v_cache: torch.Tensor | None,
     scale: float,
+    attend: WindowedAttention | None = None,  # a sliding or soft-capped layer's, in place of the backend's
 ) -> torch.Tensor:
     """Returns `[T, H, D]`."""
     if not batch.uses_cache:
-        return _sdpa(q, k, v, scale, causal=True)
+        return attend.without_cache(q, k, v, scale) if attend is not None else _sdpa(q, k, v, scale, causal=True)
     assert k_cache is not None and v_cache is not None
     if batch.cp is not None:
         return batch.cp.attend(q, k, v, batch.slot_mapping, (k_cache, v_cache), scale)
     if k is not None:
         k_cache.index_copy_(0, batch.slot_mapping, k)
         v_cache.index_copy_(0, batch.slot_mapping, v)
-    return batch.attend(q, batch, k_cache, v_cache, scale)
+    return (attend or batch.attend)(q, batch, k_cache, v_cache, scale)
 
 
 def gathered_attention(q, batch: ForwardBatch, k_cache, v_cache, scale: float) -> torch.Tensor:

@@ -94,7 +94,20 @@ def _flatten(plan: BatchPlan, blocks: BlockTable, device) -> tuple[ForwardBatch,
     batch = ForwardBatch(positions=on_device(positions, device, torch.long),
                          logit_rows=on_device(logit_rows, device, torch.long),
                          slot_mapping=on_device(torch.cat(slot_parts), device))  # fmt: skip
+    batch.contexts = _contexts([(r, rid, ctx, 1) for r, rid, ctx in decs] + chunks, blocks, device)
     return batch, on_device(ids, device, torch.long), decs, chunks
+
+
+def _contexts(seqs: list[tuple[int, str, int, int]], blocks: BlockTable, device):
+    """`ForwardBatch.contexts`: the sequences' context slots, looked up once, on the first call."""
+    made: list = []
+
+    def contexts() -> list[tuple[int, int, int, torch.Tensor]]:
+        if not made and seqs:
+            made.extend((row, n, ctx, on_device(blocks.slots(rid, 0, ctx), device)) for row, rid, ctx, n in seqs)
+        return made
+
+    return contexts
 
 
 def _paged(rows: list[int], rids: list[str], lens: list[int], blocks: BlockTable, device) -> PagedSeqs:

@@ -13,9 +13,11 @@ import torch
 
 from ringsched.layout.rank import StageInfo
 from ringsched.models.config import ModelConfig, UnsupportedModelError
+from ringsched.models.families import FAMILIES
 
 # A config field that changes what the model computes, the values ringsched does not run, and why. Fields the model
-# code reads (heads, sizes, biases, RoPE scaling, hidden_act, ...) are checked where they are read.
+# code reads (heads, sizes, biases, RoPE scaling, hidden_act, ...) are checked where they are read, and a family
+# that honours one of these (`families.Family.reads`: Gemma's soft-capping, Mistral's window) reads it itself.
 UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[object], bool], str]] = {
     "use_sliding_window": (bool, "sliding-window attention is not supported; set it to false to run full attention "
                            "(exact while prompt + output stay within the window)"),
@@ -46,8 +48,10 @@ def check_config(raw: dict) -> None:
             f"config.json: quantization_config (quant_method {method!r}) is not supported: ringsched loads float32, "
             "bfloat16 or float16 weights (--quantization int8 quantizes them at load); use the unquantized checkpoint"
         )
+    arch = (raw.get("architectures") or ["?"])[0]
+    honoured = FAMILIES[arch].reads if arch in FAMILIES else frozenset()
     for field, (unsupported, why) in UNSUPPORTED_FIELDS.items():
-        if field in raw and unsupported(raw[field]):
+        if field not in honoured and field in raw and unsupported(raw[field]):
             raise UnsupportedModelError(f"config.json: {field} = {json.dumps(raw[field])}: {why}")
 
 

@@ -6,13 +6,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from ringsched.models.families import FAMILIES, SUPPORTED_ARCHITECTURES, MoEConfig, UnsupportedModelError
 from ringsched.models.rope import RopeConfigError, RopeScaling
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-
-
-class UnsupportedModelError(ValueError):
-    pass
+__all__ = ["ModelConfig", "MoEConfig", "SUPPORTED_ARCHITECTURES", "UnsupportedModelError", "layer_matmul_params"]
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclass(frozen=True)
@@ -36,8 +34,24 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     rope_scaling: RopeScaling = RopeScaling()
+    # The layer type (`models/layer_types.py`): "llama" (pre-norm: Llama, Mistral, Qwen, Phi-3, Mixtral) or "gemma"
+    # (sandwich norms `(1 + w)`, the embedding scaled by `embed_scale`)
+    family: str = "llama"
+    hidden_act: str = "silu"  # the MLP's gate activation: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU)
+    layer_types: tuple[str, ...] = ()  # per layer "sliding" (attends to its last `sliding_window` tokens) or "full"
+    sliding_window: int = 0
+    attn_softcap: float = 0.0  # scores -> cap * tanh(scores / cap) before the softmax (0: none)
+    final_softcap: float = 0.0  # the same on the logits
+    query_scale: float = 0.0  # the scores' scale (0: head_dim ** -0.5)
+    embed_scale: float = 1.0
+    local_rope: tuple[float, RopeScaling] | None = None  # (theta, scaling) of sliding layers where it differs
+    fused_projections: bool = False  # the checkpoint holds q/k/v as one `qkv_proj`, gate/up as `gate_up_proj`
+    moe: MoEConfig | None = None  # a mixture of experts in place of the MLP (in `moe.layers`)
 
     def __post_init__(self) -> None:
+        if self.hidden_act not in ACTIVATIONS:
+            raise UnsupportedModelError(f"hidden_act {self.hidden_act!r} is not supported; ringsched runs "
+                                        f"{', '.join(ACTIVATIONS)}")  # fmt: skip
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
                 f"architecture {self.architecture!r} is not supported; ringsched runs "
@@ -49,6 +63,10 @@ class ModelConfig:
                 f"{self.num_kv_heads}"
             )
 
+    def window(self, layer: int) -> int:
+        """The tokens layer `layer` attends to back from each query, itself included (0: all of them)."""
+        return self.sliding_window if self.layer_types and self.layer_types[layer] == "sliding" else 0
+
     @property
     def kv_bytes_per_token_per_layer(self) -> int:
         """Elements (not bytes) of K plus V one token stores in one layer; multiply by the dtype size."""
@@ -58,13 +76,9 @@ class ModelConfig:
     def from_dict(cls, cfg: dict) -> ModelConfig:
         archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
         arch = archs[0]
-        if arch == "MistralForCausalLM" and cfg.get("sliding_window"):
-            raise UnsupportedModelError(
-                "Mistral with a sliding window is not supported; set sliding_window to null in config.json"
-            )
-        act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
-        if act != "silu":
-            raise UnsupportedModelError(f"hidden_act {act!r} is not supported; the model code runs silu (SwiGLU)")
+        if arch not in FAMILIES:
+            raise UnsupportedModelError(f"architecture {arch!r} is not supported; ringsched runs "
+                                        f"{', '.join(SUPPORTED_ARCHITECTURES)}")  # fmt: skip
         try:
             theta, scaling = RopeScaling.from_config(cfg)
         except RopeConfigError as e:
@@ -72,7 +86,7 @@ class ModelConfig:
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        return cls(
+        shared = dict(
             architecture=arch,
             num_layers=cfg["num_hidden_layers"],
             hidden_size=cfg["hidden_size"],
@@ -85,14 +99,12 @@ class ModelConfig:
             rope_theta=theta,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-            o_proj_bias=arch != "Qwen2ForCausalLM" and bool(cfg.get("attention_bias", False)),
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            hidden_act=cfg.get("hidden_act", cfg.get("hidden_activation", "silu")),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             rope_scaling=scaling,
         )
+        return cls(**{**shared, **FAMILIES[arch].read(cfg)})
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:

@@ -73,14 +73,16 @@ class DecodeLayers:
         self.start = stage.start_layer
         held = [model.model.layers[i] for i in range(stage.start_layer, stage.end_layer)]
         self.layers = held
-        attn = held[0].self_attn if held else None
+        self.ok = bool(held) and all(getattr(y, "small_ops", False) for y in held)  # plain layers (not MoE, Gemma)
+        if not self.ok:
+            return
+        attn = held[0].self_attn
         lins = [lin for y in held for lin in (y.self_attn.qkv, y.self_attn.o_proj, y.mlp.gate_up, y.mlp.down_proj)]
         # the row counts whose every linear call the kernel takes: the one call runs the kernel alone
         self.rows = frozenset(t for t in range(1, layer_ops.MAX_ROWS + 1)
                               if all(lin.paths.path(t) == small_linear.NATIVE for lin in lins))  # fmt: skip
         self.ok = (
-            bool(held) and all(getattr(y, "small_ops", False) for y in held)
-            and not any(lin.sums_over_ranks for y in held for lin in (y.self_attn.o_proj, y.mlp.down_proj))
+            not any(lin.sums_over_ranks for y in held for lin in (y.self_attn.o_proj, y.mlp.down_proj))
             and bool(self.rows)
         )  # fmt: skip
         if not self.ok:

@@ -13,21 +13,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ringsched.models import layer_ops
+from ringsched.models import layer_ops, window_attention
 from ringsched.models.attention import ForwardBatch, paged_attention
 from ringsched.models.config import ModelConfig
 from ringsched.models.fused_linear import fuse_linears, share_rows
 from ringsched.models.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from ringsched.models.rmsnorm import RMSNorm
 from ringsched.models.rope import Rotary
+from ringsched.models.small_linear import Linear
 from ringsched.models.tp import SoloGroup, TPGroup
 
 
 class Attention(nn.Module):
-    """The rank's heads of a layer's attention (`group.shard`: all of them on a stage of one rank): q/k/v
-    column-parallel, o_proj row-parallel. `cfg` is the whole model's."""
+    """The rank's heads of layer `layer`'s attention (`group.shard`: all of them on a stage of one rank): q/k/v
+    column-parallel, o_proj row-parallel. `cfg` is the whole model's. A sliding or soft-capped layer attends
+    through `window_attention` (`attend`); the others through the stage's backend. `norm`: the q/k norm's type."""
 
-    def __init__(self, cfg: ModelConfig, rotary: Rotary | None = None, group: TPGroup | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: Rotary | None = None, group: TPGroup | None = None, layer: int = 0,
+                 norm: type[RMSNorm] = RMSNorm) -> None:  # fmt: skip
         super().__init__()
         group = group if group is not None else SoloGroup()
         (q0, h), (k0, kvh) = group.shard.heads(cfg), group.shard.kv_heads(cfg)
@@ -39,11 +42,28 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear((q0 * d, h * d), cfg.num_heads * d, hidden, group, cfg.o_proj_bias)
         self.__dict__["qkv"] = None  # `fuse_linears` of q/k/v once the weights are in (not a submodule)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.q_norm = norm(d, cfg.rms_norm_eps)
+            self.k_norm = norm(d, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
         self.rotary = rotary if rotary is not None else Rotary(d, cfg.rope_theta, cfg.rope_scaling)
-        self.scale = d**-0.5
+        self.scale = cfg.query_scale or d**-0.5
+        self.attend = window_attention.for_layer(cfg.window(layer), cfg.attn_softcap)  # None: the backend's
+
+    @property
+    def plain(self) -> bool:
+        """Whether the native small step can run it: no q/k norm, no window, no soft-capping."""
+        return not self.qk_norm and self.attend is None
+
+    def linears(self) -> list[Linear]:
+        return [self.qkv, self.o_proj]
+
+    def fusion_groups(self, prefix: str) -> list[list[tuple[str, nn.Linear]]]:
+        return [[(f"{prefix}.{n}", getattr(self, n)) for n in ("q_proj", "k_proj", "v_proj")]]
+
+    def prepare_linears(self, quantization: str) -> None:
+        """After the weights are in: fuse q/k/v, quantise (`int8`), let each linear layer pick its kernel."""
+        self.__dict__["qkv"] = prepare_fused([self.q_proj, self.k_proj, self.v_proj], quantization)
+        prepare_single(self.o_proj, quantization)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: tuple[torch.Tensor, torch.Tensor] | None):
         t = x.shape[0]
@@ -59,13 +79,14 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(batch.positions, q, k)
         k_cache, v_cache = kv if kv is not None else (None, None)
-        out = paged_attention(q, k, v, batch, k_cache, v_cache, self.scale)
+        out = paged_attention(q, k, v, batch, k_cache, v_cache, self.scale, self.attend)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
     """The rank's rows of a layer's MLP (`group.shard.intermediate`): gate/up column-parallel, down_proj
-    row-parallel. `cfg` is the whole model's."""
+    row-parallel; the gate's activation SiLU (SwiGLU) or tanh-approximated GELU (GeGLU, `cfg.hidden_act`).
+    `cfg` is the whole model's."""
 
     def __init__(self, cfg: ModelConfig, group: TPGroup | None = None) -> None:
         super().__init__()
@@ -75,6 +96,17 @@ class MLP(nn.Module):
         self.up_proj = ColumnParallelLinear(hidden, part, inter, bias=cfg.mlp_bias)
         self.down_proj = RowParallelLinear(part, inter, hidden, group, cfg.mlp_bias)
         self.__dict__["gate_up"] = None  # `fuse_linears` of gate/up once the weights are in (not a submodule)
+        self.act = getattr(cfg, "hidden_act", "silu")
+
+    def linears(self) -> list[Linear]:
+        return [self.gate_up, self.down_proj]
+
+    def fusion_groups(self, prefix: str) -> list[list[tuple[str, nn.Linear]]]:
+        return [[(f"{prefix}.gate_proj", self.gate_proj), (f"{prefix}.up_proj", self.up_proj)]]
+
+    def prepare_linears(self, quantization: str) -> None:
+        self.__dict__["gate_up"] = prepare_fused([self.gate_proj, self.up_proj], quantization)
+        prepare_single(self.down_proj, quantization)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj.reduce(self._slices(x))  # one sum per layer, after every row slice
@@ -97,10 +129,14 @@ class MLP(nn.Module):
             h, up = self.gate_up(x).split(self.gate_proj.out_features, dim=-1)
         else:
             h, up = self.gate_proj(x), self.up_proj(x)
-        F.silu(h, inplace=True)
+        h = ACTIVATIONS[self.act](h)
         return self.down_proj.partial_sum(h.mul_(up))
 
 
+ACTIVATIONS = {
+    "silu": lambda h: F.silu(h, inplace=True),
+    "gelu_pytorch_tanh": lambda h: F.gelu(h, approximate="tanh"),
+}
 MLP_SLICE_BYTES = 8 * 2**20  # an MLP step's [rows, intermediate] buffers above this are cut into row slices
 
 
@@ -111,46 +147,46 @@ def mlp_slices(tokens: int, intermediate: int, elt: int) -> int:
 
 
 class DecoderLayer(nn.Module):
-    """One decoder layer, or the rank's shard of it over `group` (`cfg` is the whole model's)."""
+    """Decoder layer `layer`, or the rank's shard of it over `group` (`cfg` is the whole model's): pre-norm
+    attention and MLP (Llama, Mistral, Qwen, Phi-3); `ffn` in place of the dense MLP (a mixture of experts),
+    a submodule named `ffn_name` as the checkpoint names it (Mixtral's `block_sparse_moe`)."""
 
-    def __init__(self, cfg: ModelConfig, rotary: Rotary | None = None, group: TPGroup | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: Rotary | None = None, group: TPGroup | None = None, layer: int = 0,
+                 ffn: nn.Module | None = None, ffn_name: str = "mlp") -> None:  # fmt: skip
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary, group)
+        self.self_attn = Attention(cfg, rotary, group, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, group)
+        self.ffn_name = ffn_name
+        self.add_module(ffn_name, ffn if ffn is not None else MLP(cfg, group))
+
+    @property
+    def ffn(self) -> nn.Module:
+        """The MLP or the mixture of experts."""
+        return getattr(self, self.ffn_name)
 
     small_ops = False  # `prepare_linears` turns it on where `layer_ops` can run this layer's small steps
     small_rows = layer_ops.MAX_ROWS  # steps of up to this many rows take them (every step: `batch_invariant`)
 
+    def linears(self) -> list[Linear]:
+        """The linear layers a step calls (after `prepare_linears`)."""
+        return self.self_attn.linears() + self.ffn.linears()
+
     def fusion_groups(self, prefix: str) -> list[list[tuple[str, nn.Linear]]]:
         """(parameter prefix, module) of each group of projections `prepare_linears` fuses: q/k/v and gate/up;
         `prefix` is the layer's (`model.layers.3`)."""
-        attn, mlp = self.self_attn, self.mlp
-        a, m = f"{prefix}.self_attn", f"{prefix}.mlp"
-        return [[(f"{a}.{n}", getattr(attn, n)) for n in ("q_proj", "k_proj", "v_proj")],
-                [(f"{m}.gate_proj", mlp.gate_proj), (f"{m}.up_proj", mlp.up_proj)]]  # fmt: skip
+        attn = self.self_attn.fusion_groups(f"{prefix}.self_attn")
+        return attn + self.ffn.fusion_groups(f"{prefix}.{self.ffn_name}")
 
     def prepare_linears(self, quantization: str = "none") -> None:
         """After the weights are in: fuse q/k/v and gate/up, quantise the projections (`int8`:
         `models/quantize.py`), let each linear layer pick its kernel, and decide `small_ops`."""
-        from ringsched.models.quantize import quantize_linear  # quantize imports small_linear, as this does
-
-        attn, mlp = self.self_attn, self.mlp
-        attn.__dict__["qkv"] = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
-        mlp.__dict__["gate_up"] = fuse_linears([mlp.gate_proj, mlp.up_proj])
-        if quantization == "int8":
-            for fused, parts in ((attn.qkv, [attn.q_proj, attn.k_proj, attn.v_proj]),
-                                 (mlp.gate_up, [mlp.gate_proj, mlp.up_proj])):  # fmt: skip
-                quantize_linear(fused)
-                share_rows(fused, parts)
-            quantize_linear(attn.o_proj)
-            quantize_linear(mlp.down_proj)
-        for lin in (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down_proj):
-            lin.prepare()
+        self.self_attn.prepare_linears(quantization)
+        self.ffn.prepare_linears(quantization)
         w = self.input_layernorm.weight
         same = self.post_attention_layernorm.weight.dtype == w.dtype
-        self.small_ops = not attn.qk_norm and same and layer_ops.usable(w.dtype, w.device)
+        plain = self.self_attn.plain and type(self.ffn) is MLP and self.ffn.act == "silu"
+        self.small_ops = plain and same and layer_ops.usable(w.dtype, w.device)
 
     def forward(self, hidden, residual, batch: ForwardBatch, kv):
         small = self.small_ops and kv is not None and hidden.shape[0] <= self.small_rows and batch.cp is None
@@ -159,7 +195,7 @@ class DecoderLayer(nn.Module):
         h, residual = self.input_layernorm.add_forward(hidden, residual)
         h = self.self_attn(h, batch, kv)
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
-        return self.mlp(h), residual
+        return self.ffn(h), residual
 
     def _small_step(self, hidden, residual, batch: ForwardBatch, kv):
         """The same layer for a step of a few rows: each elementwise stage one native call (`layer_ops`)."""
@@ -172,6 +208,27 @@ class DecoderLayer(nn.Module):
         norm = self.post_attention_layernorm
         h, residual = layer_ops.add_rmsnorm(out, residual, norm.weight, norm.eps)
         return mlp.down_proj(layer_ops.silu_mul(mlp.gate_up(h))), residual
+
+
+def prepare_fused(parts: list[nn.Linear], quantization: str) -> Linear:
+    """`parts` fused into one linear layer (`fuse_linears`), quantised (`int8`) with the parts' rows sharing its
+    scales, its kernel picked."""
+    from ringsched.models.quantize import quantize_linear  # quantize imports small_linear, as this does
+
+    fused = fuse_linears(parts)
+    if quantization == "int8":
+        quantize_linear(fused)
+        share_rows(fused, parts)
+    fused.prepare()
+    return fused
+
+
+def prepare_single(lin: Linear, quantization: str) -> None:
+    from ringsched.models.quantize import quantize_linear
+
+    if quantization == "int8":
+        quantize_linear(lin)
+    lin.prepare()
 
 
 class MissingLayer(nn.Identity):

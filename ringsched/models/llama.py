@@ -1,4 +1,5 @@
-"""One decoder model class for every stage: Llama, Mistral (no sliding window), Qwen2, Qwen3.
+"""One decoder model class for every stage and every family (`models/families.py`); each layer is built by its
+family's layer type (`models/layer_types.py`).
 
 The layer list is always full length; layers the stage does not own are `MissingLayer` placeholders, so
 parameter names (`model.layers.17.self_attn.q_proj.weight`) and layer indices stay global. The embedding
@@ -22,8 +23,7 @@ from ringsched.models.config import ModelConfig
 from ringsched.models.decode_layers import DecodeLayers
 from ringsched.models.decoder_layer import DecoderLayer, MissingLayer
 from ringsched.models.fused_linear import cpu_layout
-from ringsched.models.rmsnorm import RMSNorm
-from ringsched.models.rope import Rotary
+from ringsched.models.layer_types import Rotaries, build_layer, final_norm
 from ringsched.models.small_linear import Linear
 from ringsched.models.tp import SoloGroup, TPGroup
 from ringsched.models.vocab import lm_head, vocab_embedding
@@ -42,12 +42,12 @@ class StageModel(nn.Module):
         self.model = nn.Module()
         if stage.is_first:
             self.model.embed_tokens = vocab_embedding(cfg, group)
-        rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)  # shared by the stage's layers
+        rotaries = Rotaries(cfg)  # shared by the stage's layers
         self.model.layers = nn.ModuleList(
-            DecoderLayer(cfg, rotary, group) if stage.owns(i) else MissingLayer() for i in range(cfg.num_layers)
+            build_layer(cfg, i, rotaries, group) if stage.owns(i) else MissingLayer() for i in range(cfg.num_layers)
         )
         if stage.is_last:
-            self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.model.norm = final_norm(cfg)
             self.lm_head = lm_head(cfg, group)
 
     def forward(
@@ -121,8 +121,7 @@ class StageModel(nn.Module):
     def linears(self) -> list[Linear]:
         """The linear layers a step calls: each held layer's q/k/v, o_proj, gate/up and down_proj (after
         `prepare_linears`), and the lm_head on the last stage."""
-        held = [y for y in self.model.layers if not isinstance(y, MissingLayer)]
-        out = [lin for y in held for lin in (y.self_attn.qkv, y.self_attn.o_proj, y.mlp.gate_up, y.mlp.down_proj)]
+        out = [lin for y in self.model.layers if not isinstance(y, MissingLayer) for lin in y.linears()]
         return out + [self.lm_head] if self.stage.is_last else out
 
     def batch_invariant(self) -> list[str]:

@@ -44,6 +44,8 @@ def check_tp(cfg: ModelConfig, tp: int) -> None:
         )
     if tp > cfg.intermediate_size:
         refuse(f"its MLP width {cfg.intermediate_size} is narrower than {tp} ranks")
+    if cfg.moe is not None and tp > cfg.moe.intermediate:
+        refuse(f"its experts' width {cfg.moe.intermediate} is narrower than {tp} ranks")
     if cfg.hidden_size % tp:
         refuse(f"its hidden size {cfg.hidden_size} does not split evenly over {tp} ranks (the sharded seam)")
 
@@ -51,7 +53,8 @@ def check_tp(cfg: ModelConfig, tp: int) -> None:
 def _fits(cfg: ModelConfig, tp: int) -> bool:
     if tp > cfg.num_kv_heads and (tp % cfg.num_kv_heads or cfg.num_heads % tp):
         return False
-    return tp <= cfg.intermediate_size and cfg.hidden_size % tp == 0
+    experts = cfg.moe.intermediate if cfg.moe is not None else tp
+    return tp <= min(cfg.intermediate_size, experts) and cfg.hidden_size % tp == 0
 
 
 def _even(n: int, parts: int, i: int) -> tuple[int, int]:
@@ -95,6 +98,12 @@ class TPShard:
         the wait from one all-reduce to the other)."""
         return _even(cfg.intermediate_size, self.size, self.rank)
 
+    def expert_intermediate(self, cfg: ModelConfig) -> tuple[int, int]:
+        """(first, count) of this rank's rows of every expert (`cfg.moe.intermediate` wide), cut evenly as the MLP's
+        are: each rank holds a slice of every expert, so routing needs no exchange and a layer one all-reduce."""
+        assert cfg.moe is not None, "expert_intermediate of a model without experts"
+        return _even(cfg.moe.intermediate, self.size, self.rank)
+
     def vocab(self, cfg: ModelConfig) -> tuple[int, int]:
         """(first, count) of the vocabulary rows: `ceil(vocab / size)` each, the last rank what is left."""
         per = self.vocab_per_rank(cfg)
@@ -112,6 +121,8 @@ class TPShard:
         return dataclasses.replace(
             cfg, num_heads=self.heads(cfg)[1], num_kv_heads=self.kv_heads(cfg)[1],
             intermediate_size=self.intermediate(cfg)[1], vocab_size=self.vocab(cfg)[1],
+            moe=None if cfg.moe is None else dataclasses.replace(cfg.moe,
+                                                                 intermediate=self.expert_intermediate(cfg)[1]),
         )  # fmt: skip
 
 

@@ -28,10 +28,15 @@ HEAD_VOCAB_CHUNK = 1024
 
 
 def vocab_embedding(cfg: ModelConfig, group: TPGroup) -> nn.Embedding:
-    """The embedding: whole on a stage of one rank, else this rank's rows of it."""
+    """The embedding: whole on a stage of one rank, else this rank's rows of it; scaled by `cfg.embed_scale` (Gemma:
+    the square root of the hidden size, rounded to the embedding's dtype as transformers rounds it)."""
     if group.size == 1:
-        return nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=_meta_weight(cfg.vocab_size, cfg.hidden_size))
-    return VocabParallelEmbedding(cfg, group)
+        emb = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=_meta_weight(cfg.vocab_size, cfg.hidden_size))
+    else:
+        emb = VocabParallelEmbedding(cfg, group)
+    if cfg.embed_scale != 1.0:
+        emb.register_forward_hook(lambda m, args, out: out.mul_(torch.tensor(cfg.embed_scale, dtype=out.dtype)))
+    return emb
 
 
 def _meta_weight(rows: int, hidden: int) -> torch.Tensor | None:
@@ -60,13 +65,17 @@ class VocabParallelEmbedding(Sharded, nn.Embedding):
 
 def lm_head(cfg: ModelConfig, group: TPGroup) -> LMHead:
     """The lm_head: whole on a stage of one rank, else this rank's vocabulary rows of it."""
-    if group.size == 1:
-        return LMHead(cfg.hidden_size, cfg.vocab_size)
-    return VocabParallelLMHead(cfg, group)
+    head = LMHead(cfg.hidden_size, cfg.vocab_size) if group.size == 1 else VocabParallelLMHead(cfg, group)
+    head.softcap = cfg.final_softcap
+    return head
 
 
 class LMHead(Linear):
-    """The logits of the vocabulary rows it holds, computed a vocabulary chunk at a time on CPU."""
+    """The logits of the vocabulary rows it holds, computed a vocabulary chunk at a time on CPU; soft-capped
+    (`cap * tanh(logits / cap)`, Gemma 2) where `softcap` is set. The cap keeps the order of the logits, so the
+    greedy path skips it."""
+
+    softcap = 0.0
 
     def __init__(self, hidden: int, vocab: int) -> None:
         super().__init__(hidden, vocab, bias=False)
@@ -78,11 +87,12 @@ class LMHead(Linear):
         out = None
         for start, logits in self._chunks(hidden):
             if start == 0 and logits.shape[-1] == vocab:
-                return logits  # one chunk (GPU): no copy
+                out = logits  # one chunk (GPU): no copy
+                break
             if out is None:
                 out = hidden.new_empty(hidden.shape[0], vocab)
             out[:, start : start + logits.shape[-1]] = logits
-        return out
+        return out.div_(self.softcap).tanh_().mul_(self.softcap) if self.softcap else out
 
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[S]` argmax of the logits (the first on ties, as `argmax`) without the `[S, vocab]` logits: on CPU each

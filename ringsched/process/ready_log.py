@@ -1,4 +1,5 @@
-"""What the launcher says once this node's ranks are ready: each rank's layers, weights, KV pool, threads and CPUs,
+"""What the launcher says once this node's ranks are ready: the dtype `auto` chose where it is not the checkpoint's,
+each rank's layers, weights, KV pool, threads and CPUs,
 then what the pools allow a request (the smallest pool's tokens against the context length)."""
 
 from __future__ import annotations
@@ -6,12 +7,18 @@ from __future__ import annotations
 import logging
 
 from ringsched.config import EngineConfig
+from ringsched.device import dtype_note, read_checkpoint_config
 from ringsched.stage.affinity import cpu_list
 
 logger = logging.getLogger("ringsched.launch")
 
 
 def log_ready(cfg: EngineConfig, info: dict[int, dict], context_len: int) -> None:
+    if cfg.dtype == "auto":
+        device = cfg.resolved_device
+        note = dtype_note(str(cfg.torch_dtype).removeprefix("torch."), device, read_checkpoint_config(cfg.model))
+        if note:
+            logger.info(note)
     for rank in sorted(info):
         i = info[rank]
         logger.info(
