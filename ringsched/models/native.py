@@ -62,11 +62,14 @@ def paged_decode(
     d: NativeDecode,
     scale: float,
     lse: torch.Tensor | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """`q` [b, H, D] (the decode rows, rotary applied); caches [slots, KVH, D], both float32 or both bfloat16.
     Returns [b, H, D] in `q`'s dtype. The kernel works in float32: a bfloat16 `q` is widened (a few KiB per
     layer) and the result rounded back to bfloat16. `lse`, a contiguous float32 `[b, H]`, receives each row's
-    log-sum-exp of its scaled scores (what context parallelism merges partial attentions by)."""
+    log-sum-exp of its scaled scores (what context parallelism merges partial attentions by). `window` > 0: each
+    row attends to its last `window` positions (a sliding layer); `softcap` > 0: scores soft-capped (Gemma 2)."""
     lib = _library()
     assert lib is not None, "paged_decode called although usable_for() said no"
     if k_cache.dtype not in KV_DTYPES or v_cache.dtype != k_cache.dtype:
@@ -76,12 +79,13 @@ def paged_decode(
     if not (k_cache.is_contiguous() and v_cache.is_contiguous() and d.tables.is_contiguous()):
         raise ValueError("paged_decode needs contiguous caches and block tables")
     out = torch.empty_like(qf)
-    rc = lib.paged_decode(
+    args = (
         qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), d.tables.data_ptr(), d.lens.data_ptr(),
         b, heads, k_cache.shape[1], dim, d.block_size, d.tables.shape[1], d.max_len,
         scale, out.data_ptr(), torch.get_num_threads(), int(k_cache.dtype == torch.bfloat16),
         None if lse is None else lse.data_ptr(),
     )  # fmt: skip
+    rc = lib.paged_decode_window(*args, window, softcap) if window or softcap else lib.paged_decode(*args)
     if rc != 0:
         raise MemoryError("paged_decode: a worker thread could not allocate its score buffer")
     return out.to(q.dtype)
@@ -96,6 +100,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.paged_decode.argtypes = [ptr] * 5 + [i64] * 7 + [ctypes.c_float, ptr, i64, i64, ptr]
     lib.paged_decode.restype = ctypes.c_int
+    lib.paged_decode_window.argtypes = lib.paged_decode.argtypes + [i64, ctypes.c_float]
+    lib.paged_decode_window.restype = ctypes.c_int
     logger.info("decode attention: native CPU kernel %s", Path(lib._name).name)
     return lib
 

@@ -24,6 +24,8 @@ typedef struct {
   const int64_t *tables, *lens; /* [b, nblk] block ids; [b] context lengths (>= 1) */
   int64_t H, KVH, D, bs, nblk, max_len;
   float scale;
+  int64_t window; /* > 0: each row attends to its last `window` positions only (a sliding layer) */
+  float softcap;  /* > 0: scores -> softcap * tanh(scores / softcap) */
   float *out; /* [b, H, D] */
   float *lse; /* [b, H] each row's log-sum-exp of its scaled scores, or NULL (context parallelism merges by it) */
   int64_t r0, r1;
@@ -50,27 +52,30 @@ static inline float f32_of_bf16(uint16_t x) {
 /* One row's attention with caches of element type KT, widened to float32 by WIDEN. */
 #define DEFINE_ATTEND_ROW(NAME, KT, WIDEN)                                                                     \
   static void NAME(const job_t *j, int64_t r, float *sc) {                                                     \
-    const int64_t H = j->H, KVH = j->KVH, D = j->D, bs = j->bs, G = H / KVH, len = j->lens[r], w = KVH * D;    \
-    const int64_t *tab = j->tables + r * j->nblk;                                                              \
+    const int64_t H = j->H, KVH = j->KVH, D = j->D, bs = j->bs, G = H / KVH, w = KVH * D;                     \
+    const int64_t t0 = j->window > 0 && j->lens[r] > j->window ? j->lens[r] - j->window : 0;                  \
+    const int64_t len = j->lens[r] - t0, nblk = j->nblk;                                                      \
+    const int64_t *tab = j->tables + r * nblk;                                                                 \
     const KT *kc = (const KT *)j->kc, *vc = (const KT *)j->vc;                                                \
     const float *q = j->q + r * H * D;                                                                         \
     float *o = j->out + r * H * D;                                                                             \
     for (int64_t t = 0; t < len; t++) {                                                                        \
-      if (t + PREFETCH_AHEAD < len) prefetch_row(kc, slot_of(tab, bs, t + PREFETCH_AHEAD), w * sizeof(KT));    \
-      const KT *k = kc + slot_of(tab, bs, t) * w;                                                              \
+      if (t + PREFETCH_AHEAD < len) prefetch_row(kc, slot_of(tab, bs, t0 + t + PREFETCH_AHEAD), w * sizeof(KT)); \
+      const KT *k = kc + slot_of(tab, bs, t0 + t) * w;                                                         \
       for (int64_t h = 0; h < H; h++) {                                                                        \
         const KT *kh = k + (h / G) * D;                                                                        \
         const float *qh = q + h * D;                                                                           \
         float s = 0.f;                                                                                         \
         _Pragma("omp simd reduction(+ : s)") for (int64_t d = 0; d < D; d++) s += qh[d] * WIDEN(kh[d]);        \
-        sc[h * len + t] = s * j->scale;                                                                        \
+        s *= j->scale;                                                                                         \
+        sc[h * len + t] = j->softcap > 0.f ? j->softcap * tanhf(s / j->softcap) : s;                           \
       }                                                                                                        \
     }                                                                                                          \
     softmax_rows(sc, H, len, j->lse ? j->lse + r * H : NULL);                                                  \
     for (int64_t i = 0; i < H * D; i++) o[i] = 0.f;                                                            \
     for (int64_t t = 0; t < len; t++) {                                                                        \
-      if (t + PREFETCH_AHEAD < len) prefetch_row(vc, slot_of(tab, bs, t + PREFETCH_AHEAD), w * sizeof(KT));    \
-      const KT *v = vc + slot_of(tab, bs, t) * w;                                                              \
+      if (t + PREFETCH_AHEAD < len) prefetch_row(vc, slot_of(tab, bs, t0 + t + PREFETCH_AHEAD), w * sizeof(KT)); \
+      const KT *v = vc + slot_of(tab, bs, t0 + t) * w;                                                         \
       for (int64_t h = 0; h < H; h++) {                                                                        \
         const KT *vh = v + (h / G) * D;                                                                        \
         const float p = sc[h * len + t];                                                                       \
@@ -109,10 +114,12 @@ static void *run_job(void *arg) {
   return NULL;
 }
 
-/* Returns 0 on success, -1 if a worker could not get its scratch memory. */
-int paged_decode(const float *q, const void *kc, const void *vc, const int64_t *tables, const int64_t *lens,
-                 int64_t b, int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t nblk, int64_t max_len,
-                 float scale, float *out, int64_t nthreads, int64_t kv_bf16, float *lse) {
+/* `paged_decode` for a sliding (`window` > 0) or soft-capped (`softcap` > 0) layer. Returns 0 on success, -1 if a
+   worker could not get its scratch memory. */
+int paged_decode_window(const float *q, const void *kc, const void *vc, const int64_t *tables, const int64_t *lens,
+                        int64_t b, int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t nblk, int64_t max_len,
+                        float scale, float *out, int64_t nthreads, int64_t kv_bf16, float *lse, int64_t window,
+                        float softcap) {
   if (b <= 0) return 0;
   if (nthreads > b) nthreads = b;
   if (nthreads > MAX_THREADS) nthreads = MAX_THREADS;
@@ -123,8 +130,8 @@ int paged_decode(const float *q, const void *kc, const void *vc, const int64_t *
   const int64_t per = (b + nthreads - 1) / nthreads;
   for (int64_t i = 0; i < nthreads; i++) {
     const int64_t r0 = i * per, r1 = (i + 1) * per < b ? (i + 1) * per : b;
-    const job_t j = {q, kc, vc, tables, lens, H, KVH, D, bs, nblk, max_len, scale, out, lse, r0, r1, (int)kv_bf16,
-                     0};
+    const job_t j = {q, kc, vc, tables, lens, H, KVH, D, bs, nblk, max_len, scale, window, softcap, out, lse, r0, r1,
+                     (int)kv_bf16, 0};
     jobs[i] = j;
   }
   for (int64_t i = 1; i < nthreads; i++) started[i] = pthread_create(&threads[i], NULL, run_job, &jobs[i]) == 0;
@@ -138,4 +145,12 @@ int paged_decode(const float *q, const void *kc, const void *vc, const int64_t *
     ok = ok && jobs[i].ok;
   }
   return ok ? 0 : -1;
+}
+
+/* Returns 0 on success, -1 if a worker could not get its scratch memory. */
+int paged_decode(const float *q, const void *kc, const void *vc, const int64_t *tables, const int64_t *lens,
+                 int64_t b, int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t nblk, int64_t max_len,
+                 float scale, float *out, int64_t nthreads, int64_t kv_bf16, float *lse) {
+  return paged_decode_window(q, kc, vc, tables, lens, b, H, KVH, D, bs, nblk, max_len, scale, out, nthreads, kv_bf16,
+                             lse, 0, 0.f);
 }

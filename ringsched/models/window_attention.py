@@ -1,7 +1,8 @@
 """Attention of a layer that slides (each query sees its last `window` tokens, itself included) or soft-caps its
 scores (`cap * tanh(scores / cap)`, Gemma 2): per sequence, over the part of the paged KV the window reaches, for
-every backend's batch (`ForwardBatch.contexts`). Only the window's K/V are gathered, so a decode of a sliding layer
-reads at most `window` tokens however long its context. Soft-capping runs the scores through torch ops (SDPA has
+every backend's batch (`ForwardBatch.contexts`); the decodes of a CPU batch through the decode kernel, which takes
+the window and the cap (`native.paged_decode`). Either way only the window's K/V are read, so a decode of a sliding
+layer reads at most `window` tokens however long its context. Soft-capping runs the scores through torch ops (SDPA has
 no cap); a plain sliding window runs SDPA with a band mask.
 """
 
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from ringsched.models import native
 
 
 class WindowedAttention:
@@ -19,7 +22,16 @@ class WindowedAttention:
 
     def __call__(self, q: torch.Tensor, batch, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float):
         out = torch.empty_like(q)
+        nd = batch.native_decode
+        if nd is not None:  # the decodes through the CPU kernel, which takes the window and the cap
+            rows = q if nd.all_rows else q.index_select(0, nd.rows)
+            done = native.paged_decode(rows, k_cache, v_cache, nd, scale, window=self.window, softcap=self.softcap)
+            if nd.all_rows:
+                return done
+            out.index_copy_(0, nd.rows, done)
         for row, n, ctx_len, slots in batch.contexts():
+            if nd is not None and n == 1:
+                continue  # a decode: done above
             first = max(0, ctx_len - n - self.window + 1) if self.window else 0  # the first query's earliest key
             k, v = k_cache.index_select(0, slots[first:]), v_cache.index_select(0, slots[first:])
             out[row : row + n] = self.attend(q[row : row + n], k, v, ctx_len - n - first, scale)
