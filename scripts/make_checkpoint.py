@@ -7,6 +7,7 @@ own model on the meta device, so the checkpoint is exactly what the loader reads
 
     python scripts/make_checkpoint.py --like llama-3.1-8b --out /tmp/llama8b            # 16 GB, bfloat16
     python scripts/make_checkpoint.py --like qwen3-8b --out /tmp/qwen3-8b --layers 8     # fewer layers
+    python scripts/make_checkpoint.py --like qwen3-30b-a3b --out /tmp/q30 --layers 8     # a mixture of experts, scaled
 """
 
 from __future__ import annotations
@@ -44,6 +45,32 @@ LIKE = {
         "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4, "head_dim": 128,
         "vocab_size": 152064, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 32768,
         "tie_word_embeddings": False,
+    },
+    "mistral-7b-v0.1": {
+        "architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "vocab_size": 32000, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 32768,
+        "sliding_window": 4096, "tie_word_embeddings": False,
+    },
+    "gemma-2-9b": {
+        "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 3584, "intermediate_size": 14336,
+        "num_hidden_layers": 42, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
+        "vocab_size": 256000, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 8192,
+        "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256, "sliding_window": 4096,
+        "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "tie_word_embeddings": True,
+    },
+    "mixtral-8x7b": {
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "vocab_size": 32000, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "max_position_embeddings": 32768,
+        "num_local_experts": 8, "num_experts_per_tok": 2, "tie_word_embeddings": False,
+    },
+    "qwen3-30b-a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+        "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
+        "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "max_position_embeddings": 40960, "num_experts": 128, "num_experts_per_tok": 8,
+        "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "tie_word_embeddings": False,
     },
 }  # fmt: skip
 SHARD_BYTES = 4 << 30

@@ -14,6 +14,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Engines and stages in tests take the fixed linear-layer thresholds, not this machine's timings
 # (`--linear-tuning`): the paths, and so the float arithmetic the equality tests check, are the same everywhere.
 os.environ.setdefault("RINGSCHED_LINEAR_TUNING", "off")
+# Triton reads TRITON_INTERPRET at its first import, and transformers' MoE blocks import it: on a machine without a
+# GPU the kernels run under the interpreter whichever test imports triton first.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -116,8 +116,30 @@ class ModelConfig:
         return cls.from_dict(json.loads(path.read_text()))
 
 
-def layer_matmul_params(m: ModelConfig) -> int:
-    """Weights one token multiplies through in a decoder layer: q, k, v, o, then gate, up and down."""
+def layer_matmul_params(m: ModelConfig, layer: int | None = None) -> int:
+    """Weights one token multiplies through in decoder layer `layer`: q, k, v, o, then gate, up and down, or with
+    experts the router and the gate, up and down of the `top_k` experts it is routed to. `layer` None: the mean
+    over the layers (Qwen3-MoE's dense layers among its sparse ones), rounded down."""
+    if layer is None:
+        return sum(layer_matmul_params(m, i) for i in range(m.num_layers)) // m.num_layers
+    return _attention_params(m) + _ffn_params(m, layer, active=True)
+
+
+def layer_weight_params(m: ModelConfig, layer: int | None = None) -> int:
+    """Weights decoder layer `layer`'s projections hold: as `layer_matmul_params`, but every expert (a step of
+    many tokens streams them all)."""
+    if layer is None:
+        return sum(layer_weight_params(m, i) for i in range(m.num_layers)) // m.num_layers
+    return _attention_params(m) + _ffn_params(m, layer, active=False)
+
+
+def _attention_params(m: ModelConfig) -> int:
     q_out, kv_out = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
-    attn = m.hidden_size * (q_out + 2 * kv_out) + q_out * m.hidden_size
-    return attn + 3 * m.hidden_size * m.intermediate_size
+    return m.hidden_size * (q_out + 2 * kv_out) + q_out * m.hidden_size
+
+
+def _ffn_params(m: ModelConfig, layer: int, active: bool) -> int:
+    if m.moe is None or layer not in m.moe.layers:
+        return 3 * m.hidden_size * m.intermediate_size
+    experts = m.moe.top_k if active else m.moe.num_experts
+    return m.hidden_size * (m.moe.num_experts + 3 * experts * m.moe.intermediate)

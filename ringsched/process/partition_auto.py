@@ -35,7 +35,7 @@ from ringsched.comm.messages import BatchPlan, PlanEntry
 from ringsched.kv.cache import BlockTable, KVPool, kv_bytes_per_token
 from ringsched.layout.rank import StageInfo
 from ringsched.models.attention_backend import select_backend
-from ringsched.models.config import ModelConfig, layer_matmul_params
+from ringsched.models.config import ModelConfig, layer_weight_params
 from ringsched.models.llama import StageModel
 from ringsched.stage.affinity import restored_threads_and_cpus
 
@@ -141,7 +141,7 @@ def probe_layers(mcfg: ModelConfig, shape: BatchShape, dtype: torch.dtype, stage
     cache (a stage's layers never do, and one layer timed again and again would be served from cache: measured
     on this project's 2-core Xeon with a 300 MiB L3, that made a SmolLM2 layer look 2x cheaper against the
     lm_head than in the ring), at most a stage's share of the layers."""
-    per_layer = layer_matmul_params(mcfg) * torch.empty((), dtype=dtype).element_size()
+    per_layer = layer_weight_params(mcfg) * torch.empty((), dtype=dtype).element_size()  # every expert
     per_layer += (shape.decodes * shape.context + shape.prefill_tokens) * kv_bytes_per_token(mcfg, 1, dtype)
     return max(1, min(stage_layers, -(-PROBE_BYTES // per_layer)))
 
