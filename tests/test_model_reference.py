@@ -196,8 +196,8 @@ def test_rope_scaling_matches_transformers(kind, written_as, tmp_path):
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "rope_scaling of type 'longrope'"),
-        ({"rope_parameters": {"rope_type": "su", "rope_theta": 1.0}}, "rope_parameters of type 'su'"),
+        ({"rope_scaling": {"rope_type": "dynamic_ntk", "factor": 2.0}}, "rope_scaling of type 'dynamic_ntk'"),
+        ({"rope_parameters": {"rope_type": "su", "rope_theta": 1.0}}, "needs"),
         ({"rope_scaling": {"rope_type": "linear"}}, "needs a factor"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
         ({"architectures": ["GPT2LMHeadModel"]}, "architecture 'GPT2LMHeadModel' is not supported"),

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from ringsched.layout.rank import StageInfo
+from ringsched.models.checkpoint_names import checkpoint_names
 from ringsched.models.config import ModelConfig, UnsupportedModelError
 from ringsched.models.families import FAMILIES
 
@@ -66,8 +67,8 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
 
 def check_tensors(cfg: ModelConfig, names: set[str]) -> None:
     """Raise `UnsupportedModelError` if the checkpoint's tensor `names` miss one the model needs or hold ones it would
-    not read."""
-    want = set(expected_shapes(cfg))
+    not read (those it holds fused, Phi-3's `qkv_proj` and `gate_up_proj`, by their fused names)."""
+    want = checkpoint_names(cfg, expected_shapes(cfg))
     optional = {"lm_head.weight"}  # tied, or absent: the embedding serves as the head (`loader`)
     missing = sorted(want - names - optional)
     extra = sorted(n for n in names - want if not n.endswith(IGNORED_SUFFIXES))

@@ -51,8 +51,8 @@ class Attention(nn.Module):
 
     @property
     def plain(self) -> bool:
-        """Whether the native small step can run it: no q/k norm, no window, no soft-capping."""
-        return not self.qk_norm and self.attend is None
+        """Whether the native small step can run it: no q/k norm, no window, no soft-capping, whole heads rotated."""
+        return not self.qk_norm and self.attend is None and not self.rotary.partial
 
     def linears(self) -> list[Linear]:
         return [self.qkv, self.o_proj]

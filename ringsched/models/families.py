@@ -167,7 +167,7 @@ FAMILIES: dict[str, Family] = {
     "Qwen3ForCausalLM": Family(_qwen3, _SLIDING),
     "Gemma2ForCausalLM": Family(lambda cfg: _gemma(cfg, 2), _GEMMA),
     "Gemma3ForCausalLM": Family(_gemma3, _GEMMA),
-    "Phi3ForCausalLM": Family(_phi3, _SLIDING),
+    "Phi3ForCausalLM": Family(_phi3, _SLIDING | {"partial_rotary_factor"}),
     "MixtralForCausalLM": Family(_mixtral, _SLIDING | _EXPERTS),
     "Qwen3MoeForCausalLM": Family(_qwen3_moe, _SLIDING | _EXPERTS),
 }

@@ -4,7 +4,8 @@ parallel slice, from the safetensors files.
 The model is built on the meta device (no memory), then each owned parameter is read lazily by name (sliced on
 read under tensor parallelism: the part its layer type holds, `parallel_linear.read_slices`) and assigned. With
 tied embeddings the last stage reads `model.embed_tokens.weight` as its `lm_head.weight` even though it does not
-own the embedding.
+own the embedding. A projection the checkpoint holds fused (Phi-3's `qkv_proj`, `gate_up_proj`) is read as its
+rows of the fused tensor (`checkpoint_names`), under tensor parallelism only the rank's rows of those.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from safetensors import safe_open
 
 from ringsched.layout.rank import StageInfo
+from ringsched.models.checkpoint_names import Source, fused_parts, source
 from ringsched.models.config import ModelConfig
 from ringsched.models.fused_linear import cpu_layout
 from ringsched.models.llama import StageModel
@@ -61,28 +63,18 @@ def load_stage_model(
     cfg = ModelConfig.from_dir(model_dir)
     with torch.device("meta"):
         model = StageModel(cfg, stage, tp)
-    index = weight_index(model_dir)
-    slices = read_slices(model)
-    wanted = list(model.state_dict().keys())
-    by_file: dict[Path, list[tuple[str, str]]] = {}
-    for name in wanted:
-        source = name
-        if name == "lm_head.weight" and (cfg.tie_word_embeddings or name not in index):
-            source = "model.embed_tokens.weight"
-        if source not in index:
-            raise KeyError(f"{model_dir}: tensor {source!r} is missing from the weights")
-        by_file.setdefault(index[source], []).append((name, source))
+    slices, shapes = read_slices(model), {name: t.shape for name, t in model.state_dict().items()}
     state: dict[str, torch.Tensor] = {}
     buffers = _fused_buffers(model, device, dtype)
-    for path, names in by_file.items():
-        for name, source in names:
+    for path, names in _sources(model_dir, cfg, list(shapes)).items():
+        for name, src in names:
             # One handle per tensor: a handle's mapping keeps every page it read resident until it closes, so
             # copying tensors (the CPU layout) through one handle held the file twice at the peak (measured
             # for SmolLM2: 1039 MiB peak against 638 this way).
             with safe_open(path, framework="pt", device="cpu") as f:
-                t = _read(f, source, slices.get(name))
+                t = _read(f, src, slices.get(name), shapes[name][0])
             if stats is not None:
-                stats.tensors_read.append(source)
+                stats.tensors_read.append(src.name)
                 stats.bytes_read += t.numel() * t.element_size()
             if name in buffers:  # its rows of the layer's fused q/k/v or gate/up weight: no second copy later
                 state[name] = buffers[name]
@@ -96,6 +88,20 @@ def load_stage_model(
     if cfg.tie_word_embeddings and stage.is_first and stage.is_last:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval().requires_grad_(False).prepare_linears(quantization)
+
+
+def _sources(model_dir: Path, cfg: ModelConfig, wanted: list[str]) -> dict[Path, list[tuple[str, Source]]]:
+    """Each parameter of `wanted` with where the checkpoint holds it, by file."""
+    index, parts = weight_index(model_dir), fused_parts(cfg)
+    by_file: dict[Path, list[tuple[str, Source]]] = {}
+    for name in wanted:
+        src = source(name, parts)
+        if name == "lm_head.weight" and (cfg.tie_word_embeddings or name not in index):
+            src = Source("model.embed_tokens.weight")
+        if src.name not in index:
+            raise KeyError(f"{model_dir}: tensor {src.name!r} is missing from the weights")
+        by_file.setdefault(index[src.name], []).append((name, src))
+    return by_file
 
 
 def _fused_buffers(model: StageModel, device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -119,14 +125,19 @@ def _fused_buffers(model: StageModel, device, dtype: torch.dtype) -> dict[str, t
     return out
 
 
-def _read(f, name: str, part: tuple[int, int, int] | None) -> torch.Tensor:
-    """Tensor `name`, or only rows (dim 0) or columns (dim 1) `[start, stop)` of it: a slice read from the file
-    (a 1-D bias takes dim 0's)."""
-    if part is None:
-        return f.get_tensor(name)
-    dim, start, stop = part
-    view = f.get_slice(name)
-    t = view[start:stop] if dim == 0 or len(view.get_shape()) == 1 else view[:, start:stop]
+def _read(f, src: Source, part: tuple[int, int, int] | None, rows: int) -> torch.Tensor:
+    """The parameter's tensor: `src.name`, or only rows (dim 0) or columns (dim 1) `[start, stop)` of it, a slice
+    read from the file (a 1-D bias takes dim 0's). A part of a fused tensor (`src.row0`) is its `rows` rows from
+    `row0`, the slice's rows counted from there."""
+    if part is None and src.row0 is None:
+        return f.get_tensor(src.name)
+    dim, start, stop = part if part is not None else (0, 0, rows)
+    row0 = src.row0 or 0
+    view = f.get_slice(src.name)
+    if dim == 0 or len(view.get_shape()) == 1:
+        t = view[row0 + start : row0 + stop]
+    else:
+        t = view[row0 : row0 + rows, start:stop]
     return t.contiguous()
 
 

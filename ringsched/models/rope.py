@@ -5,7 +5,23 @@ Types: `default`; `linear` (positions divided by `factor`); `llama3` (Llama 3.1+
 `factor`, short ones kept, a smooth ramp between); `yarn` (a ramp between interpolated and extrapolated
 frequencies over the dimensions, and cos/sin scaled by an attention factor); `dynamic` (NTK-aware: transformers
 raises the base only once a sequence passes `max_position_embeddings`, and the context length here never does
-(`--max-model-len` is capped there), so within it the frequencies are the plain ones, as in transformers).
+(`--max-model-len` is capped there), so within it the frequencies are the plain ones, as in transformers);
+`longrope` (Phi-3, alias `su`: each frequency divided by its entry of `short_factor` or `long_factor`, cos/sin
+scaled by `sqrt(1 + log(factor) / log(original_max_position_embeddings))`).
+
+longrope's choice of factors. transformers picks them per forward call: `long_factor` for every position of a
+call whose last position is at or past `original_max_position_embeddings` (`longrope_frequency_update`), else
+`short_factor`. Here the table is chosen per position: `short_factor` below that length, `long_factor` from it.
+That is transformers' choice exactly for a prompt within the original length, however long the output (each
+decode call is one position; the cached keys keep the rotation their own call gave them). A longer prompt
+transformers rotates wholly with `long_factor` (so its first positions differ here); vLLM's choice differs too
+(per batch).
+
+`partial_rotary_factor` (Phi-4-mini: 0.75): only the first `int(head_dim * factor)` dimensions of each head are
+rotated (rotate-half over those), the rest pass through, as transformers' Phi-3 does. It is read from the
+config's top level, where Phi-3 configs hold it (transformers 5 keeps it there and copies it into
+`rope_parameters`); `checkpoint_check` refuses it there for families that do not honour it. One only in
+`rope_parameters`, where transformers 5 writes other families', is refused here.
 """
 
 from __future__ import annotations
@@ -16,7 +32,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+# rope_scaling's fields `from_config` reads itself (the others of `RopeScaling`'s fields are taken as they are)
+_READ = frozenset({"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings",
+                   "partial_rotary_factor", "short_factor", "long_factor"})  # fmt: skip
 
 
 class RopeConfigError(ValueError):
@@ -38,6 +57,10 @@ class RopeScaling:
     mscale: float | None = None
     mscale_all_dim: float | None = None
     truncate: bool = True
+    # longrope: each frequency's divisor below `original_max_position_embeddings` and from it
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    partial_rotary_factor: float = 1.0  # the share of each head's dimensions rotated (see the module's docstring)
 
     @classmethod
     def from_config(cls, cfg: dict) -> tuple[float, RopeScaling]:
@@ -45,28 +68,44 @@ class RopeScaling:
         params = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
         field = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
         theta = float(cfg.get("rope_theta", params.get("rope_theta", 10000.0)))
-        kind = params.get("rope_type", params.get("type", "default"))
+        written = params.get("rope_type", params.get("type", "default"))
+        # Phi-3's older names for longrope ("yarn" with longrope's factors: transformers' Phi3Config reads it so)
+        longrope = written == "su" or (written == "yarn" and "short_factor" in params)
+        kind = "longrope" if longrope else written
         if kind not in ROPE_TYPES:
             raise RopeConfigError(f"{field} of type {kind!r} is not supported; ringsched runs {', '.join(ROPE_TYPES)}")
+        partial = _partial_factor(cfg, params)
         if kind == "default":
-            return theta, cls()
-        if "factor" not in params and kind != "yarn":
+            return theta, cls(partial_rotary_factor=partial)
+        if "factor" not in params and kind not in ("yarn", "longrope"):
             raise RopeConfigError(f"{field} of type {kind!r} needs a factor")
         original = params.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
         if original is None and kind in ("llama3", "yarn"):
             original = cfg.get("max_position_embeddings")
+        if original is None and kind == "longrope":
+            raise RopeConfigError(f"{field} of type {written!r} needs original_max_position_embeddings")
         factor = params.get("factor")
-        if factor is None:  # yarn without a factor: the extension of the context
+        if factor is None:  # yarn or longrope without a factor: the extension of the context
             factor = cfg["max_position_embeddings"] / original
-        known = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings"}
-        extra = {k: v for k, v in params.items() if k in cls.__dataclass_fields__ and k not in known and v is not None}
-        if cfg.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0)) != 1.0:
-            raise RopeConfigError("partial_rotary_factor other than 1.0 is not supported")
-        return theta, cls(rope_type=kind, factor=float(factor), original_max_position_embeddings=original, **extra)
+        extra = {k: v for k, v in params.items() if k in cls.__dataclass_fields__ and k not in _READ and v is not None}
+        if kind == "longrope":
+            extra.update(_longrope_factors(cfg, params, partial, f"{field} of type {written!r}"))
+        return theta, cls(rope_type=kind, factor=float(factor), original_max_position_embeddings=original,
+                          partial_rotary_factor=partial, **extra)  # fmt: skip
 
-    def inv_freq(self, head_dim: int, theta: float) -> tuple[torch.Tensor, float]:
-        """The inverse frequencies `[head_dim / 2]` and the factor cos and sin are multiplied by."""
-        base = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    @property
+    def long_from(self) -> int | None:
+        """longrope: the first position rotated with `long_factor` (see the module's docstring); else None."""
+        return self.original_max_position_embeddings if self.rope_type == "longrope" else None
+
+    def inv_freq(self, head_dim: int, theta: float, long: bool = False) -> tuple[torch.Tensor, float]:
+        """The inverse frequencies `[head_dim / 2]` and the factor cos and sin are multiplied by (`head_dim`: the
+        dimensions rotated); `long`: longrope's for positions from `long_from`."""
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        if self.rope_type == "longrope":
+            ext = torch.tensor(self.long_factor if long else self.short_factor, dtype=torch.float32)
+            return 1.0 / (ext * theta**exponents), self._longrope_attention()
+        base = 1.0 / (theta**exponents)
         if self.rope_type == "linear":
             return base / self.factor, 1.0
         if self.rope_type == "llama3":
@@ -84,6 +123,13 @@ class RopeScaling:
         smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled)
+
+    def _longrope_attention(self) -> float:
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+        if self.factor <= 1.0:
+            return 1.0
+        return math.sqrt(1 + math.log(self.factor) / math.log(self.original_max_position_embeddings))
 
     def _yarn(self, dim: int, theta: float) -> tuple[torch.Tensor, float]:
         def get_mscale(scale: float, m: float = 1.0) -> float:
@@ -113,22 +159,60 @@ class RopeScaling:
         return interpolation * (1 - keep) + extrapolation * keep, float(attention)
 
 
+def _partial_factor(cfg: dict, params: dict) -> float:
+    """The config's top-level `partial_rotary_factor` (1.0 where absent); one only in `rope_parameters` is refused
+    (see the module's docstring)."""
+    top, nested = cfg.get("partial_rotary_factor"), params.get("partial_rotary_factor")
+    if top is None and nested not in (None, 1, 1.0):
+        raise RopeConfigError(f"rope_parameters: partial_rotary_factor = {nested}: rotary embedding on part of each "
+                              "head is not supported for this architecture")  # fmt: skip
+    return float(top if top is not None else 1.0)
+
+
+def _longrope_factors(cfg: dict, params: dict, partial: float, where: str) -> dict:
+    """longrope's `short_factor` and `long_factor` as tuples, each one entry per rotated frequency; `where` names
+    the config's field in errors."""
+    out = {}
+    for name in ("short_factor", "long_factor"):
+        if not isinstance(params.get(name), list):
+            raise RopeConfigError(f"{where} needs {name}, a list of numbers")
+        out[name] = tuple(float(v) for v in params[name])
+    if "hidden_size" in cfg and "num_attention_heads" in cfg:
+        half = int((cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]) * partial) // 2
+        for name, values in out.items():
+            if len(values) != half:
+                raise RopeConfigError(f"{where}: {name} has {len(values)} entries; the rotated half-head has {half}")
+    return out
+
+
 class Rotary(nn.Module):
-    """Rotate-half RoPE as Hugging Face computes it. One instance serves every layer of a stage: the cos/sin
-    table is built once (a 4096-position table is 2 MiB in float32; one per layer was 60 MiB for SmolLM2), and
-    the rows for a batch's positions are gathered once per forward, not once per layer."""
+    """Rotate-half RoPE as Hugging Face computes it, over the first `rotary_dim` dimensions of each head (all of
+    them unless `partial`). One instance serves every layer of a stage: the cos/sin table `[P, rotary_dim]` is
+    built once (a 4096-position table is 2 MiB in float32; one per layer was 60 MiB for SmolLM2), and the rows
+    for a batch's positions are gathered once per forward, not once per layer."""
 
     def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None = None) -> None:
         super().__init__()
         self.head_dim, self.theta, self.scaling = head_dim, theta, scaling or RopeScaling()
+        self.rotary_dim = int(head_dim * self.scaling.partial_rotary_factor)
         self._cos = self._sin = torch.empty(0)
         self._rows: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
         self._covered: torch.Tensor | None = None  # the last `positions` `tables` grew the tables for
 
+    @property
+    def partial(self) -> bool:
+        """Whether part of each head passes through unrotated (then `tables` does not describe the rotation)."""
+        return self.rotary_dim < self.head_dim
+
     def _table(self, n: int, device: torch.device) -> None:
         size = max(n, 2 * self._cos.shape[0], 4096)
-        inv_freq, factor = self.scaling.inv_freq(self.head_dim, self.theta)
-        freqs = torch.outer(torch.arange(size, dtype=torch.float32), inv_freq)
+        positions = torch.arange(size, dtype=torch.float32)
+        inv_freq, factor = self.scaling.inv_freq(self.rotary_dim, self.theta)
+        freqs = torch.outer(positions, inv_freq)
+        switch = self.scaling.long_from
+        if switch is not None and size > switch:  # longrope: the long factors from the original length on
+            long_freq, _ = self.scaling.inv_freq(self.rotary_dim, self.theta, long=True)
+            freqs[switch:] = torch.outer(positions[switch:], long_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self._cos, self._sin = (emb.cos() * factor).to(device), (emb.sin() * factor).to(device)
 
@@ -146,10 +230,13 @@ class Rotary(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self._cos_sin(positions, q.dtype, q.device)
+        if self.partial:
+            return _rotate_part(q, cos, sin), _rotate_part(k, cos, sin)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole float32 cos and sin tables `[P, D]`, grown to cover `positions` (checked once per forward)."""
+        """The whole float32 cos and sin tables `[P, rotary_dim]`, grown to cover `positions` (checked once per
+        forward). The native small step rotates whole heads with them: not for a `partial` rotary."""
         if self._covered is not positions:
             need = int(positions.max()) + 1 if positions.numel() else 0
             if need > self._cos.shape[0] or self._cos.device != positions.device:
@@ -165,3 +252,10 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     rot = torch.cat((x2, x1), dim=-1)
     rot[..., : x1.shape[-1]].neg_()
     return (x * cos).add_(rot.mul_(sin))
+
+
+def _rotate_part(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`_rotate` over the first `cos.shape[-1]` dimensions of each head of `x` `[T, heads, D]`, the rest as they
+    are (transformers' `apply_rotary_pos_emb` for a partial rotary)."""
+    d = cos.shape[-1]
+    return torch.cat((_rotate(x[..., :d], cos, sin), x[..., d:]), dim=-1)
