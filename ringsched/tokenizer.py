@@ -42,12 +42,14 @@ class Tokenizer:
         self.bos_id = self._tok.token_to_id(bos) if bos else None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        """`text`'s ids, after the BOS token where the tokenizer's config asks for one (`add_bos_token`) and
+        `add_bos`: a chat template writes its own (`bos_token`), so a chat is encoded without."""
         if len(text) > _GIL_FREE_CHARS:
             ids = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
         else:
             ids = self._tok.encode(text, add_special_tokens=False).ids
-        if self.add_bos and self.bos_id is not None:
+        if add_bos and self.add_bos and self.bos_id is not None:
             ids = [self.bos_id, *ids]
         return ids
 
@@ -103,7 +105,7 @@ class Tokenizer:
             raise ChatTemplateRaised(f"{type(e).__name__}: {e}") from None
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(self.render_chat(messages, add_generation_prompt))
+        return self.encode(self.render_chat(messages, add_generation_prompt), add_bos=False)
 
 
 def _raise_exception(message: str) -> None:

