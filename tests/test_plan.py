@@ -376,3 +376,15 @@ def test_cp_in_the_report_and_the_cli(capsys):
     assert "--cp 3 does not divide --gpus 16" in capsys.readouterr().err
     assert main([*base, "--cp", "2", "--tp", "8", "--pp", "1", "--print-launch"]) == 2
     assert "either tensor- or context-parallel" in capsys.readouterr().err
+
+
+def test_the_planner_counts_gemma_and_phi3_and_refuses_experts():
+    from ringsched.capacity.presets import CapacityError, model_from_config
+
+    gemma = {"architectures": ["Gemma2ForCausalLM"], "num_hidden_layers": 42, "hidden_size": 3584,
+             "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256, "intermediate_size": 14336,
+             "vocab_size": 256000, "torch_dtype": "bfloat16"}  # fmt: skip
+    spec = model_from_config(gemma)
+    assert spec.tie_embeddings and spec.head_dim == 256 and spec.num_layers == 42
+    with pytest.raises(CapacityError, match="MixtralForCausalLM is not one the planner can count"):
+        model_from_config({**gemma, "architectures": ["MixtralForCausalLM"]})

@@ -110,7 +110,10 @@ GPU_PRESETS: dict[str, GpuSpec] = {
 
 # HF torch_dtype (or the newer `dtype`) to bytes per element.
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
-_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# Dense families whose weights and KV the arithmetic here counts (Gemma's extra norms and Phi-3's fused projections
+# change no size that matters; a sliding layer's KV is held whole, as the engine's pool holds it)
+_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                  "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM")  # fmt: skip
 
 
 def load_gpu(name: str) -> GpuSpec:
@@ -139,7 +142,7 @@ def load_model(name_or_dir: str) -> ModelSpec:
 
 
 def model_from_config(cfg: dict, name: str = "config.json") -> ModelSpec:
-    """Read a HF config dict of the Llama, Mistral, Qwen2 or Qwen3 family."""
+    """Read a HF config dict of a dense family (`_ARCHITECTURES`); mixtures of experts are refused."""
     archs = cfg.get("architectures") or ["LlamaForCausalLM"]
     arch = archs[0]
     if arch not in _ARCHITECTURES:
@@ -164,7 +167,7 @@ def model_from_config(cfg: dict, name: str = "config.json") -> ModelSpec:
             head_dim=cfg.get("head_dim") or hidden // heads,
             intermediate_size=cfg["intermediate_size"],
             vocab_size=cfg["vocab_size"],
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", arch.startswith("Gemma"))),
             dtype_bytes=_DTYPE_BYTES[dtype],
             # Qwen2 always carries q/k/v biases; Llama-family configs say so in attention_bias.
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
