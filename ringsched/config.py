@@ -89,7 +89,9 @@ class EngineConfig:
     quantization: str = _flag("none", "int8: weight-only int8 projections and lm_head (a float32 scale per output "
                               "row), a quarter of float32's weight bytes; a step of a few requests reads every weight, "
                               "so one request decodes ~2x faster than float32 on CPU, at a measured cost in accuracy "
-                              "(docs/performance.md)", choices=("none", "int8"))  # fmt: skip
+                              "(docs/performance.md); int4: the projections int4 in groups of 32 inputs with a float32 "
+                              "scale each, the lm_head and embedding int8 (one tensor where tied), about a fifth of "
+                              "float32's weight bytes", choices=("none", "int8", "int4"))  # fmt: skip
     linear_tuning: str | None = _flag(
         None, "auto: each stage times its linear layers' paths (native kernel, MKL/oneDNN, bfloat16 widened, int8) "
         "per shape and row count at start-up, cached per CPU, and takes the fastest; off: the fixed thresholds "

@@ -1,4 +1,4 @@
-"""What bfloat16 and weight-only int8 cost in accuracy against float32, on the same prompts and text.
+"""What bfloat16 and weight-only int8 and int4 cost in accuracy against float32, on the same prompts and text.
 
 Greedy agreement: each prompt generated greedily (through the engine, PP=1) in float32 and in the other
 setting; reported per prompt as the number of leading tokens that agree, and overall as the share of tokens
@@ -39,7 +39,7 @@ TEXT = (
     "second stage, the first stage already works on the next, so every stage stays busy once the ring is full. "
     "The price is latency: a token passes through every stage in turn before the next one can be decoded."
 )
-SETTINGS = {"bfloat16": {"dtype": "bfloat16"}, "int8": {"quantization": "int8"}}
+SETTINGS = {"bfloat16": {"dtype": "bfloat16"}, "int8": {"quantization": "int8"}, "int4": {"quantization": "int4"}}
 
 
 def generate(model: str, settings: dict, max_tokens: int) -> list[list[int]]:
@@ -68,11 +68,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--only", choices=list(SETTINGS), action="append", help="these settings only (default: all)")
     args = ap.parse_args()
     base = generate(args.model, {}, args.max_tokens)
     base_nll = nll(args.model, torch.float32, "none")
     print(f"float32: NLL {base_nll:.4f} per token, perplexity {math.exp(base_nll):.3f}")
     for name, settings in SETTINGS.items():
+        if args.only and name not in args.only:
+            continue
         other = generate(args.model, settings, args.max_tokens)
         pairs = list(zip(base, other, strict=True))
         lead = [next((i for i, (a, b) in enumerate(zip(x, y, strict=False)) if a != b), len(x)) for x, y in pairs]

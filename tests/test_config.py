@@ -15,7 +15,7 @@ from ringsched.config import ConfigError, EngineConfig, parse_memory
         ({"pp_async_batch_depth": -1}, "--pp-async-batch-depth must be >= 0"),
         ({"pp_max_micro_batch_size": 0}, "--pp-max-micro-batch-size must be >= 1"),
         ({"max_running_requests": 0}, "--max-running-requests"),
-        ({"quantization": "int4"}, "--quantization"),
+        ({"quantization": "int3"}, "--quantization"),
         ({"chunked_prefill_size": 0}, "--chunked-prefill-size"),
         ({"dtype": "float8"}, "--dtype 'float8' is not supported"),
         ({"device": "tpu"}, "--device 'tpu'"),

@@ -1,5 +1,5 @@
 """A small decode step's layers as one native call (`models/decode_layers.py`) give the per-layer path's results
-bit for bit: outputs, residuals and the KV cache, for a first and a later stage, float32, bfloat16 and int8."""
+bit for bit: outputs, residuals and the KV cache, for a first and a later stage, float32, bfloat16, int8 and int4."""
 
 from __future__ import annotations
 
@@ -41,7 +41,8 @@ def _run(model, cfg, stage, dtype, plans, whole: bool, proxies, layers=None):
     return outs, [(k.clone(), v.clone()) for k, v in pool.caches]
 
 
-@pytest.mark.parametrize("dtype,quant", [(torch.float32, "none"), (torch.bfloat16, "none"), (torch.float32, "int8")])
+@pytest.mark.parametrize("dtype,quant", [(torch.float32, "none"), (torch.bfloat16, "none"), (torch.float32, "int8"),
+                                         (torch.float32, "int4"), (torch.bfloat16, "int4")])  # fmt: skip
 @pytest.mark.parametrize("stage", [StageInfo(0, 2, 0, 3), StageInfo(1, 2, 3, 5)])
 def test_one_call_equals_the_layer_by_layer_path(tmp_path, dtype, quant, stage):
     cfg_dict = random_config("llama", layers=5, hidden=64, heads=4, kv_heads=2, intermediate=96, vocab=300, tie=True)

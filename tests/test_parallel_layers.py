@@ -19,7 +19,14 @@ from ringsched.models.llama import StageModel
 from ringsched.models.parallel_linear import ColumnParallelLinear, RowParallelLinear, read_slices
 from ringsched.models.random_model import random_config
 from ringsched.models.tp import SoloGroup, TPShard
-from ringsched.models.vocab import LMHead, VocabParallelEmbedding, VocabParallelLMHead, lm_head, vocab_embedding
+from ringsched.models.vocab import (
+    Embedding,
+    LMHead,
+    VocabParallelEmbedding,
+    VocabParallelLMHead,
+    lm_head,
+    vocab_embedding,
+)
 
 
 def _on_ranks(size: int, fn) -> list:
@@ -100,7 +107,7 @@ def test_vocab_parallel_embedding_and_head_are_the_whole_ones(size):
 def test_a_stage_of_one_rank_builds_whole_layers_that_exchange_nothing():
     cfg = ModelConfig.from_dict(random_config("llama", 1, 16, 2, 1, 32, 301, tie=True))
     solo = SoloGroup()
-    assert type(vocab_embedding(cfg, solo)) is nn.Embedding and type(lm_head(cfg, solo)) is LMHead
+    assert type(vocab_embedding(cfg, solo)) is Embedding and type(lm_head(cfg, solo)) is LMHead
     torch.manual_seed(2)
     whole = {"weight": torch.randn(16, 32)}
     row = _load(RowParallelLinear((0, 32), 32, 16, solo), whole)

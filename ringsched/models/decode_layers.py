@@ -56,12 +56,12 @@ LIBRARY = native_build.NativeLibrary(SOURCE, COMPILE_FLAGS, LINK_FLAGS, logger, 
 
 def _linear_words(lin: small_linear.Linear) -> list[int]:
     w = lin.weight
-    n, k = w.shape
+    n, k = w.shape[0], lin.in_features  # int4: the weight is [N, K/2] bytes
     kn = w.dtype == torch.float32 and w.stride() == (1, n)
     assert kn or w.is_contiguous(), "the kernel takes [N, K] or (float32) [K, N] weights"
     scales = 0 if lin.scales is None else lin.scales.data_ptr()
     bias = 0 if lin.bias_f32 is None else lin.bias_f32.data_ptr()
-    return [0 if kn else 1, w.data_ptr(), small_linear._W_CODE[w.dtype], scales, bias, n, k]
+    return [0 if kn else 1, w.data_ptr(), small_linear.weight_code(w, lin.scales, k), scales, bias, n, k]
 
 
 class DecodeLayers:
@@ -91,7 +91,7 @@ class DecodeLayers:
         self.dtype = held[0].input_layernorm.weight.dtype
         self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.hidden = held[0].input_layernorm.weight.shape[0]
-        self.inter = held[0].mlp.down_proj.weight.shape[1]
+        self.inter = held[0].mlp.down_proj.in_features  # not its weight's shape: int4 packs two a byte
         self.scale = attn.scale
         self.rotary = attn.rotary
         self.eps = torch.tensor([[y.input_layernorm.eps, y.post_attention_layernorm.eps] for y in held],

@@ -106,7 +106,8 @@ class MLP(nn.Module):
 
     def prepare_linears(self, quantization: str) -> None:
         self.__dict__["gate_up"] = prepare_fused([self.gate_proj, self.up_proj], quantization)
-        prepare_single(self.down_proj, quantization)
+        # under int4 the down projection stays int8 (`quantize.py`: the layer int4 costs most accuracy in)
+        prepare_single(self.down_proj, "int8" if quantization == "int4" else quantization)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj.reduce(self._slices(x))  # one sum per layer, after every row slice
@@ -211,23 +212,22 @@ class DecoderLayer(nn.Module):
 
 
 def prepare_fused(parts: list[nn.Linear], quantization: str) -> Linear:
-    """`parts` fused into one linear layer (`fuse_linears`), quantised (`int8`) with the parts' rows sharing its
-    scales, its kernel picked."""
-    from ringsched.models.quantize import quantize_linear  # quantize imports small_linear, as this does
+    """`parts` fused into one linear layer (`fuse_linears`), quantised (`int8`, `int4`) with the parts' rows
+    sharing its weight and scales, its kernel picked."""
+    from ringsched.models.quantize import quantize_projection  # quantize imports small_linear, as this does
 
     fused = fuse_linears(parts)
-    if quantization == "int8":
-        quantize_linear(fused)
+    if quantization != "none":
+        quantize_projection(fused, quantization)
         share_rows(fused, parts)
     fused.prepare()
     return fused
 
 
 def prepare_single(lin: Linear, quantization: str) -> None:
-    from ringsched.models.quantize import quantize_linear
+    from ringsched.models.quantize import quantize_projection
 
-    if quantization == "int8":
-        quantize_linear(lin)
+    quantize_projection(lin, quantization)
     lin.prepare()
 
 

@@ -60,7 +60,8 @@ def _joined(ts: list[torch.Tensor]) -> torch.Tensor | None:
 
 
 def share_rows(fused: Linear, parts: list[nn.Linear]) -> None:
-    """Point each part's weight (bias, int8 scales) at its rows of the fused layer's."""
+    """Point each part's weight (bias, scales) at its rows of the fused layer's: rows of int8's per-row scales,
+    or of int4's packed [N, K/2] weight and [N, K/G] group scales alike."""
     start = 0
     for p in parts:
         rows = slice(start, start + p.out_features)

@@ -65,9 +65,12 @@ class PathTable:
 
 def shape_of(lin: Linear, act: torch.dtype) -> Shape:
     w = lin.weight
-    n, k = w.shape
+    n, k = w.shape[0], lin.in_features  # int4: the weight is [N, K/2] bytes
     layout = "kn" if w.dtype == torch.float32 and w.stride() == (1, n) else "nk"
-    return Shape(n, k, str(w.dtype).removeprefix("torch."), str(act).removeprefix("torch."), layout)
+    weight = str(w.dtype).removeprefix("torch.")
+    if w.dtype == torch.uint8:  # int4, timed as the others (the kernel, or dequantized then MKL): named by group
+        weight = f"int4g{k // lin.scales.shape[1]}"
+    return Shape(n, k, weight, str(act).removeprefix("torch."), layout)
 
 
 def candidates(shape: Shape) -> tuple[str, ...]:
@@ -103,7 +106,8 @@ def cpu_identity() -> tuple[str, str]:
 def cache_key(shape: Shape, threads: int, cpu: tuple[str, str]) -> str:
     """The cache file's name for `shape` timed on `threads` threads of `cpu` (`cpu_identity()`)."""
     parts = [*cpu, shape.n, shape.k, shape.weight, shape.act, shape.layout, threads, torch.__version__,
-             hashlib.sha256(small_linear.SOURCE.read_bytes()).hexdigest(), list(BUCKETS)]  # fmt: skip
+             hashlib.sha256(small_linear.SOURCE.read_bytes() + small_linear.HEADER.read_bytes()).hexdigest(),
+             list(BUCKETS)]  # fmt: skip
     digest = hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
     return f"{shape.n}x{shape.k}-{shape.weight}-{shape.act}-{shape.layout}-t{threads}-{digest}"
 

@@ -105,16 +105,21 @@ class StageModel(nn.Module):
 
     def prepare_linears(self, quantization: str = "none") -> StageModel:
         """After the weights are in: fuse each layer's q/k/v and gate/up projections, quantise the projections and
-        the lm_head (`int8`: `models/quantize.py`), and let every linear layer pick its kernel."""
-        from ringsched.models.quantize import quantize_linear  # quantize imports small_linear, as this does
+        the lm_head (`int8`, `int4`: `models/quantize.py`; `int4` the embedding too), and let every linear layer
+        pick its kernel."""
+        from ringsched.models.quantize import quantize_int8_weight, quantize_linear  # it imports small_linear
 
+        tied = self.stage.is_first and self.stage.is_last and self.model.embed_tokens.weight is self.lm_head.weight
         for layer in self.model.layers:
             if not isinstance(layer, MissingLayer):
                 layer.prepare_linears(quantization)
         if self.stage.is_last:
-            if quantization == "int8":
+            if quantization in ("int8", "int4"):  # the head int8 per row under int4 too: its accuracy matters most
                 quantize_linear(self.lm_head)
             self.lm_head.prepare()
+        if self.stage.is_first and quantization == "int4":  # tied: one int8 tensor for the head and the embedding
+            emb = self.model.embed_tokens
+            emb.quantize(*((self.lm_head.weight, self.lm_head.scales) if tied else quantize_int8_weight(emb.weight)))
         self.paths_chosen()
         return self
 

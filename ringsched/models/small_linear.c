@@ -8,7 +8,8 @@
  *   prefers for prefill, see `cpu_layout`): the halves of K streamed front to back up to 4 rows, buffered
  *   blocks of 64-column panels beyond; x's value broadcast.
  * - `linear_nk`: weights stored [N, K] (each output's weights contiguous): float32, bfloat16 or int8 with a
- *   float32 scale per output row; tiles of 4 outputs x 4 rows as dot products over K, reduced at the end.
+ *   float32 scale per output row; tiles of 4 outputs x 4 rows as dot products over K, reduced at the end. Or
+ *   int4 in groups of 32 or 128 k with a scale each (small_linear_int4.h).
  *
  * Each output's sum is formed in the same order whatever the number of rows or threads, so a row's result does
  * not depend on the batch it is in. Activations are float32 or bfloat16 (the model's dtype); outputs the same.
@@ -28,7 +29,9 @@
 #define HAVE_AVX512 0
 #endif
 
-enum { W_F32 = 0, W_BF16 = 1, W_INT8 = 2 };
+/* Weight types of `linear_nk`; int4's group size is in its code, so callers (decode_layers.c's descriptor) pass
+ * one word as for the others. */
+enum { W_F32 = 0, W_BF16 = 1, W_INT8 = 2, W_INT4_G32 = 3, W_INT4_G128 = 4 };
 
 static inline float bf16_to_f32(uint16_t x) {
   const uint32_t u = (uint32_t)x << 16;
@@ -232,7 +235,7 @@ int linear_kn(const void *x, int64_t ldx, int64_t x_bf16, int64_t M, int64_t K, 
 }
 
 /* ---------------------------------------------------------------------------------------------------------
- * [N, K] weights: out[m, n] = scale[n] * sum_k x[m, k] * w[n * K + k]   (scale: int8 only)
+ * [N, K] weights: out[m, n] = scale[n] * sum_k x[m, k] * w[n * K + k]   (scale: int8 only; int4: per group)
  * ------------------------------------------------------------------------------------------------------- */
 
 #define NB 4 /* outputs per tile */
@@ -251,6 +254,8 @@ INLINE __m512 load_x16(const void *p, const int xb, __mmask16 mk) {
   return xb ? widen_bf16(_mm256_maskz_loadu_epi16(mk, p)) : _mm512_maskz_loadu_ps(mk, p);
 }
 #endif
+
+#include "small_linear_int4.h"
 
 /* Sums of one tile of `nb` outputs x `mb` rows into acc_out; inlined with constant `mb`, `wt`, `xb`. */
 INLINE void nk_tile(const void *x, int64_t ldx, const int xb, int64_t m0, const int mb, int64_t K, const void *w, const int wt,
@@ -329,9 +334,19 @@ INLINE void nk_tile(const void *x, int64_t ldx, const int xb, int64_t m0, const 
     else nk_tile(x, ldx, XB, m0, 1, K, w, WT, n0, nb, acc);                                                         \
   } while (0)
 
+#define NK_Q4(G, XB)                                                                                           \
+  do {                                                                                                         \
+    if (mb == 4) nk_tile_q4(x, ldx, XB, m0, 4, K, w, scales, G, n0, nb, acc);                                  \
+    else if (mb == 3) nk_tile_q4(x, ldx, XB, m0, 3, K, w, scales, G, n0, nb, acc);                             \
+    else if (mb == 2) nk_tile_q4(x, ldx, XB, m0, 2, K, w, scales, G, n0, nb, acc);                             \
+    else nk_tile_q4(x, ldx, XB, m0, 1, K, w, scales, G, n0, nb, acc);                                          \
+  } while (0)
+
 int linear_nk(const void *x, int64_t ldx, int64_t x_bf16, int64_t M, int64_t K, const void *w, int64_t wtype,
               const float *scales, int64_t N, const float *bias, void *y, int64_t y_bf16, int64_t nthreads) {
-  if (wtype != W_F32 && wtype != W_BF16 && wtype != W_INT8) return 1;
+  if (wtype < W_F32 || wtype > W_INT4_G128) return 1;
+  const int q4 = wtype == W_INT4_G32 || wtype == W_INT4_G128;
+  if (q4 && (!scales || K % (wtype == W_INT4_G32 ? 32 : 128) != 0)) return 1;
   const int64_t tiles = (N + NB - 1) / NB;
   if (nthreads > tiles) nthreads = tiles;
   if (nthreads < 1) nthreads = 1;
@@ -345,13 +360,17 @@ int linear_nk(const void *x, int64_t ldx, int64_t x_bf16, int64_t M, int64_t K, 
         if (x_bf16) NK_MB(W_F32, 1); else NK_MB(W_F32, 0);
       } else if (wtype == W_BF16) {
         if (x_bf16) NK_MB(W_BF16, 1); else NK_MB(W_BF16, 0);
-      } else {
+      } else if (wtype == W_INT8) {
         if (x_bf16) NK_MB(W_INT8, 1); else NK_MB(W_INT8, 0);
+      } else if (wtype == W_INT4_G32) {
+        if (x_bf16) NK_Q4(32, 1); else NK_Q4(32, 0);
+      } else {
+        if (x_bf16) NK_Q4(128, 1); else NK_Q4(128, 0);
       }
       for (int64_t m = 0; m < mb; m++)
         for (int64_t i = 0; i < nb; i++) {
           float v = acc[m][i];
-          if (scales) v *= scales[n0 + i];
+          if (scales && !q4) v *= scales[n0 + i]; /* int4's group scales are in its sums */
           if (bias) v += bias[n0 + i];
           store_out(y, (int)y_bf16, (m0 + m) * N + n0 + i, v);
         }

@@ -28,6 +28,7 @@ Where the CPU has AMX, oneDNN's bfloat16 kernels are the fast path and are kept.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import logging
 import os
 import sys
@@ -46,19 +47,26 @@ logger = logging.getLogger(__name__)
 
 ENV_SWITCH = "RINGSCHED_NATIVE_LINEAR"
 SOURCE = Path(__file__).with_name("small_linear.c")
+HEADER = SOURCE.with_name("small_linear_int4.h")  # included by SOURCE
 # -fopenmp on both lines: the library then needs libgomp.so.1, which the dynamic linker resolves to the copy
-# torch has already loaded (same soname), so the kernel runs on torch's own thread team.
-COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c"]
+# torch has already loaded (same soname), so the kernel runs on torch's own thread team. The header's hash is a
+# flag: the build cache is keyed by the source and the flags, so a change to the header rebuilds too.
+COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC",
+                 f"-DINT4_HEADER_HASH={hashlib.sha256(HEADER.read_bytes()).hexdigest()[:16]}", "-c"]  # fmt: skip
 LINK_FLAGS = ["-shared", "-fopenmp"]
 
 _W_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+_INT4_CODE = {32: 3, 128: 4}  # int4 (packed uint8 weights) by group size: the group is in the kernel's type code
 # A call's paths: the kernel; torch's `F.linear` (MKL/oneDNN; int8: of a float copy of the weight); bfloat16
 # widened to float32 (MKL's sgemm); int8 by `torch._weight_int8pack_mm`.
 NATIVE, TORCH, WIDEN, INT8PACK = "native", "torch", "widen", "int8pack"
 PATHS = (NATIVE, TORCH, WIDEN, INT8PACK)
 # Without tuning (`--linear-tuning off`): rows up to which the kernel is used, by weight dtype (measured on an
 # Intel host: docs/performance.md, "One request and moderate load").
-MAX_ROWS = {torch.float32: 8, torch.bfloat16: 16, torch.int8: 32}
+# int4: the kernel up to 64 rows; beyond, dequantizing per call then MKL wins (SmolLM2's shapes, 2 threads, Xeon with
+# AVX-512: 3.6 against 4.5 ms per layer's four linears at 64 rows, 7.0 against 5.0 at 128)
+INT4_MAX_ROWS = 64
+MAX_ROWS = {torch.float32: 8, torch.bfloat16: 16, torch.int8: 32, torch.uint8: INT4_MAX_ROWS}
 # bfloat16 steps of at least this many rows widen to float32 on CPUs without AMX (measured at 64 rows: 0.80-1.10x
 # the time, so not there); RINGSCHED_BF16_WIDEN_ROWS sets it, 0 turns widening off
 WIDEN_ROWS = int(os.environ.get("RINGSCHED_BF16_WIDEN_ROWS", "128"))
@@ -102,12 +110,32 @@ def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return F.linear(x.float(), weight.float(), bias).to(x.dtype)
 
 
+def weight_code(weight: torch.Tensor, scales: torch.Tensor | None, k: int) -> int:
+    """The kernel's type code of `weight` for inputs of `k` features (int4: packed uint8, its group from `scales`)."""
+    if weight.dtype == torch.uint8:
+        return _INT4_CODE[k // scales.shape[1]]
+    return _W_CODE[weight.dtype]
+
+
+def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Packed int4 [N, K/2] uint8 and scales [N, K/G] float32 (`quantize.quantize_int4_weight`) -> [N, K] in
+    `dtype`: each block of 32 k holds value j in byte j's low nibble and j + 16 in its high nibble, stored q + 8."""
+    n, half = packed.shape
+    b = packed.view(n, half // 16, 16)
+    q = torch.empty(n, half // 16, 32)  # [N, K/32, 32], filled in place: 4x faster than cat then convert
+    q[:, :, :16] = b & 0x0F
+    q[:, :, 16:] = b >> 4
+    w = q.view(n, scales.shape[1], -1).sub_(8).mul_(scales[:, :, None])
+    return w.view(n, 2 * half).to(dtype)
+
+
 def native_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, scales: torch.Tensor | None = None
 ) -> torch.Tensor:
     """`x @ weight.T (* scales) + bias` by the kernel. `x` [M, K] float32 or bfloat16 with unit stride along K;
-    `weight` [N, K] float32, bfloat16 or int8 (then `scales` [N] float32), either contiguous or (float32) the
-    transposed layout `cpu_layout` gives; `bias` [N] float32. Returns [M, N] in `x`'s dtype."""
+    `weight` [N, K] float32, bfloat16 or int8 (then `scales` [N] float32), or int4 packed [N, K/2] uint8 (then
+    `scales` [N, K/G] float32), either contiguous or (float32) the transposed layout `cpu_layout` gives; `bias`
+    [N] float32. Returns [M, N] in `x`'s dtype."""
     lib = library()
     assert lib is not None, "native_linear called without the kernel"
     m, k = x.shape
@@ -124,11 +152,11 @@ def native_linear(
         assert weight.is_contiguous(), "native_linear takes [N, K] or [K, N] weights"
         s = None if scales is None else scales.data_ptr()
         rc = lib.linear_nk(
-            x.data_ptr(), x.stride(0), xb, m, k, weight.data_ptr(), _W_CODE[weight.dtype], s, n, b, y.data_ptr(), xb,
-            threads,
+            x.data_ptr(), x.stride(0), xb, m, k, weight.data_ptr(), weight_code(weight, scales, k), s, n, b,
+            y.data_ptr(), xb, threads,
         )  # fmt: skip
     if rc != 0:
-        raise ValueError(f"native_linear: unsupported weight dtype {weight.dtype}")
+        raise ValueError(f"native_linear: unsupported weight dtype {weight.dtype} (int4: K a multiple of the group)")
     return y
 
 
@@ -167,6 +195,8 @@ def apply(path: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         return y if bias is None else y + bias
     if weight.dtype == torch.int8:
         weight = weight.to(x.dtype) * scales.to(x.dtype)[:, None]
+    elif weight.dtype == torch.uint8:  # int4: dequantized per call (one layer at a time), then MKL/oneDNN
+        weight = dequantize_int4(weight, scales, x.dtype)
     return F.linear(x, weight, bias)
 
 
@@ -174,7 +204,8 @@ class Linear(nn.Linear):
     """`nn.Linear` whose calls take the path its `paths` names for their row count. `prepare()` (after the
     weights are loaded) gives it `FixedPaths`: torch only off CPU, for dtypes the kernel lacks, or without the
     kernel; `models/linear_tuning.py` may then replace them by measured ones. An int8 layer (`quantize_int8`)
-    holds `weight` int8 [N, K] and `scales` float32 [N]."""
+    holds `weight` int8 [N, K] and `scales` float32 [N]; an int4 one (`quantize_linear_int4`) `weight` uint8
+    [N, K/2] (two values a byte) and `scales` float32 [N, K/G]."""
 
     paths: Paths = FixedPaths()
     scales: torch.Tensor | None = None

@@ -27,11 +27,11 @@ from ringsched.models.tp import TPGroup
 HEAD_VOCAB_CHUNK = 1024
 
 
-def vocab_embedding(cfg: ModelConfig, group: TPGroup) -> nn.Embedding:
+def vocab_embedding(cfg: ModelConfig, group: TPGroup) -> Embedding:
     """The embedding: whole on a stage of one rank, else this rank's rows of it; scaled by `cfg.embed_scale` (Gemma:
     the square root of the hidden size, rounded to the embedding's dtype as transformers rounds it)."""
     if group.size == 1:
-        emb = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=_meta_weight(cfg.vocab_size, cfg.hidden_size))
+        emb = Embedding(cfg.vocab_size, cfg.hidden_size, _weight=_meta_weight(cfg.vocab_size, cfg.hidden_size))
     else:
         emb = VocabParallelEmbedding(cfg, group)
     if cfg.embed_scale != 1.0:
@@ -46,7 +46,28 @@ def _meta_weight(rows: int, hidden: int) -> torch.Tensor | None:
     return torch.empty(rows, hidden) if torch.get_default_device().type == "meta" else None
 
 
-class VocabParallelEmbedding(Sharded, nn.Embedding):
+class Embedding(nn.Embedding):
+    """`nn.Embedding`, whose weight may be int8 rows with a float32 scale each (`quantize`, `--quantization
+    int4`): a token's row is then its int8 values times its scale, in the model's dtype."""
+
+    scales: torch.Tensor | None = None
+    act_dtype: torch.dtype = torch.float32
+
+    def quantize(self, q: torch.Tensor, scales: torch.Tensor) -> None:
+        """Hold int8 rows `q` [rows, hidden] and `scales` [rows] (`quantize.quantize_int8_weight`; the lm_head's
+        own tensors where the two are tied) in place of the float weight."""
+        self.act_dtype = self.weight.dtype
+        self.weight = nn.Parameter(q, requires_grad=False)
+        self.scales = scales
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.scales is None:
+            return super().forward(input_ids)
+        rows = F.embedding(input_ids, self.weight).float() * self.scales[input_ids].unsqueeze(-1)
+        return rows.to(self.act_dtype)
+
+
+class VocabParallelEmbedding(Sharded, Embedding):
     """Rows `group.shard.vocab(cfg)` of the embedding; a token outside them embeds as zeros before the sum."""
 
     def __init__(self, cfg: ModelConfig, group: TPGroup) -> None:
