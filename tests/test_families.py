@@ -109,9 +109,3 @@ def test_context_parallelism_is_refused_for_sliding_layers(family):
     _, model_dir, _ = family
     with pytest.raises(ConfigError, match="--cp-size 2: context parallelism runs full attention"):
         ModelSpec.resolve(EngineConfig(model=str(model_dir), cp_size=2))
-
-
-def test_a_flexible_cut_is_refused_for_sliding_layers(family):
-    _, model_dir, _ = family
-    with pytest.raises(ConfigError, match="--pp-flex-layers 1: a moving cut mirrors"):
-        ModelSpec.resolve(EngineConfig(model=str(model_dir), pp_size=2, pp_flex_layers=1))
