@@ -46,8 +46,6 @@ class PlanEntry:
     # rank's new blocks (`new_blocks` then stays empty)
     cp_counts: list[int] = field(default_factory=list)
     cp_blocks: list[list[int]] = field(default_factory=list)
-    # Models with sliding layers, in a request's first entry after admission: its ring of the sliding pool
-    ring_blocks: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from ringsched.kv.ring import RingTable
     from ringsched.models.config import ModelConfig
 
 
@@ -76,8 +75,7 @@ class BlockTable:
     block: still free capacity, taken back by a request with the same prefix, or evicted when the pool has no
     never-used block left."""
 
-    def __init__(self, num_blocks: int, block_size: int, follower: bool = False, prefix_caching: bool = False,
-                 ring: RingTable | None = None) -> None:  # fmt: skip
+    def __init__(self, num_blocks: int, block_size: int, follower: bool = False, prefix_caching: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError("the KV pool holds no block; raise --kv-cache-memory")
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -89,7 +87,6 @@ class BlockTable:
         self._free = list(range(num_blocks - 1, -1, -1))
         self.tables: dict[str, list[int]] = {}
         self._cached: dict[str, int] = {}  # leading blocks of each request already indexed in the cache
-        self.ring = ring  # the sliding layers' rings (`kv/ring.py`): taken, followed and freed with the main blocks
 
     @property
     def capacity_tokens(self) -> int:
@@ -121,7 +118,7 @@ class BlockTable:
         have = len(self.tables.get(rid, ())) + len(shared)
         need = max(-(-num_tokens // self.block_size) - have, 0)
         taken_idle = sum(1 for b in shared if self._refs[b] == 0)  # idle now, held once shared
-        return need + taken_idle <= self.free_blocks and (self.ring is None or self.ring.can_take(rid))
+        return need + taken_idle <= self.free_blocks
 
     def _hold(self, b: int) -> None:
         if self._refs[b] == 0:
@@ -148,10 +145,7 @@ class BlockTable:
         before = len(self.tables.get(rid, ()))
         if not self.ensure(rid, num_tokens):
             raise RuntimeError(f"request {rid}: the pool cannot hold {num_tokens} tokens (caller checks first)")
-        out = {"new_blocks": self.tables[rid][before:]}
-        if self.ring is not None and not self.ring.holds(rid):
-            out["ring_blocks"] = self.ring.take(rid)
-        return out
+        return {"new_blocks": self.tables[rid][before:]}
 
     def share(self, rid: str, blocks: Sequence[int]) -> None:
         """Start `rid` (holding nothing yet) from cached blocks: an idle one is held again, a held one shared."""
@@ -185,8 +179,6 @@ class BlockTable:
         """`rid` lets go of its blocks; one no one else holds becomes free, or idle if it is cached. The last
         block goes first: a request's tail is evicted before the prefix other requests are likelier to share."""
         self._cached.pop(rid, None)
-        if self.ring is not None:
-            self.ring.free(rid)
         for b in reversed(self.tables.pop(rid, [])):
             self._refs[b] -= 1
             if self._refs[b]:
@@ -230,15 +222,14 @@ def blocks_for_memory(
 
 
 class KVPool:
-    """The cache tensors of one stage's own layers: `[num_blocks * block_size, kv_heads, head_dim]` each; a sliding
-    layer's (`sliding[i]`) `[ring_blocks * block_size, ...]`, the sliding pool its requests' rings live in."""
+    """The cache tensors of one stage's own layers: `[num_blocks * block_size, kv_heads, head_dim]` each."""
 
-    def __init__(self, cfg: ModelConfig, num_layers: int, num_blocks: int, block_size: int, dtype, device,
-                 sliding: Sequence[bool] = (), ring_blocks: int = 0) -> None:  # fmt: skip
-        def pair(blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-            shape = (blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
-            return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
-
-        slides = list(sliding) + [False] * (num_layers - len(sliding))
-        self.caches = [pair(ring_blocks if slides[i] else num_blocks) for i in range(num_layers)]
+    def __init__(
+        self, cfg: ModelConfig, num_layers: int, num_blocks: int, block_size: int, dtype, device
+    ) -> None:
+        shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.caches = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(num_layers)
+        ]
         self.nbytes = sum(k.numel() * k.element_size() * 2 for k, _ in self.caches)

@@ -106,5 +106,3 @@ class FollowPlans:
                 self.blocks.assign(e.rid, e.cp_blocks[self.where.cp])
             elif e.cached_blocks or e.new_blocks:  # a cached prefix first, then what this entry computes
                 self.blocks.assign(e.rid, e.cached_blocks + e.new_blocks)
-            if e.ring_blocks:  # a sliding model's request, admitted: its ring
-                self.blocks.ring.assign(e.rid, e.ring_blocks)

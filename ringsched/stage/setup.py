@@ -22,9 +22,8 @@ from ringsched.comm.tensor_channel import TensorChannel
 from ringsched.comm.zmq_io import Puller, Pusher
 from ringsched.config import EngineConfig, parse_memory
 from ringsched.device import activation_reserve, set_matmul_precision
-from ringsched.kv.cache import BlockTable, KVPool
+from ringsched.kv.cache import BlockTable, KVPool, blocks_for_memory
 from ringsched.kv.cp_blocks import CPBlocks, request_capacity
-from ringsched.kv.ring import RingTable, ring_size, split_budget
 from ringsched.layout.rank import RankInfo, StageInfo
 from ringsched.models import linear_tuning
 from ringsched.models.config import ModelConfig
@@ -78,17 +77,10 @@ class RankSetup:
                     mine.rebind(new)
         local = self.tp.shard.local_config(self.spec.config) if self.tp else self.spec.config  # its KV heads
         num_blocks = self.num_blocks = self._kv_blocks(local, generation)
-        ring, ring_blocks = sliding_pool(cfg, local)
         if self.pool is None:
-            self.pool = KVPool(local, self.stage.num_layers, num_blocks, cfg.block_size, cfg.torch_dtype, self.device,
-                               sliding=_sliding_layers(local, self.stage), ring_blocks=ring_blocks)  # fmt: skip
-        rings = RingTable(ring_blocks, cfg.block_size, ring, local.sliding_window, follower=not where.decides
-                          ) if ring else None  # fmt: skip
-        caching = cfg.enable_prefix_caching and rings is None
-        if cfg.enable_prefix_caching and not caching and where.decides and generation == 0:
-            logger.info("prefix caching off: a cached prefix would have no KV in the sliding layers' rings")
-        blocks = BlockTable(num_blocks, cfg.block_size, follower=not where.decides, prefix_caching=caching,
-                            ring=rings)  # fmt: skip
+            self.pool = KVPool(local, self.stage.num_layers, num_blocks, cfg.block_size, cfg.torch_dtype, self.device)
+        blocks = BlockTable(num_blocks, cfg.block_size, follower=not where.decides,
+                            prefix_caching=cfg.enable_prefix_caching)  # fmt: skip
         planner = _planner(cfg, self.spec, local, blocks, self.device, cp=cp is not None,
                            flex=self.flex is not None) if where.decides else None  # fmt: skip
         self.loop = StageLoop(cfg, self.stage, self.model, blocks, self.pool, self._io(generation), planner,
@@ -122,7 +114,7 @@ class RankSetup:
             return self.num_blocks
         if generation > 0 and self.store is not None and self.store.check([KV_BLOCKS_KEY]):
             return int(self.store.get(KV_BLOCKS_KEY))
-        blocks = _kv_blocks(self.cfg, local, self.stage, self.device, self.spec.context_len)
+        blocks = _kv_blocks(self.cfg, local, self.stage, self.device)
         if self.store is not None and self.where.rank == 0:
             self.store.set(KV_BLOCKS_KEY, str(blocks))
         return blocks
@@ -240,40 +232,14 @@ def kv_budget_bytes(cfg: EngineConfig, device: torch.device, free: int | None = 
     return max(int(free * budget), 0)
 
 
-def sliding_pool(cfg: EngineConfig, mcfg: ModelConfig) -> tuple[int, int]:
-    """(blocks of one request's ring, blocks of the sliding pool) of a model with sliding layers, (0, 0) without:
-    a ring for each request the planner runs at once (`kv/ring.py`), a chunk of at most --chunked-prefill-size."""
-    if not mcfg.has_sliding:
-        return 0, 0
-    ring = ring_size(mcfg.sliding_window, cfg.chunked_prefill_size, cfg.block_size)
-    return ring, ring * cfg.max_running_requests
-
-
-def _sliding_layers(mcfg: ModelConfig, stage: StageInfo) -> list[bool]:
-    return [bool(mcfg.window(i)) for i in range(stage.start_layer, stage.end_layer)]
-
-
-def _kv_blocks(cfg: EngineConfig, mcfg: ModelConfig, stage: StageInfo, device: torch.device,
-               context_len: int) -> int:  # fmt: skip
-    """Main-pool blocks: what the budget holds once the sliding layers' rings are taken off; a stage of sliding
-    layers only bounds nothing, and takes enough for every running request's whole context."""
+def _kv_blocks(cfg: EngineConfig, mcfg: ModelConfig, stage: StageInfo, device: torch.device) -> int:
     budget = kv_budget_bytes(cfg, device, mcfg=mcfg)
-    sliding = sum(_sliding_layers(mcfg, stage))
-    ring, ring_blocks = sliding_pool(cfg, mcfg)
-    elt = torch.empty((), dtype=cfg.torch_dtype).element_size()
-    blocks = split_budget(budget, mcfg.kv_bytes_per_token_per_layer * elt, stage.num_layers - sliding, sliding,
-                          ring_blocks, cfg.block_size)  # fmt: skip
-    if blocks < 0:
-        blocks = cfg.max_running_requests * -(-context_len // cfg.block_size)
+    blocks = blocks_for_memory(mcfg, stage.num_layers, cfg.torch_dtype, budget, cfg.block_size)
     if cfg.world_size > 1:
         # Stage 0 admits against the smallest pool (over every rank); every rank allocates just that much.
         t = torch.tensor([blocks], dtype=torch.long, device=device)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
         blocks = int(t.item())
     if blocks < 1:
-        rings = " beside the sliding layers' rings (lower --max-running-requests)" if ring else ""
-        raise RuntimeError(f"--kv-cache-memory {cfg.kv_cache_memory} holds no KV block{rings}; raise it")
-    if ring:
-        logger.info("KV: %d main blocks for %d full layers, %d sliding blocks (rings of %d) for %d sliding layers",
-                    blocks, stage.num_layers - sliding, ring_blocks, ring, sliding)  # fmt: skip
+        raise RuntimeError(f"--kv-cache-memory {cfg.kv_cache_memory} holds no KV block; raise it")
     return blocks
