@@ -94,16 +94,18 @@ def _flatten(plan: BatchPlan, blocks: BlockTable, device) -> tuple[ForwardBatch,
     batch = ForwardBatch(positions=on_device(positions, device, torch.long),
                          logit_rows=on_device(logit_rows, device, torch.long),
                          slot_mapping=on_device(torch.cat(slot_parts), device))  # fmt: skip
-    batch.contexts = _contexts([(r, rid, ctx, 1) for r, rid, ctx in decs] + chunks, blocks, device)
+    batch.contexts = _contexts(decs, chunks, blocks, device)
     return batch, on_device(ids, device, torch.long), decs, chunks
 
 
-def _contexts(seqs: list[tuple[int, str, int, int]], blocks: BlockTable, device):
-    """`ForwardBatch.contexts`: the sequences' context slots, looked up once, on the first call."""
+def _contexts(decs: list[tuple[int, str, int]], chunks: list[tuple[int, str, int, int]], blocks: BlockTable, device):
+    """`ForwardBatch.contexts`: the sequences' context slots, looked up once, on the first call (a step of a model
+    without sliding or soft-capped layers never calls it, and pays nothing)."""
     made: list = []
 
     def contexts() -> list[tuple[int, int, int, torch.Tensor]]:
-        if not made and seqs:
+        if not made:
+            seqs = [(row, rid, ctx, 1) for row, rid, ctx in decs] + chunks
             made.extend((row, n, ctx, on_device(blocks.slots(rid, 0, ctx), device)) for row, rid, ctx, n in seqs)
         return made
 
