@@ -105,6 +105,7 @@ def test_an_int4_model_is_close_to_float32_in_under_a_third_of_its_bytes(tmp_pat
     attn = q.model.layers[0].self_attn
     assert attn.qkv.weight.dtype == torch.uint8 and attn.q_proj.weight.data_ptr() == attn.qkv.weight.data_ptr()
     assert attn.k_proj.scales.data_ptr() == attn.qkv.scales[attn.q_proj.out_features :].data_ptr()
+    assert q.model.layers[0].mlp.down_proj.weight.dtype == torch.int8  # down_proj stays int8 (accuracy)
     assert q.lm_head.weight.dtype == torch.int8  # and the embedding's rows are the head's: one tensor
     assert q.model.embed_tokens.weight.data_ptr() == q.lm_head.weight.data_ptr()
     assert _stored_bytes(q) < 0.3 * weights_bytes(ref)

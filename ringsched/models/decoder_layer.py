@@ -106,8 +106,7 @@ class MLP(nn.Module):
 
     def prepare_linears(self, quantization: str) -> None:
         self.__dict__["gate_up"] = prepare_fused([self.gate_proj, self.up_proj], quantization)
-        # under int4 the down projection stays int8 (`quantize.py`: the layer int4 costs most accuracy in)
-        prepare_single(self.down_proj, "int8" if quantization == "int4" else quantization)
+        prepare_single(self.down_proj, quantization, down=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj.reduce(self._slices(x))  # one sum per layer, after every row slice
@@ -224,10 +223,12 @@ def prepare_fused(parts: list[nn.Linear], quantization: str) -> Linear:
     return fused
 
 
-def prepare_single(lin: Linear, quantization: str) -> None:
+def prepare_single(lin: Linear, quantization: str, down: bool = False) -> None:
+    """`lin` quantised and its kernel picked; `down`: an MLP's (or expert's) down projection, which stays int8 under
+    int4 (`quantize.py`: the layer int4 costs most accuracy in)."""
     from ringsched.models.quantize import quantize_projection
 
-    quantize_projection(lin, quantization)
+    quantize_projection(lin, "int8" if down and quantization == "int4" else quantization)
     lin.prepare()
 
 

@@ -53,7 +53,7 @@ class Expert(nn.Module):
 
     def prepare_linears(self, quantization: str) -> None:
         self.__dict__["gate_up"] = prepare_fused([self.gate, self.up], quantization)
-        prepare_single(self.down, "int8" if quantization == "int4" else quantization)  # as the dense MLP's
+        prepare_single(self.down, quantization, down=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum of the expert's output for rows `x` [n, hidden] (not yet summed over ranks)."""
