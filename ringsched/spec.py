@@ -44,6 +44,10 @@ class ModelSpec:
             raise ConfigError(f"--cp-size {cfg.cp_size}: context parallelism runs full attention without soft-capping, "
                               f"and this {mcfg.architecture} has sliding-window or soft-capped layers; use --cp-size 1 "
                               "(--pp-size and --tp-size split it)")  # fmt: skip
+        if cfg.pp_flex_layers and mcfg.has_sliding:
+            raise ConfigError(f"--pp-flex-layers {cfg.pp_flex_layers}: a moving cut mirrors the pool's KV rows, and "
+                              f"this {mcfg.architecture}'s sliding layers keep theirs in rings of their own; use "
+                              "--pp-flex-layers 0")  # fmt: skip
         auto = cfg.auto_partition
         counts = default_partition(mcfg.num_layers, cfg.pp_size, head) if auto else cfg.partition(mcfg.num_layers, head)
         return cls(model_dir, mcfg, cfg.context_len(mcfg.max_position_embeddings), _eos_ids(model_dir, mcfg),

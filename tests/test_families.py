@@ -1,6 +1,8 @@
 """Gemma 2, Gemma 3 and sliding-window Mistral and Qwen2, each a tiny random model made by transformers' own classes:
-ringsched's greedy tokens equal transformers' at PP=1, PP=2 and TP=2 on prompts longer than the sliding window, and
-the window matters (the same weights attending to everything give other tokens)."""
+ringsched's greedy tokens equal transformers' at PP=1, PP=2 and TP=2 on prompts longer than the sliding window, in
+chunks, with prompt and outputs long enough that each request's ring of sliding KV (`kv/ring.py`: 2 blocks of 16 for
+a window of 8 and chunks of 8) wraps several times; and the window matters (the same weights attending to everything
+give other tokens)."""
 
 from __future__ import annotations
 
@@ -31,8 +33,9 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": WINDOW,
                                                   "max_window_layers": 2}),
 }  # fmt: skip
-PROMPTS = [[5, 17, 42, 99, 3, 250, 7, 11, 13, 200, 31, 64], list(range(40, 90))]  # both past the window
-NEW = 20
+PROMPTS = [[5, 17, 42, 99, 3, 250, 7, 11, 13, 200, 31, 64], list(range(40, 100))]  # both past the window
+NEW = 40
+CHUNK = 8  # --chunked-prefill-size: the 60-token prompt in 8 chunks
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -63,8 +66,20 @@ def test_greedy_tokens_equal_transformers(family, pp, tp):
     _, model_dir, want = family
     params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
     with Engine(model=str(model_dir), pp_size=pp, tp_size=tp, kv_cache_memory="8M", threads_per_stage=1,
-                log_level="warning") as llm:  # fmt: skip
+                chunked_prefill_size=CHUNK, log_level="warning") as llm:  # fmt: skip
         assert [o.token_ids for o in llm.generate(PROMPTS, params)] == want
+
+
+def test_prefix_caching_asked_for_gives_the_same_tokens(family):
+    """--enable-prefix-caching with sliding layers: turned off (a cached prefix has no KV in the rings), the same
+    tokens for a prompt repeated."""
+    _, model_dir, want = family
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    with Engine(model=str(model_dir), kv_cache_memory="8M", threads_per_stage=1, chunked_prefill_size=CHUNK,
+                enable_prefix_caching=True, log_level="warning") as llm:  # fmt: skip
+        first = [o.token_ids for o in llm.generate(PROMPTS, params)]
+        again = [o.token_ids for o in llm.generate(PROMPTS[1:], params)]
+    assert first == want and again == want[1:]
 
 
 def test_the_window_matters(family, tmp_path):
@@ -94,3 +109,9 @@ def test_context_parallelism_is_refused_for_sliding_layers(family):
     _, model_dir, _ = family
     with pytest.raises(ConfigError, match="--cp-size 2: context parallelism runs full attention"):
         ModelSpec.resolve(EngineConfig(model=str(model_dir), cp_size=2))
+
+
+def test_a_flexible_cut_is_refused_for_sliding_layers(family):
+    _, model_dir, _ = family
+    with pytest.raises(ConfigError, match="--pp-flex-layers 1: a moving cut mirrors"):
+        ModelSpec.resolve(EngineConfig(model=str(model_dir), pp_size=2, pp_flex_layers=1))

@@ -46,6 +46,8 @@ class PlanEntry:
     # rank's new blocks (`new_blocks` then stays empty)
     cp_counts: list[int] = field(default_factory=list)
     cp_blocks: list[list[int]] = field(default_factory=list)
+    # Models with sliding layers: the blocks of the sliding pool this entry adds to the request's ring (`kv/ring.py`)
+    ring_blocks: list[int] = field(default_factory=list)
 
 
 @dataclass

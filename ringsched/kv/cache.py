@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from ringsched.kv.ring import RingTable
     from ringsched.models.config import ModelConfig
 
 
@@ -75,7 +76,8 @@ class BlockTable:
     block: still free capacity, taken back by a request with the same prefix, or evicted when the pool has no
     never-used block left."""
 
-    def __init__(self, num_blocks: int, block_size: int, follower: bool = False, prefix_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, follower: bool = False, prefix_caching: bool = False,
+                 ring: RingTable | None = None) -> None:  # fmt: skip
         if num_blocks < 1:
             raise ValueError("the KV pool holds no block; raise --kv-cache-memory")
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -87,10 +89,13 @@ class BlockTable:
         self._free = list(range(num_blocks - 1, -1, -1))
         self.tables: dict[str, list[int]] = {}
         self._cached: dict[str, int] = {}  # leading blocks of each request already indexed in the cache
+        self.ring = ring  # the sliding layers' rings (`kv/ring.py`): taken, followed and freed with the main blocks
 
     @property
     def capacity_tokens(self) -> int:
-        return self.num_blocks * self.block_size
+        """The most tokens one request can hold (a sliding pool smaller than a ring bounds it too)."""
+        longest = self.ring.longest_blocks if self.ring is not None else None
+        return min(self.num_blocks, longest or self.num_blocks) * self.block_size
 
     @property
     def free_blocks(self) -> int:
@@ -118,7 +123,8 @@ class BlockTable:
         have = len(self.tables.get(rid, ())) + len(shared)
         need = max(-(-num_tokens // self.block_size) - have, 0)
         taken_idle = sum(1 for b in shared if self._refs[b] == 0)  # idle now, held once shared
-        return need + taken_idle <= self.free_blocks
+        rings = self.ring is None or self.ring.can_grow(rid, have + need)
+        return need + taken_idle <= self.free_blocks and rings
 
     def _hold(self, b: int) -> None:
         if self._refs[b] == 0:
@@ -145,7 +151,10 @@ class BlockTable:
         before = len(self.tables.get(rid, ()))
         if not self.ensure(rid, num_tokens):
             raise RuntimeError(f"request {rid}: the pool cannot hold {num_tokens} tokens (caller checks first)")
-        return {"new_blocks": self.tables[rid][before:]}
+        out = {"new_blocks": self.tables[rid][before:]}
+        if self.ring is not None and (ring := self.ring.grow(rid, len(self.tables[rid]))):
+            out["ring_blocks"] = ring
+        return out
 
     def share(self, rid: str, blocks: Sequence[int]) -> None:
         """Start `rid` (holding nothing yet) from cached blocks: an idle one is held again, a held one shared."""
@@ -179,6 +188,8 @@ class BlockTable:
         """`rid` lets go of its blocks; one no one else holds becomes free, or idle if it is cached. The last
         block goes first: a request's tail is evicted before the prefix other requests are likelier to share."""
         self._cached.pop(rid, None)
+        if self.ring is not None:
+            self.ring.free(rid)
         for b in reversed(self.tables.pop(rid, [])):
             self._refs[b] -= 1
             if self._refs[b]:
@@ -222,14 +233,15 @@ def blocks_for_memory(
 
 
 class KVPool:
-    """The cache tensors of one stage's own layers: `[num_blocks * block_size, kv_heads, head_dim]` each."""
+    """The cache tensors of one stage's own layers: `[num_blocks * block_size, kv_heads, head_dim]` each; a sliding
+    layer's (`sliding[i]`) `[ring_blocks * block_size, ...]`, the sliding pool its requests' rings live in."""
 
-    def __init__(
-        self, cfg: ModelConfig, num_layers: int, num_blocks: int, block_size: int, dtype, device
-    ) -> None:
-        shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.caches = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(num_layers)
-        ]
+    def __init__(self, cfg: ModelConfig, num_layers: int, num_blocks: int, block_size: int, dtype, device,
+                 sliding: Sequence[bool] = (), ring_blocks: int = 0) -> None:  # fmt: skip
+        def pair(blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+            shape = (blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
+            return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+
+        slides = list(sliding) + [False] * (num_layers - len(sliding))
+        self.caches = [pair(ring_blocks if slides[i] else num_blocks) for i in range(num_layers)]
         self.nbytes = sum(k.numel() * k.element_size() * 2 for k, _ in self.caches)

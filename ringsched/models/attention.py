@@ -80,6 +80,10 @@ class ForwardBatch:
     # (`batch._flatten`): what a sliding or soft-capped layer attends over (`models/window_attention.py`).
     contexts: Callable[[], list[tuple[int, int, int, torch.Tensor]]] = field(
         default_factory=lambda: lambda: [], repr=False)
+    # A model with sliding layers: the same batch as those layers' caches address it (`kv/ring.py`): its own new
+    # tokens' slots, contexts (each the slots of its window's positions at least, ending at the context's last)
+    # and CPU-kernel decodes; None otherwise (every layer reads this batch)
+    sliding: ForwardBatch | None = None
 
     @property
     def num_tokens(self) -> int:

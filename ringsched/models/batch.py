@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ringsched.comm.messages import BatchPlan
 from ringsched.kv.cache import BlockTable
+from ringsched.kv.ring import RingTable
 from ringsched.models.attention import DecodeGroup, ForwardBatch, PagedSeqs, PrefillSeq
 from ringsched.models.native import NativeDecode
 
@@ -49,6 +52,8 @@ def build_forward_batch(
                                                all_rows=len(rows) == batch.num_tokens)  # fmt: skip
         else:
             batch.decodes = _decode_groups(rows, rids, lens, blocks, device)
+    if blocks.ring is not None:
+        batch.sliding = _sliding(batch, plan, blocks.ring, decs, chunks, device, native)
     return batch, ids
 
 
@@ -65,7 +70,25 @@ def build_paged_batch(plan: BatchPlan, blocks: BlockTable, device: torch.device)
                                      device)  # fmt: skip
         batch.paged_extends.q_lens = on_device([x[3] for x in chunks], device, torch.int32)
         batch.paged_extends.max_q_len = max(x[3] for x in chunks)
+    if blocks.ring is not None:  # sliding layers attend per sequence (`WindowedAttention`), over their rings
+        batch.sliding = _sliding(batch, plan, blocks.ring, decs, chunks, device, native=False)
     return batch, ids
+
+
+def _sliding(batch: ForwardBatch, plan: BatchPlan, ring: RingTable, decs: list, chunks: list, device, native: bool
+             ) -> ForwardBatch:  # fmt: skip
+    """`batch` as the sliding layers read it (`ForwardBatch.sliding`): new tokens' slots, contexts (their windows)
+    and CPU-kernel decodes in the requests' rings."""
+    slots = torch.cat([ring.slots(e.rid, e.start, e.start + len(e.token_ids)) for e in plan.entries])
+    view = dataclasses.replace(batch, slot_mapping=on_device(slots, device), decodes=[], native_decode=None,
+                               prefills=[], paged_decodes=None, paged_extends=None, sliding=None)  # fmt: skip
+    view.contexts = _contexts(decs, chunks, ring.window_slots, device)
+    if native and decs:
+        rows, rids, lens = (list(x) for x in zip(*decs, strict=True))
+        view.native_decode = NativeDecode(torch.tensor(rows, dtype=torch.long), ring.block_tables(rids, lens),
+                                          torch.tensor(lens), ring.block_size, max(lens),
+                                          all_rows=len(rows) == batch.num_tokens)  # fmt: skip
+    return view
 
 
 def _flatten(plan: BatchPlan, blocks: BlockTable, device) -> tuple[ForwardBatch, torch.Tensor, list, list]:
@@ -94,19 +117,20 @@ def _flatten(plan: BatchPlan, blocks: BlockTable, device) -> tuple[ForwardBatch,
     batch = ForwardBatch(positions=on_device(positions, device, torch.long),
                          logit_rows=on_device(logit_rows, device, torch.long),
                          slot_mapping=on_device(torch.cat(slot_parts), device))  # fmt: skip
-    batch.contexts = _contexts(decs, chunks, blocks, device)
+    batch.contexts = _contexts(decs, chunks, lambda rid, ctx, n: blocks.slots(rid, 0, ctx), device)
     return batch, on_device(ids, device, torch.long), decs, chunks
 
 
-def _contexts(decs: list[tuple[int, str, int]], chunks: list[tuple[int, str, int, int]], blocks: BlockTable, device):
-    """`ForwardBatch.contexts`: the sequences' context slots, looked up once, on the first call (a step of a model
-    without sliding or soft-capped layers never calls it, and pays nothing)."""
+def _contexts(decs: list[tuple[int, str, int]], chunks: list[tuple[int, str, int, int]], slots_of, device):
+    """`ForwardBatch.contexts`: the sequences' context slots (`slots_of(rid, context length, new tokens)`), looked up
+    once, on the first call (a step of a model without sliding or soft-capped layers never calls it, and pays
+    nothing)."""
     made: list = []
 
     def contexts() -> list[tuple[int, int, int, torch.Tensor]]:
         if not made:
             seqs = [(row, rid, ctx, 1) for row, rid, ctx in decs] + chunks
-            made.extend((row, n, ctx, on_device(blocks.slots(rid, 0, ctx), device)) for row, rid, ctx, n in seqs)
+            made.extend((row, n, ctx, on_device(slots_of(rid, ctx, n), device)) for row, rid, ctx, n in seqs)
         return made
 
     return contexts

@@ -68,6 +68,11 @@ class ModelConfig:
         return self.sliding_window if self.layer_types and self.layer_types[layer] == "sliding" else 0
 
     @property
+    def has_sliding(self) -> bool:
+        """Whether some layer slides (its KV then lives in rings: `kv/ring.py`)."""
+        return "sliding" in self.layer_types and bool(self.sliding_window)
+
+    @property
     def kv_bytes_per_token_per_layer(self) -> int:
         """Elements (not bytes) of K plus V one token stores in one layer; multiply by the dtype size."""
         return 2 * self.num_kv_heads * self.head_dim

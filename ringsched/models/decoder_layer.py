@@ -48,6 +48,7 @@ class Attention(nn.Module):
         self.rotary = rotary if rotary is not None else Rotary(d, cfg.rope_theta, cfg.rope_scaling)
         self.scale = cfg.query_scale or d**-0.5
         self.attend = window_attention.for_layer(cfg.window(layer), cfg.attn_softcap)  # None: the backend's
+        self.slides = bool(cfg.window(layer))  # its KV in the sliding pool, addressed by `batch.sliding`
 
     @property
     def plain(self) -> bool:
@@ -79,6 +80,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(batch.positions, q, k)
         k_cache, v_cache = kv if kv is not None else (None, None)
+        if self.slides and batch.sliding is not None:
+            batch = batch.sliding
         out = paged_attention(q, k, v, batch, k_cache, v_cache, self.scale, self.attend)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 

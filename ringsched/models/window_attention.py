@@ -33,7 +33,10 @@ class WindowedAttention:
             if nd is not None and n == 1:
                 continue  # a decode: done above
             first = max(0, ctx_len - n - self.window + 1) if self.window else 0  # the first query's earliest key
-            k, v = k_cache.index_select(0, slots[first:]), v_cache.index_select(0, slots[first:])
+            # `slots` end at the context's last position; a sliding batch's (`ForwardBatch.sliding`) start no
+            # earlier than `first`, a whole context's at 0
+            mine = slots[len(slots) - (ctx_len - first) :]
+            k, v = k_cache.index_select(0, mine), v_cache.index_select(0, mine)
             out[row : row + n] = self.attend(q[row : row + n], k, v, ctx_len - n - first, scale)
         return out
 

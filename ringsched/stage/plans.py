@@ -106,3 +106,5 @@ class FollowPlans:
                 self.blocks.assign(e.rid, e.cp_blocks[self.where.cp])
             elif e.cached_blocks or e.new_blocks:  # a cached prefix first, then what this entry computes
                 self.blocks.assign(e.rid, e.cached_blocks + e.new_blocks)
+            if e.ring_blocks:  # a sliding model's request: its ring grows with its main blocks
+                self.blocks.ring.assign(e.rid, e.ring_blocks)

@@ -22,8 +22,9 @@ from ringsched.comm.tensor_channel import TensorChannel
 from ringsched.comm.zmq_io import Puller, Pusher
 from ringsched.config import EngineConfig, parse_memory
 from ringsched.device import activation_reserve, set_matmul_precision
-from ringsched.kv.cache import BlockTable, KVPool, blocks_for_memory
+from ringsched.kv.cache import BlockTable, KVPool
 from ringsched.kv.cp_blocks import CPBlocks, request_capacity
+from ringsched.kv.ring import RingTable, ring_size, split_budget
 from ringsched.layout.rank import RankInfo, StageInfo
 from ringsched.models import linear_tuning
 from ringsched.models.config import ModelConfig
@@ -53,7 +54,7 @@ class RankSetup:
         self.parent = os.getppid()
         self.device = _threads_and_device(cfg, where.local_rank)
         self.model = self.pool = self.tp = self.cp = self.store = self.loop = None
-        self.stage, self.flex, self.num_blocks = where.stage, None, 0
+        self.stage, self.flex, self.num_blocks = where.stage, None, (0, 0)
 
     def alive(self) -> None:
         """Raises when this rank should stop (the launcher is gone) or leave its generation (`Rejoin`)."""
@@ -76,11 +77,18 @@ class RankSetup:
                 if mine is not None:
                     mine.rebind(new)
         local = self.tp.shard.local_config(self.spec.config) if self.tp else self.spec.config  # its KV heads
-        num_blocks = self.num_blocks = self._kv_blocks(local, generation)
+        num_blocks, ring_blocks = self.num_blocks = self._kv_blocks(local, generation)
+        ring = ring_of(cfg, local)
         if self.pool is None:
-            self.pool = KVPool(local, self.stage.num_layers, num_blocks, cfg.block_size, cfg.torch_dtype, self.device)
-        blocks = BlockTable(num_blocks, cfg.block_size, follower=not where.decides,
-                            prefix_caching=cfg.enable_prefix_caching)  # fmt: skip
+            self.pool = KVPool(local, self.stage.num_layers, num_blocks, cfg.block_size, cfg.torch_dtype, self.device,
+                               sliding=_sliding_layers(local, self.stage), ring_blocks=ring_blocks)  # fmt: skip
+        rings = RingTable(ring_blocks, cfg.block_size, ring, local.sliding_window, follower=not where.decides
+                          ) if ring else None  # fmt: skip
+        caching = cfg.enable_prefix_caching and rings is None
+        if cfg.enable_prefix_caching and not caching and where.decides and generation == 0:
+            logger.info("prefix caching off: a cached prefix would have no KV in the sliding layers' rings")
+        blocks = BlockTable(num_blocks, cfg.block_size, follower=not where.decides, prefix_caching=caching,
+                            ring=rings)  # fmt: skip
         planner = _planner(cfg, self.spec, local, blocks, self.device, cp=cp is not None,
                            flex=self.flex is not None) if where.decides else None  # fmt: skip
         self.loop = StageLoop(cfg, self.stage, self.model, blocks, self.pool, self._io(generation), planner,
@@ -107,16 +115,18 @@ class RankSetup:
         else:
             linear_tuning.tune_stage(self.model, cfg.linear_tuning, cfg.torch_dtype)  # its threads, weights: after both
 
-    def _kv_blocks(self, local: ModelConfig, generation: int) -> int:
-        """The first generation agrees on the smallest pool of any rank (and records it); a later one keeps it,
-        so a replacement allocates what the survivors hold, whatever memory the machine has free by then."""
+    def _kv_blocks(self, local: ModelConfig, generation: int) -> tuple[int, int]:
+        """(main, sliding) pool blocks. The first generation agrees on the smallest pools of any rank (and records
+        them); a later one keeps them, so a replacement allocates what the survivors hold, whatever memory the
+        machine has free by then."""
         if self.pool is not None:
             return self.num_blocks
         if generation > 0 and self.store is not None and self.store.check([KV_BLOCKS_KEY]):
-            return int(self.store.get(KV_BLOCKS_KEY))
-        blocks = _kv_blocks(self.cfg, local, self.stage, self.device)
+            main, sliding = self.store.get(KV_BLOCKS_KEY).decode().split(",")
+            return int(main), int(sliding)
+        blocks = _kv_blocks(self.cfg, local, self.stage, self.device, self.spec.context_len)
         if self.store is not None and self.where.rank == 0:
-            self.store.set(KV_BLOCKS_KEY, str(blocks))
+            self.store.set(KV_BLOCKS_KEY, f"{blocks[0]},{blocks[1]}")
         return blocks
 
     def _io(self, generation: int) -> StageIO:
@@ -232,14 +242,38 @@ def kv_budget_bytes(cfg: EngineConfig, device: torch.device, free: int | None = 
     return max(int(free * budget), 0)
 
 
-def _kv_blocks(cfg: EngineConfig, mcfg: ModelConfig, stage: StageInfo, device: torch.device) -> int:
+def ring_of(cfg: EngineConfig, mcfg: ModelConfig) -> int:
+    """Blocks of one request's full ring of sliding KV (`kv/ring.py`; a chunk of at most --chunked-prefill-size),
+    0 for a model without sliding layers."""
+    return ring_size(mcfg.sliding_window, cfg.chunked_prefill_size, cfg.block_size) if mcfg.has_sliding else 0
+
+
+def _sliding_layers(mcfg: ModelConfig, stage: StageInfo) -> list[bool]:
+    return [bool(mcfg.window(i)) for i in range(stage.start_layer, stage.end_layer)]
+
+
+def _kv_blocks(cfg: EngineConfig, mcfg: ModelConfig, stage: StageInfo, device: torch.device,
+               context_len: int) -> tuple[int, int]:  # fmt: skip
+    """(main, sliding) pool blocks: the budget split between the full and the sliding layers (`split_budget`), the
+    smallest of every rank's. A main table no rank bounds (sliding layers only) holds every running request's whole
+    context; a model without sliding layers has no sliding pool (0)."""
     budget = kv_budget_bytes(cfg, device, mcfg=mcfg)
-    blocks = blocks_for_memory(mcfg, stage.num_layers, cfg.torch_dtype, budget, cfg.block_size)
+    sliding, ring = sum(_sliding_layers(mcfg, stage)), ring_of(cfg, mcfg)
+    elt = torch.empty((), dtype=cfg.torch_dtype).element_size()
+    context_blocks = -(-context_len // cfg.block_size)
+    blocks = split_budget(budget, mcfg.kv_bytes_per_token_per_layer * elt * cfg.block_size, stage.num_layers - sliding,
+                          sliding, max(ring, 1), context_blocks)  # fmt: skip
     if cfg.world_size > 1:
-        # Stage 0 admits against the smallest pool (over every rank); every rank allocates just that much.
-        t = torch.tensor([blocks], dtype=torch.long, device=device)
+        # Stage 0 admits against the smallest pools (over every rank); every rank allocates just that much.
+        unbounded = 2**62
+        t = torch.tensor([b if b >= 0 else unbounded for b in blocks], dtype=torch.long, device=device)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
-        blocks = int(t.item())
-    if blocks < 1:
+        blocks = tuple(b if b < unbounded else -1 for b in t.tolist())
+    main, slides = blocks
+    main = main if main >= 0 else cfg.max_running_requests * context_blocks
+    if main < 1 or (ring and slides < 1):
         raise RuntimeError(f"--kv-cache-memory {cfg.kv_cache_memory} holds no KV block; raise it")
-    return blocks
+    if ring:
+        logger.info("KV: %d main blocks for %d full layers, %d sliding blocks (rings of up to %d) for %d sliding "
+                    "layers", main, stage.num_layers - sliding, slides, ring, sliding)  # fmt: skip
+    return main, max(slides, 0)
