@@ -86,12 +86,14 @@ class EngineConfig:
                                    "where it builds, else torch), torch, native, triton (on CPU it runs under "
                                    "triton's interpreter: for tests only, very slow)",
                                    choices=ATTENTION_BACKENDS)  # fmt: skip
-    quantization: str = _flag("none", "int8: weight-only int8 projections and lm_head (a float32 scale per output "
-                              "row), a quarter of float32's weight bytes; a step of a few requests reads every weight, "
-                              "so one request decodes ~2x faster than float32 on CPU, at a measured cost in accuracy "
-                              "(docs/performance.md); int4: the projections int4 in groups of 32 inputs with a float32 "
-                              "scale each, the lm_head and embedding int8 (one tensor where tied), about a fifth of "
-                              "float32's weight bytes", choices=("none", "int8", "int4"))  # fmt: skip
+    quantization: str | None = _flag(
+        None, "int8: weight-only int8 projections and lm_head (a float32 scale per output row), a quarter of float32's "
+        "weight bytes; a step of a few requests reads every weight, so one request decodes ~2x faster than float32 on "
+        "CPU, at a measured cost in accuracy (docs/performance.md); int4: the projections int4 in groups of 32 inputs "
+        "with a float32 scale each, the lm_head and embedding int8 (one tensor where tied), about a fifth of float32's "
+        "weight bytes; gguf: a GGUF model's tensors in the file's own quantization, as it stores them (Q4_0, Q4_1, "
+        "Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; the default model's Q4_1 file too); none: the model's dtype (default: "
+        "gguf for --model FILE.gguf, else none)", type=str, choices=("none", "int8", "int4", "gguf"))  # fmt: skip
     linear_tuning: str | None = _flag(
         None, "auto: each stage times its linear layers' paths (native kernel, MKL/oneDNN, bfloat16 widened, int8) "
         "per shape and row count at start-up, cached per CPU, and takes the fastest; off: the fixed thresholds "
@@ -156,6 +158,9 @@ class EngineConfig:
             object.__setattr__(self, "pp_layer_partition", ",".join(map(str, self.pp_layer_partition)))
         if self.enable_prefix_caching is None:
             object.__setattr__(self, "enable_prefix_caching", self.cp_size == 1)
+        if self.quantization is None:
+            gguf = str(self.model or "").lower().endswith(".gguf")
+            object.__setattr__(self, "quantization", "gguf" if gguf else "none")
         if self.linear_tuning is None:
             object.__setattr__(self, "linear_tuning", os.environ.get(LINEAR_TUNING_ENV, "auto").strip().lower())
         for check in CHECKS:  # config_checks.py: one per concern, each naming the flag and the fix

@@ -109,8 +109,8 @@ def check_pipeline(cfg: EngineConfig) -> None:
 def check_batching(cfg: EngineConfig) -> None:
     """--quantization, the batch sizes and prefill chunking."""
     _require(
-        cfg.quantization in ("none", "int8", "int4"),
-        f"--quantization must be none, int8 or int4, got {cfg.quantization!r}",
+        cfg.quantization in ("none", "int8", "int4", "gguf"),
+        f"--quantization must be none, int8, int4 or gguf, got {cfg.quantization!r}",
     )
     _require(
         cfg.max_running_requests >= 1,

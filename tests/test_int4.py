@@ -133,5 +133,5 @@ def test_the_kernel_and_torchs_path_agree_on_the_model(tmp_path):
 
 def test_int4_is_a_quantization_choice():
     assert EngineConfig(quantization="int4").quantization == "int4"
-    with pytest.raises(ConfigError, match="--quantization must be none, int8 or int4"):
+    with pytest.raises(ConfigError, match="--quantization must be none, int8, int4 or gguf"):
         EngineConfig(quantization="int3")

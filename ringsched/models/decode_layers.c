@@ -27,10 +27,14 @@ typedef int (*paged_decode_t)(const float *q, const void *kc, const void *vc, co
                               int64_t nblk, int64_t max_len, float scale, float *out, int64_t nthreads,
                               int64_t kv_bf16, float *lse);
 
-/* The kernels, in this order in `fns`. */
-enum { F_LINEAR_KN, F_LINEAR_NK, F_ADD_RMSNORM, F_ROPE_STORE, F_SILU_MUL, F_PAGED_DECODE, F_COUNT };
+typedef int (*gguf_linear_t)(const void *x, int64_t ldx, int64_t x_bf16, int64_t M, int64_t K, const void *w,
+                             int64_t type, int64_t N, const float *bias, void *y, int64_t y_bf16, int64_t nthreads);
 
-/* One linear layer: 7 words. form 0: float32 weights laid out [K, N] (linear_kn), 1: [N, K] (linear_nk). */
+/* The kernels, in this order in `fns`. */
+enum { F_LINEAR_KN, F_LINEAR_NK, F_ADD_RMSNORM, F_ROPE_STORE, F_SILU_MUL, F_PAGED_DECODE, F_GGUF_LINEAR, F_COUNT };
+
+/* One linear layer: 7 words. form 0: float32 weights laid out [K, N] (linear_kn), 1: [N, K] (linear_nk), 2: a GGUF
+ * type's blocks (gguf_linear; the type in L_WTYPE). */
 enum { L_FORM, L_W, L_WTYPE, L_SCALES, L_BIAS, L_N, L_K, L_WORDS };
 /* One layer: its norms' weights, its caches, then its four linear layers. */
 enum { Y_IN_NORM, Y_POST_NORM, Y_K_CACHE, Y_V_CACHE, Y_QKV, Y_O = Y_QKV + L_WORDS, Y_GATE_UP = Y_O + L_WORDS,
@@ -42,6 +46,9 @@ static int linear(void *const *fns, const int64_t *l, const void *x, int64_t row
   if (l[L_FORM] == 0)
     return ((linear_kn_t)fns[F_LINEAR_KN])(x, k, b, rows, k, (const float *)l[L_W], n, n, (const float *)l[L_BIAS],
                                            y, b, nthreads);
+  if (l[L_FORM] == 2)
+    return ((gguf_linear_t)fns[F_GGUF_LINEAR])(x, k, b, rows, k, (const void *)l[L_W], l[L_WTYPE], n,
+                                               (const float *)l[L_BIAS], y, b, nthreads);
   return ((linear_nk_t)fns[F_LINEAR_NK])(x, k, b, rows, k, (const void *)l[L_W], l[L_WTYPE],
                                          (const float *)l[L_SCALES], n, (const float *)l[L_BIAS], y, b, nthreads);
 }

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ringsched.models import layer_ops, native, native_build, small_linear
+from ringsched.models import gguf_linear, layer_ops, native, native_build, small_linear
 
 logger = logging.getLogger(__name__)
 
@@ -45,17 +45,22 @@ def _declare(lib: ctypes.CDLL) -> tuple[ctypes.CDLL, ctypes.Array]:
     lib.decode_layers.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, ctypes.c_float, i64, i64, i64]
     lib.decode_layers.restype = ctypes.c_int
     linear, ops, attention = small_linear.library(), layer_ops.library(), native._library()
-    fns = [linear.linear_kn, linear.linear_nk, ops.add_rmsnorm, ops.rope_store, ops.silu_mul, attention.paged_decode]
+    fns = [linear.linear_kn, linear.linear_nk, ops.add_rmsnorm, ops.rope_store, ops.silu_mul, attention.paged_decode,
+           gguf_linear.library().gguf_linear]  # fmt: skip
     return lib, (ctypes.c_void_p * len(fns))(*[ctypes.cast(f, ctypes.c_void_p).value for f in fns])
 
 
 LIBRARY = native_build.NativeLibrary(SOURCE, COMPILE_FLAGS, LINK_FLAGS, logger, "decode layers",
                                      "running layer by layer", _declare, "RINGSCHED_DECODE_LAYERS",
-                                     needs=(small_linear.library, layer_ops.library, native._library))  # fmt: skip
+                                     needs=(small_linear.library, layer_ops.library, native._library,
+                                            gguf_linear.library))  # fmt: skip
 
 
 def _linear_words(lin: small_linear.Linear) -> list[int]:
     w = lin.weight
+    if isinstance(lin, gguf_linear.GGUFWeights):  # form 2: a GGUF type's blocks (gguf_linear.c)
+        bias = 0 if lin.bias_f32 is None else lin.bias_f32.data_ptr()
+        return [2, w.data_ptr(), lin.qtype, 0, bias, w.shape[0], lin.in_features]
     n, k = w.shape[0], lin.in_features  # int4: the weight is [N, K/2] bytes
     kn = w.dtype == torch.float32 and w.stride() == (1, n)
     assert kn or w.is_contiguous(), "the kernel takes [N, K] or (float32) [K, N] weights"
@@ -78,6 +83,7 @@ class DecodeLayers:
             return
         attn = held[0].self_attn
         lins = [lin for y in held for lin in (y.self_attn.qkv, y.self_attn.o_proj, y.mlp.gate_up, y.mlp.down_proj)]
+        # (`small_ops` layers have their q/k/v and gate/up fused: none of these is None)
         # the row counts whose every linear call the kernel takes: the one call runs the kernel alone
         self.rows = frozenset(t for t in range(1, layer_ops.MAX_ROWS + 1)
                               if all(lin.paths.path(t) == small_linear.NATIVE for lin in lins))  # fmt: skip

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ringsched.models import layer_ops, window_attention
+from ringsched.models import gguf_linear, layer_ops, window_attention
 from ringsched.models.attention import ForwardBatch, paged_attention
 from ringsched.models.config import ModelConfig
 from ringsched.models.fused_linear import fuse_linears, share_rows
@@ -56,7 +56,7 @@ class Attention(nn.Module):
         return not self.qk_norm and self.attend is None and not self.rotary.partial
 
     def linears(self) -> list[Linear]:
-        return [self.qkv, self.o_proj]
+        return [self.qkv, self.o_proj] if self.qkv is not None else [self.q_proj, self.k_proj, self.v_proj, self.o_proj]
 
     def fusion_groups(self, prefix: str) -> list[list[tuple[str, nn.Linear]]]:
         return [[(f"{prefix}.{n}", getattr(self, n)) for n in ("q_proj", "k_proj", "v_proj")]]
@@ -102,7 +102,8 @@ class MLP(nn.Module):
         self.act = getattr(cfg, "hidden_act", "silu")
 
     def linears(self) -> list[Linear]:
-        return [self.gate_up, self.down_proj]
+        return [self.gate_up, self.down_proj] if self.gate_up is not None else [self.gate_proj, self.up_proj,
+                                                                                 self.down_proj]  # fmt: skip
 
     def fusion_groups(self, prefix: str) -> list[list[tuple[str, nn.Linear]]]:
         return [[(f"{prefix}.gate_proj", self.gate_proj), (f"{prefix}.up_proj", self.up_proj)]]
@@ -189,6 +190,7 @@ class DecoderLayer(nn.Module):
         w = self.input_layernorm.weight
         same = self.post_attention_layernorm.weight.dtype == w.dtype
         plain = self.self_attn.plain and type(self.ffn) is MLP and self.ffn.act == "silu"
+        plain = plain and self.self_attn.qkv is not None and self.ffn.gate_up is not None  # fused (kept GGUF types)
         self.small_ops = plain and same and layer_ops.usable(w.dtype, w.device)
 
     def forward(self, hidden, residual, batch: ForwardBatch, kv):
@@ -213,11 +215,16 @@ class DecoderLayer(nn.Module):
         return mlp.down_proj(layer_ops.silu_mul(mlp.gate_up(h))), residual
 
 
-def prepare_fused(parts: list[nn.Linear], quantization: str) -> Linear:
+def prepare_fused(parts: list[nn.Linear], quantization: str) -> Linear | None:
     """`parts` fused into one linear layer (`fuse_linears`), quantised (`int8`, `int4`) with the parts' rows
-    sharing its weight and scales, its kernel picked."""
+    sharing its weight and scales, its kernel picked. Kept GGUF weights of different types cannot share one weight:
+    None, each part prepared on its own."""
     from ringsched.models.quantize import quantize_projection  # quantize imports small_linear, as this does
 
+    if not gguf_linear.same_type(parts):
+        for p in parts:
+            p.prepare()
+        return None
     fused = fuse_linears(parts)
     if quantization != "none":
         quantize_projection(fused, quantization)

@@ -33,6 +33,7 @@ import torch
 
 from ringsched.models import layer_ops, native_build, small_linear
 from ringsched.models.fetch import cache_dir
+from ringsched.models.gguf_linear import GGUFWeights
 from ringsched.models.linear_timing import BUCKETS, Shape, Times, measure_shape
 from ringsched.models.small_linear import INT8PACK, NATIVE, PATHS, TORCH, WIDEN, Linear
 from ringsched.models.vocab import LMHead
@@ -213,7 +214,8 @@ def _us(seconds: float) -> str:
 def tune_stage(model, mode: str, act: torch.dtype, **kw) -> None:
     """`--linear-tuning`: `auto` tunes the stage's linear layers (`tune`) and lets its one-call decode follow;
     `off` keeps the fixed thresholds `Linear.prepare` gave (`small_linear.MAX_ROWS`, `WIDEN_ROWS`). Off CPU: off."""
-    layers = model.linears()
+    # kept GGUF weights (`gguf_linear`) keep their fixed threshold: their paths are not among the timed ones
+    layers = [lin for lin in model.linears() if not isinstance(lin, GGUFWeights)]
     if mode == "off" or not layers or layers[0].weight.device.type != "cpu":
         return
     tune(layers, act, **kw)

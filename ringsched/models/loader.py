@@ -22,9 +22,12 @@ from ringsched.layout.rank import StageInfo
 from ringsched.models.checkpoint_names import Source, fused_parts, source
 from ringsched.models.config import ModelConfig
 from ringsched.models.fused_linear import cpu_layout
+from ringsched.models.gguf_linear import keep
+from ringsched.models.gguf_weights import GGUFCheckpoint, gguf_file
 from ringsched.models.llama import StageModel
 from ringsched.models.parallel_linear import read_slices
 from ringsched.models.tp import TPGroup
+from ringsched.models.vocab import Embedding
 
 logger = logging.getLogger(__name__)
 
@@ -65,18 +68,26 @@ def load_stage_model(
         model = StageModel(cfg, stage, tp)
     slices, shapes = read_slices(model), {name: t.shape for name, t in model.state_dict().items()}
     state: dict[str, torch.Tensor] = {}
-    buffers = _fused_buffers(model, device, dtype)
-    for path, names in _sources(model_dir, cfg, list(shapes)).items():
+    kept = _kept_checkpoint(model_dir) if quantization == "gguf" else None
+    buffers = {} if kept else _fused_buffers(model, device, dtype)
+    index = {name: kept.path for name in kept.names()} if kept else weight_index(model_dir)
+    for path, names in _sources(index, model_dir, cfg, list(shapes)).items():
         for name, src in names:
-            # One handle per tensor: a handle's mapping keeps every page it read resident until it closes, so
-            # copying tensors (the CPU layout) through one handle held the file twice at the peak (measured
-            # for SmolLM2: 1039 MiB peak against 638 this way).
-            with safe_open(path, framework="pt", device="cpu") as f:
-                t = _read(f, src, slices.get(name), shapes[name][0])
+            qtype = 0
+            if kept:
+                t, qtype = kept.read(src, slices.get(name), shapes[name][0])
+            else:
+                # One handle per tensor: a handle's mapping keeps every page it read resident until it closes, so
+                # copying tensors (the CPU layout) through one handle held the file twice at the peak (measured
+                # for SmolLM2: 1039 MiB peak against 638 this way).
+                with safe_open(path, framework="pt", device="cpu") as f:
+                    t = _read(f, src, slices.get(name), shapes[name][0])
             if stats is not None:
                 stats.tensors_read.append(src.name)
                 stats.bytes_read += t.numel() * t.element_size()
-            if name in buffers:  # its rows of the layer's fused q/k/v or gate/up weight: no second copy later
+            if qtype:  # a GGUF tensor kept as its blocks: its module holds them as they are
+                state[name] = _keep(model, name, t, qtype, dtype)
+            elif name in buffers:  # its rows of the layer's fused q/k/v or gate/up weight: no second copy later
                 state[name] = buffers[name]
                 state[name].copy_(t)
             else:
@@ -90,9 +101,28 @@ def load_stage_model(
     return model.eval().requires_grad_(False).prepare_linears(quantization)
 
 
-def _sources(model_dir: Path, cfg: ModelConfig, wanted: list[str]) -> dict[Path, list[tuple[str, Source]]]:
-    """Each parameter of `wanted` with where the checkpoint holds it, by file."""
-    index, parts = weight_index(model_dir), fused_parts(cfg)
+def _kept_checkpoint(model_dir: Path) -> GGUFCheckpoint:
+    path = gguf_file(model_dir)
+    if path is None:
+        raise ValueError(f"--quantization gguf: {model_dir} was not made from a GGUF file; give --model FILE.gguf "
+                         "(or the default model), or another --quantization")  # fmt: skip
+    return GGUFCheckpoint(path, model_dir)
+
+
+def _keep(model: StageModel, name: str, raw: torch.Tensor, qtype: int, dtype: torch.dtype) -> torch.Tensor:
+    """Parameter `name`'s module holding GGUF blocks `raw` of type `qtype` as its weight (which it returns)."""
+    module = model.get_submodule(name.rsplit(".", 1)[0])
+    if isinstance(module, Embedding):
+        module.keep_gguf(raw, qtype, dtype)
+    else:
+        keep(module, raw, qtype)
+    return module.weight
+
+
+def _sources(index: dict[str, Path], model_dir: Path, cfg: ModelConfig,
+             wanted: list[str]) -> dict[Path, list[tuple[str, Source]]]:  # fmt: skip
+    """Each parameter of `wanted` with where the checkpoint (`index`: tensor name -> file) holds it, by file."""
+    parts = fused_parts(cfg)
     by_file: dict[Path, list[tuple[str, Source]]] = {}
     for name in wanted:
         src = source(name, parts)

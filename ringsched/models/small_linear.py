@@ -232,3 +232,7 @@ class Linear(nn.Linear):
 
     def run(self, x: torch.Tensor, path: str) -> torch.Tensor:
         return apply(path, x, self.weight, self.bias, self.bias_f32, self.scales)
+
+    def run_rows(self, x: torch.Tensor, rows: slice, path: str) -> torch.Tensor:
+        """`x` times output rows `rows` of the weight, without the bias (the lm_head's vocabulary chunks)."""
+        return apply(path, x, self.weight[rows], None, None, None if self.scales is None else self.scales[rows])

@@ -14,9 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ringsched.models import gguf_linear
 from ringsched.models.config import ModelConfig
 from ringsched.models.parallel_linear import Sharded
-from ringsched.models.small_linear import NATIVE, Linear, apply
+from ringsched.models.small_linear import NATIVE, Linear
 from ringsched.models.tp import TPGroup
 
 # Vocabulary rows of the lm_head per step of `LMHead.logits` / `LMHead.greedy` on CPU. Measured (one thread, a
@@ -52,6 +53,7 @@ class Embedding(nn.Embedding):
 
     scales: torch.Tensor | None = None
     act_dtype: torch.dtype = torch.float32
+    qtype = 0  # a GGUF type: `weight` is the file's blocks of each row (`keep_gguf`)
 
     def quantize(self, q: torch.Tensor, scales: torch.Tensor) -> None:
         """Hold int8 rows `q` [rows, hidden] and `scales` [rows] (`quantize.quantize_int8_weight`; the lm_head's
@@ -60,7 +62,16 @@ class Embedding(nn.Embedding):
         self.weight = nn.Parameter(q, requires_grad=False)
         self.scales = scales
 
+    def keep_gguf(self, raw: torch.Tensor, qtype: int, dtype: torch.dtype) -> None:
+        """Hold a GGUF tensor's blocks `raw` [rows, row_bytes] of type `qtype`; looked-up rows come out in `dtype`."""
+        self.act_dtype, self.qtype = dtype, qtype
+        self.weight = nn.Parameter(raw, requires_grad=False)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.qtype:
+            rows = self.weight.index_select(0, input_ids.reshape(-1))
+            out = gguf_linear.dequantize(rows, self.qtype, self.embedding_dim, self.act_dtype)
+            return out.view(*input_ids.shape, self.embedding_dim)
         if self.scales is None:
             return super().forward(input_ids)
         rows = F.embedding(input_ids, self.weight).float() * self.scales[input_ids].unsqueeze(-1)
@@ -143,12 +154,10 @@ class LMHead(Linear):
         if path == NATIVE:
             yield 0, self(hidden)
             return
-        w = self.weight
-        chunk = HEAD_VOCAB_CHUNK if hidden.device.type == "cpu" else w.shape[0]
-        for start in range(0, w.shape[0], chunk):
-            rows = slice(start, start + chunk)
-            scales = None if self.scales is None else self.scales[rows]
-            yield start, apply(path, hidden, w[rows], None, None, scales)
+        vocab = self.weight.shape[0]
+        chunk = HEAD_VOCAB_CHUNK if hidden.device.type == "cpu" else vocab
+        for start in range(0, vocab, chunk):
+            yield start, self.run_rows(hidden, slice(start, start + chunk), path)
 
 
 class VocabParallelLMHead(Sharded, LMHead):

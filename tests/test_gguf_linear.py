@@ -1,0 +1,85 @@
+"""GGUF quantized weights kept as blocks (`models/gguf_linear.py`, `gguf_linear.c`): for every type, blocks of
+random bits with sane scales dequantize to what the `gguf` package's reference gives, and the kernel multiplies
+them as `x @ dequantized.T` does, at decode and prefill row counts, float32 and bfloat16."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from ringsched.models import gguf_linear
+from ringsched.models.gguf_linear import TYPES, column_bytes, dequantize, gguf_matmul, keep, row_bytes
+from ringsched.models.small_linear import Linear
+
+# where each type keeps its float16 fields: (byte offset, low, high)
+HALVES = {2: [(0, 0.002, 0.02)], 3: [(0, 0.002, 0.02), (2, -0.1, 0.1)], 6: [(0, 0.002, 0.02)],
+          7: [(0, 0.002, 0.02), (2, -0.1, 0.1)], 8: [(0, 0.0005, 0.005)], 12: [(0, 0.0005, 0.005), (2, 0.0, 0.002)],
+          13: [(0, 0.0005, 0.005), (2, 0.0, 0.002)], 14: [(208, 0.0001, 0.001)]}  # fmt: skip
+
+
+def random_blocks(qtype: int, n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """[n, row_bytes] uint8: random codes, scales and high bits, float16 fields in a sane range."""
+    rng = np.random.default_rng(seed)
+    _, values, nbytes = TYPES[qtype]
+    raw = rng.integers(0, 256, size=(n, k // values, nbytes), dtype=np.uint8)
+    for offset, lo, hi in HALVES[qtype]:
+        half = rng.uniform(lo, hi, size=(n, k // values)).astype(np.float16)
+        raw[:, :, offset : offset + 2] = half.view(np.uint8).reshape(n, k // values, 2)
+    return torch.from_numpy(raw.reshape(n, -1).copy())
+
+
+def reference(raw: torch.Tensor, qtype: int) -> torch.Tensor:
+    return torch.from_numpy(gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType(qtype)).astype(np.float32))
+
+
+needs_kernel = pytest.mark.skipif(gguf_linear.library() is None, reason="no C compiler: the reference path only")
+
+
+@pytest.mark.parametrize("qtype", sorted(TYPES), ids=[TYPES[t][0] for t in sorted(TYPES)])
+def test_dequantize_matches_the_gguf_package(qtype):
+    raw = random_blocks(qtype, 6, 512)
+    assert raw.shape[1] == row_bytes(qtype, 512)
+    torch.testing.assert_close(dequantize(raw, qtype, 512), reference(raw, qtype), rtol=1e-6, atol=1e-7)
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", sorted(TYPES), ids=[TYPES[t][0] for t in sorted(TYPES)])
+@pytest.mark.parametrize("rows", [1, 3, 6, 17])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_multiplies_as_the_dequantized_weight(qtype, rows, dtype):
+    n, k = 37, 768  # outputs not a multiple of the tile
+    raw = random_blocks(qtype, n, k, seed=rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).to(dtype)
+    bias = torch.randn(n)
+    want = x.float() @ reference(raw, qtype).T + bias
+    got = gguf_matmul(x, raw, qtype, bias)
+    assert got.dtype == dtype
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+@needs_kernel
+def test_a_rows_result_does_not_depend_on_its_batch():
+    raw = random_blocks(12, 16, 512)
+    x = torch.randn(9, 512)
+    alone = gguf_matmul(x[4:5], raw, 12, None)
+    assert torch.equal(gguf_matmul(x, raw, 12, None)[4:5], alone)
+
+
+def test_a_kept_linear_layer_takes_the_kernel_for_few_rows_and_dequantizes_for_many():
+    raw = random_blocks(2, 8, 256)
+    layer = keep(Linear(256, 8, bias=False), raw, 2)
+    layer.prepare()
+    x = torch.randn(40, 256)
+    want = x @ reference(raw, 2).T
+    for rows in (1, 40):
+        torch.testing.assert_close(layer(x[:rows]), want[:rows], rtol=1e-4, atol=1e-4)
+    assert layer.in_features == 256 and layer.weight.dtype == torch.uint8
+
+
+def test_a_split_that_cuts_a_block_is_refused_naming_the_sizes_that_fit():
+    assert column_bytes(12, 256, 512, 1024, "o_proj") == (144, 288)
+    with pytest.raises(ValueError, match=r"--tp-size must divide it in whole blocks: \[1, 3\]"):
+        column_bytes(12, 384, 768, 768, "o_proj")  # three Q4_K blocks a row: 2 ranks would cut one
