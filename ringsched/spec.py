@@ -16,6 +16,7 @@ from ringsched.layout.partition import default_partition, head_layers
 from ringsched.models.checkpoint_check import check_checkpoint
 from ringsched.models.config import ModelConfig
 from ringsched.models.fetch import resolve_model
+from ringsched.models.gguf_weights import check_kept
 from ringsched.models.tp import TPLayoutError, check_tp
 
 
@@ -40,6 +41,11 @@ class ModelSpec:
             check_tp(mcfg, cfg.tp_size)
         except TPLayoutError as e:
             raise ConfigError(str(e)) from None
+        if cfg.quantization == "gguf":
+            try:
+                check_kept(Path(model_dir), mcfg, cfg.tp_size)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         if cfg.cp_size > 1 and (mcfg.layer_types or mcfg.attn_softcap):
             raise ConfigError(f"--cp-size {cfg.cp_size}: context parallelism runs full attention without soft-capping, "
                               f"and this {mcfg.architecture} has sliding-window or soft-capped layers; use --cp-size 1 "

@@ -1,4 +1,6 @@
-"""What bfloat16 and weight-only int8 and int4 cost in accuracy against float32, on the same prompts and text.
+"""What bfloat16, weight-only int8 and int4, and a GGUF file's own quantization cost in accuracy against float32,
+on the same prompts and text. For `--model FILE.gguf`, float32 is the file's weights dequantized (what transformers
+runs on the same file), so `gguf` measures the kernels on the file's blocks against that reference.
 
 Greedy agreement: each prompt generated greedily (through the engine, PP=1) in float32 and in the other
 setting; reported per prompt as the number of leading tokens that agree, and overall as the share of tokens
@@ -6,6 +8,7 @@ before the first difference. Log-likelihood: the mean negative log-likelihood pe
 forward over the whole text, no cache), and its perplexity.
 
     python scripts/check_quantization.py --max-tokens 64
+    python scripts/check_quantization.py --model smollm2-q4_k_m.gguf --only gguf
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ TEXT = (
     "second stage, the first stage already works on the next, so every stage stays busy once the ring is full. "
     "The price is latency: a token passes through every stage in turn before the next one can be decoded."
 )
-SETTINGS = {"bfloat16": {"dtype": "bfloat16"}, "int8": {"quantization": "int8"}, "int4": {"quantization": "int4"}}
+SETTINGS = {"bfloat16": {"dtype": "bfloat16", "quantization": "none"}, "int8": {"quantization": "int8"},
+            "int4": {"quantization": "int4"}, "gguf": {"quantization": "gguf"}}  # fmt: skip
 
 
 def generate(model: str, settings: dict, max_tokens: int) -> list[list[int]]:
@@ -70,7 +74,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--only", choices=list(SETTINGS), action="append", help="these settings only (default: all)")
     args = ap.parse_args()
-    base = generate(args.model, {}, args.max_tokens)
+    base = generate(args.model, {"quantization": "none"}, args.max_tokens)
     base_nll = nll(args.model, torch.float32, "none")
     print(f"float32: NLL {base_nll:.4f} per token, perplexity {math.exp(base_nll):.3f}")
     for name, settings in SETTINGS.items():

@@ -327,7 +327,25 @@ int gguf_dequant(const uint8_t *w, int64_t type, int64_t rows, int64_t K, float 
   if (nthreads < 1) nthreads = 1;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && rows > 1)
   for (int64_t r = 0; r < rows; r++)
-    for (int64_t b = 0; b < K / 32; b++) decode32_scalar(w + r * row_bytes, type, b, out + r * K + 32 * b);
+    for (int64_t b = 0; b < K / 32; b++) {
+#if HAVE_AVX512
+      __m512 lo, hi;
+      switch (type) { /* the vector decoder, inlined per type */
+        case Q4_0: decode32(w + r * row_bytes, Q4_0, b, &lo, &hi); break;
+        case Q4_1: decode32(w + r * row_bytes, Q4_1, b, &lo, &hi); break;
+        case Q5_0: decode32(w + r * row_bytes, Q5_0, b, &lo, &hi); break;
+        case Q5_1: decode32(w + r * row_bytes, Q5_1, b, &lo, &hi); break;
+        case Q8_0: decode32(w + r * row_bytes, Q8_0, b, &lo, &hi); break;
+        case Q4_K: decode32(w + r * row_bytes, Q4_K, b, &lo, &hi); break;
+        case Q5_K: decode32(w + r * row_bytes, Q5_K, b, &lo, &hi); break;
+        default: decode32(w + r * row_bytes, Q6_K, b, &lo, &hi); break;
+      }
+      _mm512_storeu_ps(out + r * K + 32 * b, lo);
+      _mm512_storeu_ps(out + r * K + 32 * b + 16, hi);
+#else
+      decode32_scalar(w + r * row_bytes, type, b, out + r * K + 32 * b);
+#endif
+    }
   return 0;
 }
 

@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from ringsched.models.checkpoint_names import Source
+from ringsched.models.config import ModelConfig
 from ringsched.models.gguf_linear import TYPES, column_bytes
+from ringsched.models.tp import TPShard, check_tp
 
 logger = logging.getLogger(__name__)
 
@@ -97,3 +100,54 @@ class GGUFCheckpoint:
 
         return np.ascontiguousarray(gguf.quants.dequantize(np.asarray(arr), gguf.GGMLQuantizationType(qtype)),
                                     dtype=np.float32)  # fmt: skip
+
+
+ROW_PARALLEL = re.compile(r"\.(attn_output|ffn_down|ffn_down_exps)\.weight$")  # the tensors TP splits by columns
+
+
+def check_kept(model_dir: Path, mcfg: ModelConfig, tp_size: int) -> None:
+    """`--quantization gguf`, before any stage starts: the model was made from a GGUF file, and every rank's inputs
+    of each row-parallel weight (o_proj, down_proj, experts' down) are whole blocks of its type; raises ValueError
+    naming the flag and the fix."""
+    import gguf
+
+    path = gguf_file(model_dir)
+    if path is None:
+        raise ValueError(f"--quantization gguf: {model_dir} was not made from a GGUF file; give --model FILE.gguf "
+                         "(or the default model), or another --quantization")  # fmt: skip
+    if tp_size == 1:
+        return
+    blocks = {}  # row-parallel tensor -> its block's values
+    for t in gguf.GGUFReader(str(path)).tensors:
+        if ROW_PARALLEL.search(t.name) and int(t.tensor_type) in TYPES:
+            blocks[t.name] = TYPES[int(t.tensor_type)]
+    cut = _cut_block(mcfg, tp_size, blocks)
+    if cut:
+        fits = [n for n in range(1, 9) if _tp_fits(mcfg, n) and not _cut_block(mcfg, n, blocks)]
+        name, values = cut
+        raise ValueError(f"--tp-size {tp_size}: {name} is quantized in blocks of {values} inputs, which {tp_size} "
+                         f"ranks would cut; --tp-size {fits} keep them whole (or --quantization none)")  # fmt: skip
+
+
+def _tp_fits(mcfg: ModelConfig, tp: int) -> bool:
+    try:
+        check_tp(mcfg, tp)
+    except ValueError:
+        return False
+    return True
+
+
+def _cut_block(mcfg: ModelConfig, tp: int, blocks: dict[str, tuple[str, int, int]]) -> tuple[str, int] | None:
+    """(tensor, block values) of the first row-parallel tensor whose blocks `tp` ranks would cut, or None."""
+    for name, (_, values, _) in blocks.items():
+        kind = ROW_PARALLEL.search(name).group(1)
+        for rank in range(tp):
+            shard = TPShard(rank, tp)
+            if kind == "attn_output":
+                first, n = shard.heads(mcfg)
+                first, n = first * mcfg.head_dim, n * mcfg.head_dim
+            else:
+                first, n = shard.intermediate(mcfg) if kind == "ffn_down" else shard.expert_intermediate(mcfg)
+            if first % values or n % values:
+                return name, values
+    return None
