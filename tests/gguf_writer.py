@@ -1,17 +1,20 @@
 """Tiny GGUF files written as llama.cpp's converter writes them (tensor names from gguf-py's own table, Q and K
 permuted for `llama`, Gemma's norms plus 1, experts stacked per projection, Phi-3's longrope factors and Llama 3.1's
-RoPE divisors as tensors, tokenizer metadata), for `tests/test_gguf_families.py`."""
+RoPE divisors as tensors, tokenizer metadata), for `tests/test_gguf_families.py`; quantized by `gguf_quant` where
+a caller picks the types (`tests/test_gguf_kept.py`)."""
 
 
 import dataclasses
 import math
 import re
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
 import numpy as np
 import torch
+from gguf_quant import quantize
 from tokenizers.pre_tokenizers import ByteLevel
 
 from ringsched.models.random_model import CHAT_TEMPLATE, SPECIALS
@@ -197,7 +200,15 @@ def gguf_tensors(case: Case, config, state: dict[str, torch.Tensor]):
         yield "rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32)
 
 
-def write_gguf(path: Path, case: Case, config, state: dict[str, torch.Tensor]) -> Path:
+def write_gguf(
+    path: Path,
+    case: Case,
+    config,
+    state: dict[str, torch.Tensor],
+    quant: Callable[[str, np.ndarray], str | None] | None = None,
+) -> Path:
+    """`quant(gguf_name, array)`: the GGML type to store that tensor as ("Q4_K", "Q8_0", ..., "F16"); None or "F32"
+    keeps float32 (as does leaving `quant` out)."""
     w = gguf.GGUFWriter(str(path), case.arch)
     w.add_name(f"tiny {case.hf}")
     heads = config.num_attention_heads
@@ -226,7 +237,11 @@ def write_gguf(path: Path, case: Case, config, state: dict[str, torch.Tensor]) -
         w, vocab, config.bos_token_id, config.eos_token_id, pre, False if case.arch.startswith("gemma") else None
     )
     for name, a in gguf_tensors(case, config, state):
-        w.add_tensor(name, np.ascontiguousarray(a, dtype=np.float32))
+        qtype = (quant(name, a) if quant else None) or "F32"
+        if qtype in ("F32", "F16"):
+            w.add_tensor(name, np.ascontiguousarray(a, dtype=np.float32 if qtype == "F32" else np.float16))
+        else:  # [..., row_bytes] uint8 blocks: gguf-py works the tensor's shape out from raw_dtype's block size
+            w.add_tensor(name, quantize(a, qtype), raw_dtype=gguf.GGMLQuantizationType[qtype])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
