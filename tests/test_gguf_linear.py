@@ -37,6 +37,17 @@ def reference(raw: torch.Tensor, qtype: int) -> torch.Tensor:
 needs_kernel = pytest.mark.skipif(gguf_linear.library() is None, reason="no C compiler: the reference path only")
 
 
+@pytest.fixture
+def exact():
+    """The float path for every type (the integer path off), as RINGSCHED_GGUF_INTEGER=0 sets it."""
+    lib = gguf_linear.library()
+    if lib is not None:
+        lib.gguf_set_integer(0)
+    yield
+    if lib is not None:
+        lib.gguf_set_integer(1)
+
+
 @pytest.mark.parametrize("qtype", sorted(TYPES), ids=[TYPES[t][0] for t in sorted(TYPES)])
 def test_dequantize_matches_the_gguf_package(qtype):
     raw = random_blocks(qtype, 6, 512)
@@ -48,7 +59,7 @@ def test_dequantize_matches_the_gguf_package(qtype):
 @pytest.mark.parametrize("qtype", sorted(TYPES), ids=[TYPES[t][0] for t in sorted(TYPES)])
 @pytest.mark.parametrize("rows", [1, 3, 6, 17])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_kernel_multiplies_as_the_dequantized_weight(qtype, rows, dtype):
+def test_the_kernel_multiplies_as_the_dequantized_weight(qtype, rows, dtype, exact):
     n, k = 37, 768  # outputs not a multiple of the tile
     raw = random_blocks(qtype, n, k, seed=rows)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).to(dtype)
@@ -60,15 +71,35 @@ def test_the_kernel_multiplies_as_the_dequantized_weight(qtype, rows, dtype):
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * want.abs().max().item())
 
 
+@pytest.mark.skipif(gguf_linear.library() is None or not gguf_linear.library().gguf_has_integer(),
+                    reason="no AVX512-VNNI: the float path serves these types")  # fmt: skip
+@pytest.mark.parametrize("qtype", [2, 3, 6, 7, 8], ids=["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_the_integer_path_is_the_float_one_within_the_activations_rounding(qtype, rows):
+    """Activations rounded to int8 per block of 32 (each off by at most its block's max|x| / 254): each output
+    within what that rounding can move it."""
+    n, k = 37, 768
+    raw = random_blocks(qtype, n, k, seed=rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(2))
+    w = reference(raw, qtype)
+    amax = x.abs().view(rows, k // 32, 32).amax(dim=2).repeat_interleave(32, dim=1)  # each value's block's
+    bound = (amax @ w.abs().T) / 254 + 1e-4
+    got = gguf_matmul(x, raw, qtype, None)
+    assert ((got - x @ w.T).abs() <= bound).all()
+    assert not torch.equal(got, x @ w.T)  # it is the other path
+
+
 @needs_kernel
-def test_a_rows_result_does_not_depend_on_its_batch():
-    raw = random_blocks(12, 16, 512)
-    x = torch.randn(9, 512)
-    alone = gguf_matmul(x[4:5], raw, 12, None)
-    assert torch.equal(gguf_matmul(x, raw, 12, None)[4:5], alone)
+@pytest.mark.parametrize("qtype", [8, 12])
+def test_a_rows_result_does_not_depend_on_its_batch(qtype):
+    k = 512
+    raw = random_blocks(qtype, 16, k)
+    x = torch.randn(9, k)
+    alone = gguf_matmul(x[4:5], raw, qtype, None)
+    assert torch.equal(gguf_matmul(x, raw, qtype, None)[4:5], alone)
 
 
-def test_a_kept_linear_layer_takes_the_kernel_for_few_rows_and_dequantizes_for_many():
+def test_a_kept_linear_layer_takes_the_kernel_for_few_rows_and_dequantizes_for_many(exact):
     raw = random_blocks(2, 8, 256)
     layer = keep(Linear(256, 8, bias=False), raw, 2)
     layer.prepare()

@@ -13,6 +13,7 @@
  * rows). Built by gguf_linear.py with -O3 -march=native; AVX-512 (F, BW, VL) gets intrinsics, other CPUs loops.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__AVX512F__) || defined(__F16C__)
@@ -84,7 +85,7 @@ static inline void scale_min_k4(int j, const uint8_t *q, int *sc, int *mn) {
 
 /* The 32 values of sub-block b (values 32b .. 32b + 31) of a row of type t at `row`, as float32: the reference
  * every path agrees with (the vector decoder computes the same products). */
-static void decode32_scalar(const uint8_t *row, int64_t t, int64_t b, float out[32]) {
+__attribute__((unused)) static void decode32_scalar(const uint8_t *row, int64_t t, int64_t b, float out[32]) {
   if (block_values(t) == 32) {
     const uint8_t *p = row + b * block_bytes(t);
     const float d = fp16(p);
@@ -289,6 +290,63 @@ INLINE void tile(const void *x, int64_t ldx, const int xb, int64_t m0, const int
     if (x_bf16) TILE_MB(T, 1); else TILE_MB(T, 0);                                                             \
     break
 
+#include "gguf_linear_vnni.h"
+
+static int integer_path = 1; /* gguf_set_integer: the VNNI path where it runs (tests compare both) */
+
+void gguf_set_integer(int64_t on) { integer_path = (int)on; }
+
+int gguf_has_integer(void) { return HAVE_VNNI; }
+
+#if HAVE_VNNI
+#define VNNI_MB(T)                                                                                             \
+  case T:                                                                                                      \
+    if (mb == 4) tile_vnni(xr, m0, 4, K, w, row_bytes, T, n0, nb, acc);                                        \
+    else if (mb == 3) tile_vnni(xr, m0, 3, K, w, row_bytes, T, n0, nb, acc);                                   \
+    else if (mb == 2) tile_vnni(xr, m0, 2, K, w, row_bytes, T, n0, nb, acc);                                   \
+    else tile_vnni(xr, m0, 1, K, w, row_bytes, T, n0, nb, acc);                                                \
+    break
+
+/* gguf_linear by integer dot products (gguf_linear_vnni.h); 2 when the activations' buffer cannot be had */
+static int linear_vnni(const void *x, int64_t ldx, int64_t x_bf16, int64_t M, int64_t K, const uint8_t *w,
+                       int64_t type, int64_t N, const float *bias, void *y, int64_t y_bf16, int64_t nthreads) {
+  const int64_t row_bytes = K / 32 * block_bytes(type), tiles = (N + NB - 1) / NB;
+  char *buf = malloc((size_t)M * (size_t)(2 * K + 2 * (K / 32) * (int64_t)sizeof(float)));
+  xrow_t *xr = malloc((size_t)M * sizeof(xrow_t));
+  if (!buf || !xr) {
+    free(buf);
+    free(xr);
+    return 2;
+  }
+  for (int64_t m = 0; m < M; m++) {
+    char *p = buf + m * (2 * K + 2 * (K / 32) * (int64_t)sizeof(float));
+    xr[m] = (xrow_t){(int8_t *)p, (uint8_t *)(p + K), (float *)(p + 2 * K), (float *)(p + 2 * K) + K / 32};
+    quantize_row((const char *)x + m * ldx * (x_bf16 ? 2 : 4), (int)x_bf16, K, &xr[m]);
+  }
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
+  for (int64_t ti = 0; ti < tiles; ti++) {
+    const int64_t n0 = ti * NB, nb = N - n0 < NB ? N - n0 : NB;
+    for (int64_t m0 = 0; m0 < M; m0 += MB) {
+      const int64_t mb = M - m0 < MB ? M - m0 : MB;
+      float acc[MB][NB];
+      switch (type) {
+        VNNI_MB(Q4_0);
+        VNNI_MB(Q4_1);
+        VNNI_MB(Q5_0);
+        VNNI_MB(Q5_1);
+        VNNI_MB(Q8_0);
+      }
+      for (int64_t m = 0; m < mb; m++)
+        for (int64_t i = 0; i < nb; i++)
+          store_out(y, (int)y_bf16, (m0 + m) * N + n0 + i, acc[m][i] + (bias ? bias[n0 + i] : 0.0f));
+    }
+  }
+  free(buf);
+  free(xr);
+  return 0;
+}
+#endif
+
 /* Returns 0, or 1 for a type it does not run or a K that is not a whole number of blocks. */
 int gguf_linear(const void *x, int64_t ldx, int64_t x_bf16, int64_t M, int64_t K, const uint8_t *w, int64_t type,
                 int64_t N, const float *bias, void *y, int64_t y_bf16, int64_t nthreads) {
@@ -296,6 +354,11 @@ int gguf_linear(const void *x, int64_t ldx, int64_t x_bf16, int64_t M, int64_t K
   const int64_t row_bytes = K / block_values(type) * block_bytes(type), tiles = (N + NB - 1) / NB;
   if (nthreads > tiles) nthreads = tiles;
   if (nthreads < 1) nthreads = 1;
+#if HAVE_VNNI
+  if (integer_path && block_values(type) == 32 && (K / 32) % 2 == 0 &&
+      linear_vnni(x, ldx, x_bf16, M, K, w, type, N, bias, y, y_bf16, nthreads) == 0)
+    return 0;
+#endif
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
   for (int64_t ti = 0; ti < tiles; ti++) {
     const int64_t n0 = ti * NB, nb = N - n0 < NB ? N - n0 : NB;

@@ -12,6 +12,7 @@ the `gguf` package's reference dequantization serves every path (slowly).
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import logging
 import sys
 from pathlib import Path
@@ -27,9 +28,14 @@ from ringsched.models.small_linear import NATIVE, FixedPaths, Linear
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("gguf_linear.c")
-COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c"]
+HEADER = SOURCE.with_name("gguf_linear_vnni.h")  # included by SOURCE: its hash is a flag, so a change rebuilds
+COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC",
+                 f"-DVNNI_HEADER_HASH={hashlib.sha256(HEADER.read_bytes()).hexdigest()[:16]}", "-c"]  # fmt: skip
 LINK_FLAGS = ["-shared", "-fopenmp"]
 ENV_SWITCH = "RINGSCHED_NATIVE_LINEAR"
+# The 32-value-block types by integer dot products with int8 activations where the CPU has AVX512-VNNI (as
+# llama.cpp multiplies them); 0: in float32, exactly as the dequantized weights
+INTEGER_SWITCH = "RINGSCHED_GGUF_INTEGER"
 
 # ggml's type number -> (name, values per block, bytes per block)
 TYPES = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34),
@@ -43,7 +49,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.gguf_linear.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64]
     lib.gguf_dequant.argtypes = [ptr, i64, i64, i64, ptr, i64]
-    lib.gguf_linear.restype = lib.gguf_dequant.restype = ctypes.c_int
+    lib.gguf_linear.restype = lib.gguf_dequant.restype = lib.gguf_has_integer.restype = ctypes.c_int
+    lib.gguf_set_integer.argtypes = [i64]
+    lib.gguf_set_integer(int(native_build.switched_on(INTEGER_SWITCH)))
     return lib
 
 
