@@ -1,14 +1,17 @@
 """ringsched and llama.cpp's server side by side on this machine's cores, one sitting, the same prompts.
 
 Builds `llama-server` from the PyPI sdist of `llama-cpp-python` (it vendors llama.cpp's source; cmake and a C++
-compiler needed), converts the model to GGUF F32, BF16 and Q8_0 with llama.cpp's own converter, then for each
-dtype pair (F32 / float32, BF16 / bfloat16, Q8_0 / --quantization int8) serves each engine in turn and runs
+compiler needed), converts the model to GGUF F32, BF16 and Q8_0 with llama.cpp's own converter (and to Q4_0,
+Q4_K_M and Q8_0 with its `llama-quantize` from the F32 file), then for each dtype pair (F32 / float32, BF16 /
+bfloat16, Q8_0 / --quantization int8; for a quantized file, both engines serve that same file, ringsched with
+--quantization gguf) serves each engine in turn and runs
 `ringsched.bench serve` against it: TPOT at one request, output throughput at each --concurrency (llama.cpp
 gets as many slots as the largest). Rounds rotate the engines' order; the table gives medians. Everything is
 cached under $RINGSCHED_CACHE/llamacpp.
 
     python scripts/bench_vs_llamacpp.py --rounds 3
     python scripts/bench_vs_llamacpp.py --dtypes f32 --concurrency 1 --ringsched-config "pp=2,threads=1"
+    python scripts/bench_vs_llamacpp.py --dtypes q4_0,q4_k_m,gguf_q8_0
 """
 
 from __future__ import annotations
@@ -29,6 +32,22 @@ from ringsched.models.fetch import cache_dir, resolve_model
 
 PAIRS = {"f32": ("f32", ["--dtype", "float32"]), "bf16": ("bf16", ["--dtype", "bfloat16"]),
          "q8_0": ("q8_0", ["--dtype", "float32", "--quantization", "int8"])}  # fmt: skip
+# Files llama-quantize makes from the F32 conversion; both engines serve the file itself
+QUANTS = {"q4_0": "Q4_0", "q4_k_m": "Q4_K_M", "gguf_q8_0": "Q8_0"}
+
+
+def quantize(root: Path, f32: Path, qtype: str) -> Path:
+    """`f32` quantized to `qtype` by llama.cpp's `llama-quantize` (built beside the server, no AMX)."""
+    out = f32.with_name(f32.name.replace("-f32.gguf", f"-{qtype.lower()}.gguf"))
+    if not out.exists():
+        build = root / "build-noamx"  # build_llama_server's
+        binary = build / "bin" / "llama-quantize"
+        if not binary.exists():
+            run(["cmake", "--build", str(build), "--target", "llama-quantize", "-j", str(os.cpu_count() or 2)])
+        tmp = out.with_suffix(".tmp")
+        run([str(binary), str(f32), str(tmp), qtype])
+        tmp.rename(out)
+    return out
 
 
 def run(cmd: list[str], **kw) -> None:
@@ -46,11 +65,18 @@ def build_llama_server(root: Path, version: str | None) -> tuple[Path, Path]:
         with tarfile.open(next(dl.glob("llama_cpp_python-*.tar.gz"))) as tar:
             tar.extractall(root / "extract", filter="data")
         next((root / "extract").glob("llama_cpp_python-*/vendor/llama.cpp")).rename(src)
-    binary = root / "build" / "bin" / "llama-server"
+    build = root / "build-noamx"
+    binary = build / "bin" / "llama-server"
     if not binary.exists():
-        run(["cmake", "-B", str(root / "build"), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
+        # Native ISA minus ggml's AMX backend: built with GCC 12, its AMX matmul segfaults in llama-server on the first
+        # request for Q4_0/Q8_0/Q4_K_M (half of the on-stack tile config left uninitialised at `ldtilecfg`; llama.cpp
+        # #20824 / #26954). --no-repack would dodge it but also turn off the CPU repacking of Q4_0/Q4_K weights (its
+        # fast AVX2/AVX-512 kernels); without AMX, repacking stays on. -mno-amx-* is an x86 option, so only there.
+        no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" if os.uname().machine == "x86_64" else ""
+        run(["cmake", "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+             f"-DCMAKE_C_FLAGS={no_amx}", f"-DCMAKE_CXX_FLAGS={no_amx}", "-DLLAMA_CURL=OFF",
              "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON"], cwd=src)  # fmt: skip
-        run(["cmake", "--build", str(root / "build"), "--target", "llama-server", "-j", str(os.cpu_count() or 2)])
+        run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(os.cpu_count() or 2)])
     return binary, src
 
 
@@ -127,7 +153,7 @@ def serve_llamacpp(binary: Path, gguf: Path, slots: int, threads: int, ctx: int,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--dtypes", default="f32,bf16,q8_0", help="of f32, bf16, q8_0")
+    ap.add_argument("--dtypes", default="f32,bf16,q8_0", help="of f32, bf16, q8_0, q4_0, q4_k_m, gguf_q8_0")
     ap.add_argument("--concurrency", default="1,16,64")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--input-len", type=int, default=128)
@@ -149,8 +175,10 @@ def main() -> None:
     port = 31000
     results: dict[tuple[str, str, int], list[dict]] = {}
     for dtype in args.dtypes.split(","):
-        outtype, flags = PAIRS[dtype]
+        outtype, flags = PAIRS[dtype] if dtype in PAIRS else ("f32", ["--quantization", "gguf"])
         gguf = convert(src, model_dir, outtype, root / f"{Path(model_dir).name}-{outtype}.gguf")
+        if dtype in QUANTS:
+            gguf = quantize(root, gguf, QUANTS[dtype])
         engines = [f"llama.cpp {dtype.upper()}"] + [f"ringsched {' '.join(flags[1::2])} {c}".strip() for c in configs]
         for r in range(args.rounds):
             for i in range(len(engines)):
@@ -159,7 +187,8 @@ def main() -> None:
                     proc = serve_llamacpp(binary, gguf, max(concurrency), args.threads,
                                           args.input_len + args.output_len + 64, port)  # fmt: skip
                 else:
-                    proc = serve_ringsched(args.model, flags, configs[engines.index(name) - 1], port)
+                    model = str(gguf) if dtype in QUANTS else args.model
+                    proc = serve_ringsched(model, flags, configs[engines.index(name) - 1], port)
                 try:
                     wait_ready(f"http://127.0.0.1:{port}", proc)
                     for c in concurrency:
