@@ -74,7 +74,7 @@ def test_the_kernel_multiplies_as_the_dequantized_weight(qtype, rows, dtype, exa
 @pytest.mark.skipif(gguf_linear.library() is None or not gguf_linear.library().gguf_has_integer(),
                     reason="no AVX512-VNNI: the float path serves these types")  # fmt: skip
 @pytest.mark.parametrize("qtype", [2, 3, 6, 7, 8], ids=["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
-@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("rows", [1, 2])  # the rows it takes (INTEGER_ROWS in gguf_linear.c)
 def test_the_integer_path_is_the_float_one_within_the_activations_rounding(qtype, rows):
     """Activations rounded to int8 per block of 32 (each off by at most its block's max|x| / 254): each output
     within what that rounding can move it."""
@@ -91,7 +91,8 @@ def test_the_integer_path_is_the_float_one_within_the_activations_rounding(qtype
 
 @needs_kernel
 @pytest.mark.parametrize("qtype", [8, 12])
-def test_a_rows_result_does_not_depend_on_its_batch(qtype):
+def test_a_rows_result_does_not_depend_on_its_batch(qtype, exact):
+    """In float32 (what --enable-deterministic-inference takes: `GGUFWeights.batch_invariant`)."""
     k = 512
     raw = random_blocks(qtype, 16, k)
     x = torch.randn(9, k)
@@ -114,3 +115,15 @@ def test_a_split_that_cuts_a_block_is_refused_naming_the_sizes_that_fit():
     assert column_bytes(12, 256, 512, 1024, "o_proj") == (144, 288)
     with pytest.raises(ValueError, match=r"--tp-size must divide it in whole blocks: \[1, 3\]"):
         column_bytes(12, 384, 768, 768, "o_proj")  # three Q4_K blocks a row: 2 ranks would cut one
+
+
+@needs_kernel
+def test_deterministic_inference_makes_a_rows_result_independent_of_its_batch():
+    layer = keep(Linear(512, 16, bias=False), random_blocks(2, 16, 512), 2)
+    layer.prepare()
+    try:
+        assert layer.batch_invariant()
+        x = torch.randn(9, 512)
+        assert torch.equal(layer(x)[4:5], layer(x[4:5]))
+    finally:
+        gguf_linear.library().gguf_set_integer(1)
