@@ -127,3 +127,15 @@ def test_deterministic_inference_makes_a_rows_result_independent_of_its_batch():
         assert torch.equal(layer(x)[4:5], layer(x[4:5]))
     finally:
         gguf_linear.library().gguf_set_integer(1)
+
+
+def test_projections_of_different_types_run_side_by_side_as_one_layer(exact):
+    """q/k/v kept in three types (llama.cpp's Q4_K_M gives v more bits): one layer whose outputs are the parts'
+    side by side, from their own blocks, at a decode's rows and a prefill's."""
+    parts = [keep(Linear(256, n, bias=True), random_blocks(t, n, 256, seed=t), t) for t, n in ((6, 8), (7, 4), (8, 4))]
+    fused = gguf_linear.fuse_kept(parts)
+    assert isinstance(fused, gguf_linear.GGUFParts) and fused.out_features == 16
+    x = torch.randn(40, 256)
+    want = torch.cat([x @ reference(p.weight, p.qtype).T + p.bias for p in parts], dim=1)
+    for rows in (1, 40):
+        torch.testing.assert_close(fused(x[:rows]), want[:rows], rtol=1e-4, atol=1e-4)

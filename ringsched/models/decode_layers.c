@@ -30,11 +30,16 @@ typedef int (*paged_decode_t)(const float *q, const void *kc, const void *vc, co
 typedef int (*gguf_linear_t)(const void *x, int64_t ldx, int64_t x_bf16, int64_t M, int64_t K, const void *w,
                              int64_t type, int64_t N, const float *bias, void *y, int64_t y_bf16, int64_t nthreads);
 
+typedef int (*gguf_parts_t)(const void *x, int64_t ldx, int64_t x_bf16, int64_t M, int64_t K, const int64_t *parts,
+                            int64_t nparts, const float *bias, void *y, int64_t y_bf16, int64_t nthreads);
+
 /* The kernels, in this order in `fns`. */
-enum { F_LINEAR_KN, F_LINEAR_NK, F_ADD_RMSNORM, F_ROPE_STORE, F_SILU_MUL, F_PAGED_DECODE, F_GGUF_LINEAR, F_COUNT };
+enum { F_LINEAR_KN, F_LINEAR_NK, F_ADD_RMSNORM, F_ROPE_STORE, F_SILU_MUL, F_PAGED_DECODE, F_GGUF_LINEAR, F_GGUF_PARTS,
+       F_COUNT };
 
 /* One linear layer: 7 words. form 0: float32 weights laid out [K, N] (linear_kn), 1: [N, K] (linear_nk), 2: a GGUF
- * type's blocks (gguf_linear; the type in L_WTYPE). */
+ * type's blocks (gguf_linear; the type in L_WTYPE), 3: parts of GGUF types side by side (gguf_linear_parts; L_W
+ * the parts' descriptor, L_WTYPE their count). */
 enum { L_FORM, L_W, L_WTYPE, L_SCALES, L_BIAS, L_N, L_K, L_WORDS };
 /* One layer: its norms' weights, its caches, then its four linear layers. */
 enum { Y_IN_NORM, Y_POST_NORM, Y_K_CACHE, Y_V_CACHE, Y_QKV, Y_O = Y_QKV + L_WORDS, Y_GATE_UP = Y_O + L_WORDS,
@@ -46,6 +51,9 @@ static int linear(void *const *fns, const int64_t *l, const void *x, int64_t row
   if (l[L_FORM] == 0)
     return ((linear_kn_t)fns[F_LINEAR_KN])(x, k, b, rows, k, (const float *)l[L_W], n, n, (const float *)l[L_BIAS],
                                            y, b, nthreads);
+  if (l[L_FORM] == 3)
+    return ((gguf_parts_t)fns[F_GGUF_PARTS])(x, k, b, rows, k, (const int64_t *)l[L_W], l[L_WTYPE],
+                                             (const float *)l[L_BIAS], y, b, nthreads);
   if (l[L_FORM] == 2)
     return ((gguf_linear_t)fns[F_GGUF_LINEAR])(x, k, b, rows, k, (const void *)l[L_W], l[L_WTYPE], n,
                                                (const float *)l[L_BIAS], y, b, nthreads);

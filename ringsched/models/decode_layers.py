@@ -45,8 +45,9 @@ def _declare(lib: ctypes.CDLL) -> tuple[ctypes.CDLL, ctypes.Array]:
     lib.decode_layers.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, ctypes.c_float, i64, i64, i64]
     lib.decode_layers.restype = ctypes.c_int
     linear, ops, attention = small_linear.library(), layer_ops.library(), native._library()
+    kept = gguf_linear.library()
     fns = [linear.linear_kn, linear.linear_nk, ops.add_rmsnorm, ops.rope_store, ops.silu_mul, attention.paged_decode,
-           gguf_linear.library().gguf_linear]  # fmt: skip
+           kept.gguf_linear, kept.gguf_linear_parts]  # fmt: skip
     return lib, (ctypes.c_void_p * len(fns))(*[ctypes.cast(f, ctypes.c_void_p).value for f in fns])
 
 
@@ -58,8 +59,10 @@ LIBRARY = native_build.NativeLibrary(SOURCE, COMPILE_FLAGS, LINK_FLAGS, logger, 
 
 def _linear_words(lin: small_linear.Linear) -> list[int]:
     w = lin.weight
-    if isinstance(lin, gguf_linear.GGUFWeights):  # form 2: a GGUF type's blocks (gguf_linear.c)
+    if isinstance(lin, gguf_linear.GGUFWeights):  # form 2: a GGUF type's blocks; 3: parts of types (gguf_linear.c)
         bias = 0 if lin.bias_f32 is None else lin.bias_f32.data_ptr()
+        if isinstance(lin, gguf_linear.GGUFParts):
+            return [3, lin.desc.data_ptr(), len(lin.parts), 0, bias, lin.out_features, lin.in_features]
         return [2, w.data_ptr(), lin.qtype, 0, bias, w.shape[0], lin.in_features]
     n, k = w.shape[0], lin.in_features  # int4: the weight is [N, K/2] bytes
     kn = w.dtype == torch.float32 and w.stride() == (1, n)

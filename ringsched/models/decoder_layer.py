@@ -218,13 +218,11 @@ class DecoderLayer(nn.Module):
 def prepare_fused(parts: list[nn.Linear], quantization: str) -> Linear | None:
     """`parts` fused into one linear layer (`fuse_linears`), quantised (`int8`, `int4`) with the parts' rows
     sharing its weight and scales, its kernel picked. Kept GGUF weights of different types cannot share one weight:
-    None, each part prepared on its own."""
+    side by side (`gguf_linear.fuse_kept`)."""
     from ringsched.models.quantize import quantize_projection  # quantize imports small_linear, as this does
 
     if not gguf_linear.same_type(parts):
-        for p in parts:
-            p.prepare()
-        return None
+        return gguf_linear.fuse_kept(parts)
     fused = fuse_linears(parts)
     if quantization != "none":
         quantize_projection(fused, quantization)

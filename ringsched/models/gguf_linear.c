@@ -322,7 +322,8 @@ int gguf_has_integer(void) { return HAVE_VNNI; }
 
 /* gguf_linear by integer dot products (gguf_linear_vnni.h); 2 when the activations' buffer cannot be had */
 static int linear_vnni(const void *x, int64_t ldx, int64_t x_bf16, int64_t M, int64_t K, const uint8_t *w,
-                       int64_t type, int64_t N, const float *bias, void *y, int64_t y_bf16, int64_t nthreads) {
+                       int64_t type, int64_t N, const float *bias, void *y, int64_t ldy, int64_t y_bf16,
+                       int64_t nthreads) {
   const int64_t row_bytes = K / 32 * block_bytes(type), tiles = (N + NB - 1) / NB;
   char *buf = malloc((size_t)M * (size_t)(2 * K + 2 * (K / 32) * (int64_t)sizeof(float)));
   xrow_t *xr = malloc((size_t)M * sizeof(xrow_t));
@@ -351,7 +352,7 @@ static int linear_vnni(const void *x, int64_t ldx, int64_t x_bf16, int64_t M, in
       }
       for (int64_t m = 0; m < mb; m++)
         for (int64_t i = 0; i < nb; i++)
-          store_out(y, (int)y_bf16, (m0 + m) * N + n0 + i, acc[m][i] + (bias ? bias[n0 + i] : 0.0f));
+          store_out(y, (int)y_bf16, (m0 + m) * ldy + n0 + i, acc[m][i] + (bias ? bias[n0 + i] : 0.0f));
     }
   }
   free(buf);
@@ -360,9 +361,11 @@ static int linear_vnni(const void *x, int64_t ldx, int64_t x_bf16, int64_t M, in
 }
 #endif
 
-/* Returns 0, or 1 for a type it does not run or a K that is not a whole number of blocks. */
-int gguf_linear(const void *x, int64_t ldx, int64_t x_bf16, int64_t M, int64_t K, const uint8_t *w, int64_t type,
-                int64_t N, const float *bias, void *y, int64_t y_bf16, int64_t nthreads) {
+/* y[m * ldy + n] = x[m] . row n of w (+ bias[n]) for n < N. Returns 0, or 1 for a type it does not run or a K that
+ * is not a whole number of blocks. */
+static int linear_into(const void *x, int64_t ldx, int64_t x_bf16, int64_t M, int64_t K, const uint8_t *w,
+                       int64_t type, int64_t N, const float *bias, void *y, int64_t ldy, int64_t y_bf16,
+                       int64_t nthreads) {
   if (!block_bytes(type) || K % block_values(type)) return 1;
   const int64_t row_bytes = K / block_values(type) * block_bytes(type), tiles = (N + NB - 1) / NB;
   if (nthreads > tiles) nthreads = tiles;
@@ -371,7 +374,7 @@ int gguf_linear(const void *x, int64_t ldx, int64_t x_bf16, int64_t M, int64_t K
   /* at a few rows the integer path's cheaper decoding wins; from INTEGER_ROWS on, the float tiles' cheaper
    * per-row work does (decoding is shared by a tile's MB rows) */
   if (integer_path && M < INTEGER_ROWS && block_values(type) == 32 && (K / 32) % 2 == 0 &&
-      linear_vnni(x, ldx, x_bf16, M, K, w, type, N, bias, y, y_bf16, nthreads) == 0)
+      linear_vnni(x, ldx, x_bf16, M, K, w, type, N, bias, y, ldy, y_bf16, nthreads) == 0)
     return 0;
 #endif
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
@@ -392,8 +395,30 @@ int gguf_linear(const void *x, int64_t ldx, int64_t x_bf16, int64_t M, int64_t K
       }
       for (int64_t m = 0; m < mb; m++)
         for (int64_t i = 0; i < nb; i++)
-          store_out(y, (int)y_bf16, (m0 + m) * N + n0 + i, acc[m][i] + (bias ? bias[n0 + i] : 0.0f));
+          store_out(y, (int)y_bf16, (m0 + m) * ldy + n0 + i, acc[m][i] + (bias ? bias[n0 + i] : 0.0f));
     }
+  }
+  return 0;
+}
+
+int gguf_linear(const void *x, int64_t ldx, int64_t x_bf16, int64_t M, int64_t K, const uint8_t *w, int64_t type,
+                int64_t N, const float *bias, void *y, int64_t y_bf16, int64_t nthreads) {
+  return linear_into(x, ldx, x_bf16, M, K, w, type, N, bias, y, N, y_bf16, nthreads);
+}
+
+/* Projections of different types side by side (q/k/v whose types differ): `parts` holds (weight address, type,
+ * outputs) for each of `nparts`; each part's outputs land in y's columns after the previous parts'. */
+int gguf_linear_parts(const void *x, int64_t ldx, int64_t x_bf16, int64_t M, int64_t K, const int64_t *parts,
+                      int64_t nparts, const float *bias, void *y, int64_t y_bf16, int64_t nthreads) {
+  int64_t N = 0, col = 0;
+  for (int64_t p = 0; p < nparts; p++) N += parts[3 * p + 2];
+  for (int64_t p = 0; p < nparts; p++) {
+    const int64_t n = parts[3 * p + 2];
+    char *yp = (char *)y + col * (y_bf16 ? 2 : 4);
+    const int rc = linear_into(x, ldx, x_bf16, M, K, (const uint8_t *)parts[3 * p], parts[3 * p + 1], n,
+                               bias ? bias + col : NULL, yp, N, y_bf16, nthreads);
+    if (rc) return rc;
+    col += n;
   }
   return 0;
 }

@@ -49,6 +49,8 @@ MAX_ROWS = 32
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.gguf_linear.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64]
+    lib.gguf_linear_parts.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, ptr, ptr, i64, i64]
+    lib.gguf_linear_parts.restype = ctypes.c_int
     lib.gguf_dequant.argtypes = [ptr, i64, i64, i64, ptr, i64]
     lib.gguf_linear.restype = lib.gguf_dequant.restype = lib.gguf_has_integer.restype = ctypes.c_int
     lib.gguf_set_integer.argtypes = [i64]
@@ -162,6 +164,45 @@ def keep(lin: Linear, raw: torch.Tensor, qtype: int) -> Linear:
     lin.weight = nn.Parameter(raw.contiguous(), requires_grad=False)
     lin.qtype = qtype
     return lin
+
+
+class GGUFParts(GGUFWeights, Linear):
+    """Kept projections of different GGUF types side by side as one layer (q/k/v where llama.cpp gave v more bits):
+    each part keeps its own blocks; the kernel writes each part's outputs into its columns of one output
+    (`gguf_linear_parts`), so the layer still takes the one-call decode as a fused one does."""
+
+    def __init__(self, parts: list[Linear]) -> None:
+        bias = parts[0].bias is not None
+        super().__init__(parts[0].in_features, sum(p.out_features for p in parts), bias=bias, device="meta")
+        self.__dict__["parts"] = parts  # not submodules: the state dict keeps the parts' own names
+        self.desc = torch.tensor([[p.weight.data_ptr(), p.qtype, p.out_features] for p in parts], dtype=torch.int64)
+        if bias:
+            self.bias = nn.Parameter(torch.cat([p.bias.detach() for p in parts]), requires_grad=False)
+
+    def run_rows(self, x: torch.Tensor, rows: slice, path: str) -> torch.Tensor:
+        lib = library()
+        if path == NATIVE and rows == slice(None) and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16):
+            x = x if x.stride(1) == 1 else x.contiguous()
+            y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
+            xb = int(x.dtype == torch.bfloat16)
+            b = None if self.bias_f32 is None else self.bias_f32.data_ptr()
+            if lib.gguf_linear_parts(x.data_ptr(), x.stride(0), xb, x.shape[0], x.shape[1], self.desc.data_ptr(),
+                                     len(self.parts), b, y.data_ptr(), xb, torch.get_num_threads()) == 0:  # fmt: skip
+                return y
+        w = torch.cat([dequantize(p.weight, p.qtype, self.in_features, x.dtype) for p in self.parts])[rows]
+        return F.linear(x, w, self.bias if rows == slice(None) else None)
+
+
+def fuse_kept(parts: list[nn.Linear]) -> Linear | None:
+    """`parts` of different GGUF types as one `GGUFParts` layer, prepared; None (each part prepared on its own)
+    when some part is not a kept GGUF weight."""
+    if not all(isinstance(p, GGUFWeights) for p in parts):
+        for p in parts:
+            p.prepare()
+        return None
+    fused = GGUFParts(parts)
+    fused.prepare()
+    return fused
 
 
 def same_type(parts: list[nn.Linear]) -> bool:
