@@ -5,7 +5,9 @@ runs on the same file), so `gguf` measures the kernels on the file's blocks agai
 Greedy agreement: each prompt generated greedily (through the engine, PP=1) in float32 and in the other
 setting; reported per prompt as the number of leading tokens that agree, and overall as the share of tokens
 before the first difference. Log-likelihood: the mean negative log-likelihood per token of a fixed text (one
-forward over the whole text, no cache), and its perplexity.
+forward over the whole text, no cache), and its perplexity; and the same text scored as `llama-perplexity -c 32`
+scores it (`llama-perplexity -m FILE.gguf -f text.txt -c 32`, the text written by `--write-text`), whose forwards
+of 32 rows run the GGUF kernels.
 
     python scripts/check_quantization.py --max-tokens 64
     python scripts/check_quantization.py --model smollm2-q4_k_m.gguf --only gguf
@@ -42,6 +44,7 @@ TEXT = (
     "second stage, the first stage already works on the next, so every stage stays busy once the ring is full. "
     "The price is latency: a token passes through every stage in turn before the next one can be decoded."
 )
+WINDOW = 32  # tokens a forward: within the GGUF kernels' rows
 SETTINGS = {"bfloat16": {"dtype": "bfloat16", "quantization": "none"}, "int8": {"quantization": "int8"},
             "int4": {"quantization": "int4"}, "gguf": {"quantization": "gguf"}}  # fmt: skip
 
@@ -53,13 +56,21 @@ def generate(model: str, settings: dict, max_tokens: int) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def nll(model: str, dtype: torch.dtype, quantization: str) -> float:
+def nll(model: str, dtype: torch.dtype, quantization: str) -> tuple[float, float]:
+    """The text's mean negative log-likelihood per token: over the whole text in one forward, and scored as
+    `llama-perplexity -c WINDOW` scores it (windows of WINDOW tokens, each its own forward, each scoring its second
+    half), whose forwards of WINDOW rows run the quantized kernels rather than a dequantized weight."""
     model_dir = resolve_model(model)
     ids = torch.tensor(Tokenizer(model_dir).encode(TEXT))
     m = load_stage_model(model_dir, StageInfo(0, 1, 0, _layers(model_dir)), dtype, quantization=quantization)
-    hidden = m(ForwardBatch.no_cache(len(ids)), input_ids=ids)
-    logp = torch.log_softmax(m.compute_logits(hidden).float(), dim=-1)
-    return -logp[:-1].gather(1, ids[1:, None]).mean().item()
+
+    def logp(tokens: torch.Tensor) -> torch.Tensor:
+        hidden = m(ForwardBatch.no_cache(len(tokens)), input_ids=tokens)
+        return torch.log_softmax(m.compute_logits(hidden).float(), dim=-1)[:-1].gather(1, tokens[1:, None])[:, 0]
+
+    half = WINDOW // 2
+    windows = [logp(ids[s : s + WINDOW])[half:] for s in range(0, len(ids) - WINDOW + 1, WINDOW)]
+    return -logp(ids).mean().item(), -torch.cat(windows).mean().item()
 
 
 def _layers(model_dir) -> int:
@@ -73,10 +84,17 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--only", choices=list(SETTINGS), action="append", help="these settings only (default: all)")
+    ap.add_argument("--write-text", metavar="PATH", help="write the fixed text to PATH (for llama-perplexity) and exit")
     args = ap.parse_args()
+    if args.write_text:
+        open(args.write_text, "w").write(TEXT)
+        return
     base = generate(args.model, {"quantization": "none"}, args.max_tokens)
-    base_nll = nll(args.model, torch.float32, "none")
-    print(f"float32: NLL {base_nll:.4f} per token, perplexity {math.exp(base_nll):.3f}")
+    base_nll, base_windowed = nll(args.model, torch.float32, "none")
+    print(
+        f"float32: NLL {base_nll:.4f} per token, perplexity {math.exp(base_nll):.3f}; in windows of {WINDOW} "
+        f"{base_windowed:.4f}, perplexity {math.exp(base_windowed):.3f}"
+    )
     for name, settings in SETTINGS.items():
         if args.only and name not in args.only:
             continue
@@ -85,10 +103,11 @@ def main() -> None:
         lead = [next((i for i, (a, b) in enumerate(zip(x, y, strict=False)) if a != b), len(x)) for x, y in pairs]
         same = sum(x == y for x, y in pairs)
         dtype = torch.bfloat16 if name == "bfloat16" else torch.float32
-        value = nll(args.model, dtype, settings.get("quantization", "none"))
+        value, windowed = nll(args.model, dtype, settings.get("quantization", "none"))
         print(f"{name}: {same}/{len(PROMPTS)} prompts identical for {args.max_tokens} tokens; leading tokens in "
               f"agreement {lead} ({sum(lead) / (len(lead) * args.max_tokens):.0%}); NLL {value:.4f} "
-              f"({value - base_nll:+.4f}), perplexity {math.exp(value):.3f}")  # fmt: skip
+              f"({value - base_nll:+.4f}), perplexity {math.exp(value):.3f}; in windows of {WINDOW} {windowed:.4f} "
+              f"({windowed - base_windowed:+.4f}), perplexity {math.exp(windowed):.3f}")  # fmt: skip
 
 
 if __name__ == "__main__":
