@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ringsched.models import small_linear
 from ringsched.models.small_linear import NATIVE, Linear
 from ringsched.models.vocab import HEAD_VOCAB_CHUNK, LMHead
 
@@ -49,29 +48,43 @@ class Shape:
         return f"{self.n}x{self.k} {self.weight} {self.layout}{acts}"
 
 
-def _pieces(layers: list[Linear]) -> list[tuple]:
-    """(weight, scales, bias, float32 bias, chunk) of each distinct weight of the shape: a layer, or an lm_head's
-    vocabulary slice (its paths but the kernel's run `HEAD_VOCAB_CHUNK` rows at a time; chunk 0: whole)."""
+@dataclass(frozen=True)
+class Piece:
+    """One distinct weight of a shape, as a step calls it: a layer, or an lm_head's vocabulary slice."""
+
+    lin: Linear
+    rows: slice  # the lm_head's slice; slice(None): the whole layer
+    nbytes: int  # its weight bytes as stored
+    values: int  # its weight values (the arithmetic of a row)
+
+    def call(self, path: str, x: torch.Tensor) -> None:
+        if self.rows == slice(None):
+            self.lin.run(x, path)
+        elif path == NATIVE:  # the kernel takes a slice whole; the others `HEAD_VOCAB_CHUNK` rows at a time
+            self.lin.run_rows(x, self.rows, path)
+        else:  # as `LMHead._chunks` runs it
+            for s in range(self.rows.start, self.rows.stop, HEAD_VOCAB_CHUNK):
+                self.lin.run_rows(x, slice(s, min(s + HEAD_VOCAB_CHUNK, self.rows.stop)), path)
+
+
+def _pieces(layers: list[Linear]) -> list[Piece]:
+    """Each distinct weight of the shape: a layer, or an lm_head's `HEAD_SLICE`-row slices of its vocabulary."""
     out = []
     for lin in layers:
+        row_bytes = lin.weight[0].numel() * lin.weight.element_size()
         if isinstance(lin, LMHead):
             for s in range(0, lin.weight.shape[0], HEAD_SLICE):
-                rows = slice(s, s + HEAD_SLICE)
-                scales = None if lin.scales is None else lin.scales[rows]
-                out.append((lin.weight[rows], scales, None, None, HEAD_VOCAB_CHUNK))
+                rows = slice(s, min(s + HEAD_SLICE, lin.weight.shape[0]))
+                n = rows.stop - rows.start
+                out.append(Piece(lin, rows, n * row_bytes, n * lin.in_features))
         else:
-            out.append((lin.weight, lin.scales, lin.bias, lin.bias_f32, 0))
+            out.append(Piece(lin, slice(None), lin.out_features * row_bytes, lin.out_features * lin.in_features))
     return out
 
 
-def _call(path: str, x: torch.Tensor, pieces: list) -> None:
-    for w, scales, bias, bias_f32, chunk in pieces:
-        if chunk and path != NATIVE:  # as `LMHead._chunks` runs it
-            for s in range(0, w.shape[0], chunk):
-                part = None if scales is None else scales[s : s + chunk]
-                small_linear.apply(path, x, w[s : s + chunk], None, None, part)
-        else:
-            small_linear.apply(path, x, w, bias, bias_f32, scales)
+def _call(path: str, x: torch.Tensor, pieces: list[Piece]) -> None:
+    for piece in pieces:
+        piece.call(path, x)
 
 
 def measure_shape(shape: Shape, paths: tuple[str, ...], layers: list[Linear]) -> Times:
@@ -79,13 +92,12 @@ def measure_shape(shape: Shape, paths: tuple[str, ...], layers: list[Linear]) ->
     `retired` at a bucket is not timed at the larger ones (its time there: infinity)."""
     pieces = _pieces(layers)
     per_layer = len(pieces) / len(layers)  # an lm_head is several pieces
-    piece_bytes = pieces[0][0].numel() * pieces[0][0].element_size()
     times: Times = {}
     live = paths
     with torch.inference_mode():
         for rows in BUCKETS:
-            flops = 2 * rows * pieces[0][0].numel()
-            count = min(len(pieces), math.ceil(STREAM_BYTES / piece_bytes), max(1, int(FLOP_BUDGET // flops)))
+            flops = 2 * rows * pieces[0].values
+            count = min(len(pieces), math.ceil(STREAM_BYTES / pieces[0].nbytes), max(1, int(FLOP_BUDGET // flops)))
             x = torch.randn(rows, shape.k, dtype=getattr(torch, shape.act))
             timed = {p: t * per_layer / count for p, t in _time_paths(live, x, pieces[:count]).items()}
             times[rows] = {p: timed.get(p, math.inf) for p in paths}
@@ -106,7 +118,7 @@ def retired(path: str, times: Times) -> bool:
     return behind and last[path] / prev[path] >= max(best_last / best_prev, RETIRE_GROWTH)
 
 
-def _time_paths(paths: tuple[str, ...], x: torch.Tensor, pieces: list) -> dict[str, float]:
+def _time_paths(paths: tuple[str, ...], x: torch.Tensor, pieces: list[Piece]) -> dict[str, float]:
     warm: dict[str, float] = {}
     for p in paths:  # warm-up: first-call costs (oneDNN's primitives, allocations) stay out of the rounds
         t = time.perf_counter()

@@ -2,10 +2,11 @@
 
 After its weights are in, a stage times the paths that apply to each projection shape it holds (its fused q/k/v
 and gate/up, o_proj, down_proj, the lm_head; `small_linear.PATHS`: the kernel, torch's MKL/oneDNN, bfloat16
-widened to float32, int8 by `_weight_int8pack_mm`) at each row count of `BUCKETS`, and every layer of that shape
-takes the fastest path per bucket: a `PathTable`, the strategy `Linear.forward` consults. A row count between two
-buckets takes the path of the bucket above (past the last, the last's): the kernel works in tiles of 4 rows and
-MKL/oneDNN block rows too, so a call costs about what the bucket above costs, not the one below. Up to
+widened to float32, int8 by `_weight_int8pack_mm`; a GGUF weight's kernel, or its dequantization to float32 or to
+float16) at each row count of `BUCKETS`, and every layer of that shape takes the fastest path per bucket: a
+`PathTable`, the strategy `Linear.forward` consults. A row count between two buckets takes the path of the bucket
+above (past the last, the last's): the kernel works in tiles of 4 rows and MKL/oneDNN block rows too, so a call
+costs about what the bucket above costs, not the one below. Up to
 `layer_ops.MAX_ROWS` rows a decoder layer's shapes are chosen together (`choose_layers`): where every one takes
 the kernel, a decode step runs whole in one native call (`models/decode_layers.py`, which consults the same
 tables), which saves `ONE_CALL_CREDIT_S` a call. How the timings are taken: `models/linear_timing.py`.
@@ -31,11 +32,11 @@ from pathlib import Path
 
 import torch
 
-from ringsched.models import layer_ops, native_build, small_linear
+from ringsched.models import gguf_linear, layer_ops, native_build, small_linear
 from ringsched.models.fetch import cache_dir
-from ringsched.models.gguf_linear import GGUFWeights
+from ringsched.models.gguf_linear import GGUFParts, GGUFWeights
 from ringsched.models.linear_timing import BUCKETS, Shape, Times, measure_shape
-from ringsched.models.small_linear import INT8PACK, NATIVE, PATHS, TORCH, WIDEN, Linear
+from ringsched.models.small_linear import F16, INT8PACK, NATIVE, PATHS, TORCH, WIDEN, Linear
 from ringsched.models.vocab import LMHead
 
 logger = logging.getLogger(__name__)
@@ -69,13 +70,20 @@ def shape_of(lin: Linear, act: torch.dtype) -> Shape:
     n, k = w.shape[0], lin.in_features  # int4: the weight is [N, K/2] bytes
     layout = "kn" if w.dtype == torch.float32 and w.stride() == (1, n) else "nk"
     weight = str(w.dtype).removeprefix("torch.")
-    if w.dtype == torch.uint8:  # int4, timed as the others (the kernel, or dequantized then MKL): named by group
+    if isinstance(lin, GGUFWeights):  # named by its GGUF type(s): `gguf-Q4_0`, `gguf-Q5_0+Q5_0+Q8_0`
+        kinds = lin.parts if isinstance(lin, GGUFParts) else [lin]
+        weight = "gguf-" + "+".join(gguf_linear.type_name(p.qtype) for p in kinds)
+    elif w.dtype == torch.uint8:  # int4, timed as the others (the kernel, or dequantized then MKL): named by group
         weight = f"int4g{k // lin.scales.shape[1]}"
     return Shape(n, k, weight, str(act).removeprefix("torch."), layout)
 
 
 def candidates(shape: Shape) -> tuple[str, ...]:
     """The paths that apply to `shape` here, in `PATHS` order."""
+    if shape.weight.startswith("gguf-"):
+        out = [NATIVE] if gguf_linear.library() is not None else []
+        fast = gguf_linear.fast_f16() and shape.act == "float32" and out  # bfloat16 models: TORCH is theirs
+        return tuple(p for p in PATHS if p in [*out, TORCH, *([F16] if fast else [])])
     out = [NATIVE] if small_linear.library() is not None else []
     out.append(TORCH)
     if shape.weight == "bfloat16":
@@ -106,9 +114,9 @@ def cpu_identity() -> tuple[str, str]:
 
 def cache_key(shape: Shape, threads: int, cpu: tuple[str, str]) -> str:
     """The cache file's name for `shape` timed on `threads` threads of `cpu` (`cpu_identity()`)."""
+    lib = gguf_linear if shape.weight.startswith("gguf-") else small_linear  # the kernel it times
     parts = [*cpu, shape.n, shape.k, shape.weight, shape.act, shape.layout, threads, torch.__version__,
-             hashlib.sha256(small_linear.SOURCE.read_bytes() + small_linear.HEADER.read_bytes()).hexdigest(),
-             list(BUCKETS)]  # fmt: skip
+             hashlib.sha256(lib.SOURCE.read_bytes() + lib.HEADER.read_bytes()).hexdigest(), list(BUCKETS)]  # fmt: skip
     digest = hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
     return f"{shape.n}x{shape.k}-{shape.weight}-{shape.act}-{shape.layout}-t{threads}-{digest}"
 
@@ -214,8 +222,7 @@ def _us(seconds: float) -> str:
 def tune_stage(model, mode: str, act: torch.dtype, **kw) -> None:
     """`--linear-tuning`: `auto` tunes the stage's linear layers (`tune`) and lets its one-call decode follow;
     `off` keeps the fixed thresholds `Linear.prepare` gave (`small_linear.MAX_ROWS`, `WIDEN_ROWS`). Off CPU: off."""
-    # kept GGUF weights (`gguf_linear`) keep their fixed threshold: their paths are not among the timed ones
-    layers = [lin for lin in model.linears() if not isinstance(lin, GGUFWeights)]
+    layers = list(model.linears())
     if mode == "off" or not layers or layers[0].weight.device.type != "cpu":
         return
     tune(layers, act, **kw)
