@@ -9,9 +9,8 @@
  * result does not depend on its batch. Outputs are split over OpenMP threads (torch's own thread team: the library
  * links the same libgomp).
  *
- * `gguf_dequant` writes rows as float32 or float16 (a step of many rows multiplies those with MKL or oneDNN; the
- * embedding looks up its rows). Built by gguf_linear.py with -O3 -march=native; AVX-512 (F, BW, VL) gets
- * intrinsics, other CPUs loops.
+ * `gguf_dequant` writes rows as float32 (a step of many rows multiplies those with MKL; the embedding looks up its
+ * rows). Built by gguf_linear.py with -O3 -march=native; AVX-512 (F, BW, VL) gets intrinsics, other CPUs loops.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -424,30 +423,14 @@ int gguf_linear_parts(const void *x, int64_t ldx, int64_t x_bf16, int64_t M, int
   return 0;
 }
 
-#if HAVE_AVX512
-/* 32 values of one block into out[at..at+32) as float32 (kind 0) or float16 (kind 2, rounded to nearest) */
-INLINE void store32(void *out, int64_t kind, int64_t at, __m512 lo, __m512 hi) {
-  if (kind == 2) {
-    _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), _mm512_cvtps_ph(lo, _MM_FROUND_TO_NEAREST_INT));
-    _mm256_storeu_si256((__m256i *)((uint16_t *)out + at + 16), _mm512_cvtps_ph(hi, _MM_FROUND_TO_NEAREST_INT));
-  } else {
-    _mm512_storeu_ps((float *)out + at, lo);
-    _mm512_storeu_ps((float *)out + at + 16, hi);
-  }
-}
-#endif
-
-/* rows x K values of type `type` at w (rows of row_bytes) into out [rows, K] as float32 (kind 0), or as float16
- * (kind 2: a step of many rows multiplied in float16 by oneDNN; AVX-512 builds only); 0, or 1 as above */
-int gguf_dequant(const uint8_t *w, int64_t type, int64_t rows, int64_t K, void *out, int64_t kind,
-                 int64_t nthreads) {
-  if (!block_bytes(type) || K % block_values(type) || (kind != 0 && (kind != 2 || !HAVE_AVX512))) return 1;
+/* rows x K values of type `type` at w (rows of row_bytes) as float32 into out [rows, K]; 0, or 1 as above */
+int gguf_dequant(const uint8_t *w, int64_t type, int64_t rows, int64_t K, float *out, int64_t nthreads) {
+  if (!block_bytes(type) || K % block_values(type)) return 1;
   const int64_t row_bytes = K / block_values(type) * block_bytes(type);
   if (nthreads < 1) nthreads = 1;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && rows > 1)
   for (int64_t r = 0; r < rows; r++)
     for (int64_t b = 0; b < K / 32; b++) {
-      const int64_t at = r * K + 32 * b;
 #if HAVE_AVX512
       __m512 lo, hi;
       switch (type) { /* the vector decoder, inlined per type */
@@ -460,9 +443,10 @@ int gguf_dequant(const uint8_t *w, int64_t type, int64_t rows, int64_t K, void *
         case Q5_K: decode32(w + r * row_bytes, Q5_K, b, &lo, &hi); break;
         default: decode32(w + r * row_bytes, Q6_K, b, &lo, &hi); break;
       }
-      store32(out, kind, at, lo, hi);
+      _mm512_storeu_ps(out + r * K + 32 * b, lo);
+      _mm512_storeu_ps(out + r * K + 32 * b + 16, hi);
 #else
-      decode32_scalar(w + r * row_bytes, type, b, (float *)out + at);
+      decode32_scalar(w + r * row_bytes, type, b, out + r * K + 32 * b);
 #endif
     }
   return 0;

@@ -5,9 +5,9 @@ weight's row `r` (GGUF quantizes along the input dimension, so rows are independ
 rank or a fused q/k/v takes whole rows, and a row-parallel rank a run of whole blocks of each row). `GGUFLinear`
 multiplies it by `gguf_linear.c`, which decodes each block in registers, for the few rows of a decode step (the
 weight is streamed once, at its quantized size), and dequantizes it (also natively) for a step of many rows, which
-MKL multiplies in float32, or oneDNN in float16 where the CPU computes float16 natively (`F16`); a stage times the
-three on its CPU (`models/linear_tuning.py`). `GGUFEmbedding` dequantizes the rows it looks up. Types: `TYPES`.
-Without a C compiler the `gguf` package's reference dequantization serves every path (slowly).
+MKL/oneDNN then multiply; a stage times both on its CPU (`models/linear_tuning.py`). `GGUFEmbedding` dequantizes
+the rows it looks up. Types: `TYPES`. Without a C compiler
+the `gguf` package's reference dequantization serves every path (slowly).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import ctypes
 import hashlib
 import logging
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ringsched.models import native_build
-from ringsched.models.small_linear import F16, NATIVE, TORCH, FixedPaths, Linear
+from ringsched.models.small_linear import NATIVE, FixedPaths, Linear
 
 logger = logging.getLogger(__name__)
 
@@ -44,13 +43,11 @@ TYPES = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_
          12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210)}  # fmt: skip
 # Rows up to which a call takes the kernel; beyond, the weight is dequantized for the call and MKL multiplies (a
 # step of many rows is compute-bound). Measured on SmolLM2's shapes, Q4_0 and Q8_0, 2 threads, Xeon with AVX-512:
-# the kernel 2.6 against 4.1 ms at 16 rows, level at 32, 10.4 against 8.6 at 64. Where the CPU computes float16
-# natively (AVX512-FP16), beyond them the weight is dequantized to float16 and oneDNN multiplies in float16 (`F16`;
-# bfloat16, twice as fast again on AMX, rounds too coarsely: greedy tokens of 2 prompts in 8 differed from the
-# dequantized weights'). These are the fixed choices (`--linear-tuning off`); a stage otherwise times the paths on
-# its CPU (`models/linear_tuning.py`).
+# the kernel 2.6 against 4.1 ms at 16 rows, level at 32, 10.4 against 8.6 at 64. The fixed choice (`--linear-tuning
+# off`); a stage otherwise times both paths per row bucket. Multiplying in bfloat16 (AMX: 4x float32's rate at 64
+# rows) rounds too coarsely (greedy tokens of 2 prompts in 8 differed from the dequantized weights'); float16 runs
+# at float32's rate on CPUs without AMX-FP16.
 MAX_ROWS = 32
-F16_LIMIT = 6e4  # float16's largest is 65504
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -58,7 +55,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gguf_linear.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64]
     lib.gguf_linear_parts.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, ptr, ptr, i64, i64]
     lib.gguf_linear_parts.restype = ctypes.c_int
-    lib.gguf_dequant.argtypes = [ptr, i64, i64, i64, ptr, i64, i64]
+    lib.gguf_dequant.argtypes = [ptr, i64, i64, i64, ptr, i64]
     lib.gguf_linear.restype = lib.gguf_dequant.restype = lib.gguf_has_integer.restype = ctypes.c_int
     lib.gguf_set_integer.argtypes = [i64]
     lib.gguf_set_integer(int(native_build.switched_on(INTEGER_SWITCH)))
@@ -103,13 +100,10 @@ def dequantize(raw: torch.Tensor, qtype: int, k: int, dtype: torch.dtype = torch
 
         arr = gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType(qtype))
         return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).to(dtype)
-    kind = {torch.float32: 0, torch.float16: 2}.get(dtype, 0)  # what the kernel writes: float32 or float16
-    out = torch.empty(raw.shape[0], k, dtype=torch.float16 if kind else torch.float32)
-    if lib.gguf_dequant(raw.data_ptr(), qtype, raw.shape[0], k, out.data_ptr(), kind, torch.get_num_threads()):
-        if not kind:
-            raise ValueError(f"gguf_dequant: type {qtype} with {k} inputs")
-        return dequantize(raw, qtype, k).to(dtype)  # a build without AVX-512 writes float32 only
-    return out if out.dtype == dtype else out.to(dtype)
+    out = torch.empty(raw.shape[0], k, dtype=torch.float32)
+    if lib.gguf_dequant(raw.data_ptr(), qtype, raw.shape[0], k, out.data_ptr(), torch.get_num_threads()) != 0:
+        raise ValueError(f"gguf_dequant: type {qtype} with {k} inputs")
+    return out if dtype == torch.float32 else out.to(dtype)
 
 
 def gguf_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, bias_f32: torch.Tensor | None) -> torch.Tensor:
@@ -129,25 +123,6 @@ def gguf_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, bias_f32: torch.
     return y
 
 
-def fast_f16() -> bool:
-    """Whether this CPU multiplies float16 natively (AVX512-FP16 or AMX-FP16): elsewhere `F16` is no candidate."""
-    flags = native_build._cpu_flags().split()
-    return "avx512_fp16" in flags or "amx_fp16" in flags
-
-
-def _linear(x: torch.Tensor, weight: Callable[[torch.dtype], torch.Tensor], bias: torch.Tensor | None,
-            path: str) -> torch.Tensor:  # fmt: skip
-    """`x @ W.T + bias` with W dequantized by `weight(dtype)`: for `F16` in float16 (activations rounded to it: 11
-    bits, where the integer path's int8 keeps 7), else in `x`'s dtype; a float16 call whose activations or sums
-    leave float16's range is computed again in `x`'s."""
-    if path == F16 and x.dtype == torch.float32 and x.abs().max() < F16_LIMIT:
-        y = F.linear(x.half(), weight(torch.float16))
-        if torch.isfinite(y).all():
-            y = y.to(x.dtype)
-            return y if bias is None else y + bias
-    return F.linear(x, weight(x.dtype), bias)
-
-
 class GGUFWeights:
     """Mixed into a `Linear` (or its tensor-parallel or lm_head kinds) whose `weight` is a GGUF tensor's blocks,
     `[out, row_bytes]` uint8 of type `qtype` (`in_features` stays the number of inputs); made in place by `keep`."""
@@ -156,8 +131,7 @@ class GGUFWeights:
 
     def prepare(self) -> None:
         super().prepare()
-        native = library() is not None
-        self.paths = FixedPaths(MAX_ROWS if native else 0, beyond=F16 if native and fast_f16() else TORCH)
+        self.paths = FixedPaths(MAX_ROWS if library() is not None else 0)
 
     def batch_invariant(self) -> bool:
         """The kernel at every row count, in float32 (the integer path takes only a few rows: a row's result would
@@ -178,8 +152,7 @@ class GGUFWeights:
         whole = rows == slice(None)
         if path == NATIVE and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16):
             return gguf_matmul(x, w, self.qtype, self.bias_f32 if whole else None)
-        return _linear(x, lambda dtype: dequantize(w, self.qtype, self.in_features, dtype),
-                       self.bias if whole else None, path)  # fmt: skip
+        return F.linear(x, dequantize(w, self.qtype, self.in_features, x.dtype), self.bias if whole else None)
 
 
 _KINDS: dict[type, type] = {}
@@ -220,11 +193,8 @@ class GGUFParts(GGUFWeights, Linear):
             if lib.gguf_linear_parts(x.data_ptr(), x.stride(0), xb, x.shape[0], x.shape[1], self.desc.data_ptr(),
                                      len(self.parts), b, y.data_ptr(), xb, torch.get_num_threads()) == 0:  # fmt: skip
                 return y
-
-        def weight(dtype: torch.dtype) -> torch.Tensor:
-            return torch.cat([dequantize(p.weight, p.qtype, self.in_features, dtype) for p in self.parts])[rows]
-
-        return _linear(x, weight, self.bias if rows == slice(None) else None, path)
+        w = torch.cat([dequantize(p.weight, p.qtype, self.in_features, x.dtype) for p in self.parts])[rows]
+        return F.linear(x, w, self.bias if rows == slice(None) else None)
 
 
 def fuse_kept(parts: list[nn.Linear]) -> Linear | None:

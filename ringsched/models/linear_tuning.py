@@ -2,14 +2,14 @@
 
 After its weights are in, a stage times the paths that apply to each projection shape it holds (its fused q/k/v
 and gate/up, o_proj, down_proj, the lm_head; `small_linear.PATHS`: the kernel, torch's MKL/oneDNN, bfloat16
-widened to float32, int8 by `_weight_int8pack_mm`; a GGUF weight's kernel, or its dequantization to float32 or to
-float16) at each row count of `BUCKETS`, and every layer of that shape takes the fastest path per bucket: a
-`PathTable`, the strategy `Linear.forward` consults. A row count between two buckets takes the path of the bucket
-above (past the last, the last's): the kernel works in tiles of 4 rows and MKL/oneDNN block rows too, so a call
-costs about what the bucket above costs, not the one below. Up to
-`layer_ops.MAX_ROWS` rows a decoder layer's shapes are chosen together (`choose_layers`): where every one takes
-the kernel, a decode step runs whole in one native call (`models/decode_layers.py`, which consults the same
-tables), which saves `ONE_CALL_CREDIT_S` a call. How the timings are taken: `models/linear_timing.py`.
+widened to float32, int8 by `_weight_int8pack_mm`; a GGUF weight's kernel or its dequantization) at each row count
+of `BUCKETS`, and every layer of that shape takes the fastest path per bucket: a `PathTable`, the strategy
+`Linear.forward` consults. A row count between two buckets takes the path of the bucket above (past the last, the
+last's): the kernel works in tiles of 4 rows and MKL/oneDNN block rows too, so a call costs about what the bucket
+above costs, not the one below. Up to `layer_ops.MAX_ROWS` rows a decoder layer's shapes are chosen together
+(`choose_layers`): where every one takes the kernel, a decode step runs whole in one native call
+(`models/decode_layers.py`, which consults the same tables), which saves `ONE_CALL_CREDIT_S` a call.
+How the timings are taken: `models/linear_timing.py`.
 
 The timings are cached in `$RINGSCHED_CACHE/tuning/` (`fetch.cache_dir()`), one JSON file per CPU model and
 flags, dtypes, threads, shape and layout, torch version and kernel source (`cache_key`): a stage that finds its
@@ -36,7 +36,7 @@ from ringsched.models import gguf_linear, layer_ops, native_build, small_linear
 from ringsched.models.fetch import cache_dir
 from ringsched.models.gguf_linear import GGUFParts, GGUFWeights
 from ringsched.models.linear_timing import BUCKETS, Shape, Times, measure_shape
-from ringsched.models.small_linear import F16, INT8PACK, NATIVE, PATHS, TORCH, WIDEN, Linear
+from ringsched.models.small_linear import INT8PACK, NATIVE, PATHS, TORCH, WIDEN, Linear
 from ringsched.models.vocab import LMHead
 
 logger = logging.getLogger(__name__)
@@ -81,9 +81,7 @@ def shape_of(lin: Linear, act: torch.dtype) -> Shape:
 def candidates(shape: Shape) -> tuple[str, ...]:
     """The paths that apply to `shape` here, in `PATHS` order."""
     if shape.weight.startswith("gguf-"):
-        out = [NATIVE] if gguf_linear.library() is not None else []
-        fast = gguf_linear.fast_f16() and shape.act == "float32" and out  # bfloat16 models: TORCH is theirs
-        return tuple(p for p in PATHS if p in [*out, TORCH, *([F16] if fast else [])])
+        return (NATIVE, TORCH) if gguf_linear.library() is not None else (TORCH,)
     out = [NATIVE] if small_linear.library() is not None else []
     out.append(TORCH)
     if shape.weight == "bfloat16":

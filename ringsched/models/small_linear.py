@@ -58,11 +58,9 @@ LINK_FLAGS = ["-shared", "-fopenmp"]
 _W_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 _INT4_CODE = {32: 3, 128: 4}  # int4 (packed uint8 weights) by group size: the group is in the kernel's type code
 # A call's paths: the kernel; torch's `F.linear` (MKL/oneDNN; int8: of a float copy of the weight); bfloat16
-# widened to float32 (MKL's sgemm); int8 by `torch._weight_int8pack_mm`; a GGUF weight dequantized to float16 and
-# multiplied in float16 by oneDNN, its activations rounded to float16 (`models/gguf_linear.py`: where the CPU
-# computes float16 natively).
-NATIVE, TORCH, WIDEN, INT8PACK, F16 = "native", "torch", "widen", "int8pack", "f16"
-PATHS = (NATIVE, TORCH, WIDEN, INT8PACK, F16)
+# widened to float32 (MKL's sgemm); int8 by `torch._weight_int8pack_mm`.
+NATIVE, TORCH, WIDEN, INT8PACK = "native", "torch", "widen", "int8pack"
+PATHS = (NATIVE, TORCH, WIDEN, INT8PACK)
 # Without tuning (`--linear-tuning off`): rows up to which the kernel is used, by weight dtype (measured on an
 # Intel host: docs/performance.md, "One request and moderate load").
 # int4: the kernel up to 64 rows; beyond, dequantizing per call then MKL wins (SmolLM2's shapes, 2 threads, Xeon with
@@ -171,16 +169,15 @@ class Paths(Protocol):
 @dataclass(frozen=True)
 class FixedPaths:
     """The fixed thresholds: the kernel up to `max_rows` rows, bfloat16 widened from `widen_rows` rows (0: never),
-    `beyond` otherwise."""
+    torch otherwise."""
 
     max_rows: int = 0
     widen_rows: int = 0
-    beyond: str = TORCH
 
     def path(self, rows: int) -> str:
         if rows <= self.max_rows:
             return NATIVE
-        return WIDEN if self.widen_rows and rows >= self.widen_rows else self.beyond
+        return WIDEN if self.widen_rows and rows >= self.widen_rows else TORCH
 
 
 def apply(path: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
