@@ -12,7 +12,7 @@ import ringsched
 ROOT = Path(ringsched.__file__).parent
 # Bottom to top. A unit is a package (`models`) or a root module (`config`); `ringsched` is the package's own
 # `__init__` (the version, the lazy names).
-ORDER = ("ringsched", "layout", "comm", "sampling", "speculative", "sampler", "structured", "tokenizer", "device",
+ORDER = ("ringsched", "layout", "comm", "sampling", "sampler", "structured", "speculative", "tokenizer", "device",
          "config_checks", "config", "kv", "models", "spec", "scheduler", "stage", "process", "link", "replay",
          "server", "engine", "async_engine", "generate", "launch", "capacity", "plan", "bench")  # fmt: skip
 
