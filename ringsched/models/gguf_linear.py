@@ -6,8 +6,8 @@ rank or a fused q/k/v takes whole rows, and a row-parallel rank a run of whole b
 multiplies it by `gguf_linear.c`, which decodes each block in registers, for the few rows of a decode step (the
 weight is streamed once, at its quantized size), and dequantizes it (also natively) for a step of many rows, which
 MKL/oneDNN then multiply; a stage times both on its CPU (`models/linear_tuning.py`). `GGUFEmbedding` dequantizes
-the rows it looks up. Types: `TYPES`. Without a C compiler
-the `gguf` package's reference dequantization serves every path (slowly).
+the rows it looks up. Types: `TYPES`. Without a C compiler the `gguf` package's reference dequantization serves
+every path (slowly).
 """
 
 from __future__ import annotations
