@@ -65,7 +65,7 @@ def _fresh_stats(llm) -> dict[int, dict]:
 
 def _stage_deltas(before: dict[int, dict], after: dict[int, dict]) -> list[dict]:
     """Per rank (in rank order), what the run added to each time and count."""
-    keys = TIME_KEYS + COUNT_KEYS + WIRE_KEYS
+    keys = TIME_KEYS + COUNT_KEYS + WIRE_KEYS + ("wall_s",)
     return [{k: after[r].get(k, 0) - before.get(r, {}).get(k, 0) for k in keys} for r in sorted(after)]
 
 
@@ -90,7 +90,9 @@ def _one_run(llm, prompts, params, before: dict[int, dict]) -> tuple[dict, dict[
     elapsed = time.perf_counter() - start
     after = _fresh_stats(llm)
     deltas = _stage_deltas(before, after)
-    fractions = [{k.removesuffix("_s"): d[k] / elapsed for k in TIME_KEYS} for d in deltas]
+    # of the stage's own window between the two stats snapshots where longer than the run (a short run: the
+    # snapshots' edges are a noticeable share of it)
+    fractions = [{k.removesuffix("_s"): d[k] / max(elapsed, d["wall_s"]) for k in TIME_KEYS} for d in deltas]
     tokens = sum(len(o.token_ids) for o in outs)
     run = {"elapsed_s": elapsed, "output_tokens": tokens, "output_tokens_per_s": tokens / elapsed,
            "requests_per_s": len(outs) / elapsed, "stage_busy_fraction": [f["compute"] for f in fractions],
