@@ -20,6 +20,7 @@ pytest.importorskip("tqdm")
 from aiohttp import web  # noqa: E402
 
 from ringsched.bench.datasets import (  # noqa: E402
+    copy_requests,
     jsonl_requests,
     length_range,
     random_requests,
@@ -332,3 +333,15 @@ def test_jsonl_dataset_errors_name_the_line(tmp_path: Path):
         ServeConfig(dataset="jsonl")
     with pytest.raises(ValueError, match="--request-rate"):
         ServeConfig(request_rate=0.0)
+
+
+def test_the_copy_dataset_asks_to_repeat_or_lightly_edit_a_passage_of_the_asked_length():
+    reqs = copy_requests(6, 400, 300, seed=3)
+    assert reqs == copy_requests(6, 400, 300, seed=3) and reqs != copy_requests(6, 400, 300, seed=4)
+    for i, r in enumerate(reqs):
+        passage = r.prompt.split("\n\n")[1]
+        assert len(passage.split()) == 300 and r.output_len == 300 and r.prompt_len is None
+        assert ("but write" in r.prompt) == bool(i % 2)  # every other request edits one word
+    assert len({r.prompt.split("\n\n")[1] for r in reqs}) == 6
+    with pytest.raises(ValueError, match="--random-input-len"):
+        copy_requests(2, 4, 10)

@@ -1,5 +1,5 @@
-"""Benchmark request datasets: random token-id prompts, random prompts behind shared prefixes, or prompts read
-from a JSONL file.
+"""Benchmark request datasets: random token-id prompts, random prompts behind shared prefixes, passages to be
+repeated or lightly edited (where speculative decoding pays), or prompts read from a JSONL file.
 
 Contract: each loader returns exactly `num_prompts` `SampleRequest`s, deterministic for a given seed.
 A prompt is either a string or a list of token ids (the OpenAI completions API accepts both); `prompt_len`
@@ -19,7 +19,14 @@ import numpy as np
 # Low ids are where tokenizers keep special and control tokens; random prompts stay above them so that a
 # random prompt never contains an EOS or a chat-template marker.
 SPECIAL_TOKEN_IDS = 1000
-DATASETS = ("random", "shared-prefix", "jsonl")
+DATASETS = ("random", "shared-prefix", "copy", "jsonl")
+# Where `copy` passages come from: the standard library's module docstrings (English prose, offline, fixed for a
+# Python version)
+PASSAGE_MODULES = ("argparse", "asyncio", "collections", "contextlib", "csv", "dataclasses", "decimal", "difflib",
+                   "doctest", "fractions", "functools", "heapq", "inspect", "json", "logging", "optparse", "pathlib",
+                   "pickle", "pydoc", "random", "re", "sched", "shutil", "statistics", "string", "subprocess",
+                   "tarfile", "textwrap", "threading", "tokenize", "typing", "unittest", "uuid", "zipfile")  # fmt: skip
+WORDS_PER_TOKEN = 0.75  # English prose, BPE tokenizers: about 4 tokens to 3 words
 
 
 @dataclass(frozen=True)
@@ -84,6 +91,31 @@ def shared_prefix_requests(
     for i, t in enumerate(tails):
         ids = prefixes[i % groups] + list(t.prompt)
         out.append(SampleRequest(prompt=ids, prompt_len=len(ids), output_len=t.output_len))
+    return out
+
+
+def copy_requests(num_prompts: int, input_len: int, output_len: int, seed: int = 0) -> list[SampleRequest]:
+    """Prompts that give a passage of about `input_len` tokens (standard-library documentation) and ask for it
+    repeated word for word, or (every other request) repeated with one word replaced: output that mostly copies
+    its prompt, as summaries of a given text, edits and code with repeated identifiers do."""
+    if input_len < 8 or output_len < 1:
+        raise ValueError("--dataset copy needs --random-input-len >= 8 and --random-output-len >= 1")
+    import importlib
+
+    words = " ".join((importlib.import_module(m).__doc__ or "") for m in PASSAGE_MODULES).split()
+    n = min(len(words), max(8, round(input_len * WORDS_PER_TOKEN)))
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(num_prompts):
+        start = int(rng.integers(0, len(words) - n + 1))
+        passage = " ".join(words[start : start + n])
+        if i % 2:
+            old = max(words[start : start + n], key=len)
+            ask = f"Repeat the passage above word for word, but write {old.upper()} wherever it says {old}."
+        else:
+            ask = "Repeat the passage above word for word."
+        prompt = f"Passage:\n\n{passage}\n\n{ask}\n\n"
+        out.append(SampleRequest(prompt=prompt, prompt_len=None, output_len=output_len))
     return out
 
 

@@ -82,7 +82,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add("--max-concurrency", type=int, default=None, help="cap on requests in flight (default: none)")
     add("--dataset", choices=DATASETS, default=d.dataset, help="random: random token ids; shared-prefix: random "
         "prompts that start with one of --shared-prefix-groups random prefixes of --shared-prefix-len tokens (a "
-        "system prompt), then --random-input-len tokens of their own; jsonl: --dataset-path")
+        "system prompt), then --random-input-len tokens of their own; copy: a passage of about --random-input-len "
+        "tokens to be repeated or lightly edited (where speculative decoding pays); jsonl: --dataset-path")
     add("--dataset-path", default=None, help='JSONL file, one {"prompt": ..., "output_len": N} per line')
     add("--random-input-len", type=int, default=d.random_input_len)
     add("--random-output-len", type=int, default=d.random_output_len)
