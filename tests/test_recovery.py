@@ -116,6 +116,16 @@ def test_beyond_max_restarts_the_engine_stops_as_before(tiny_llama_dir):
     _no_leftovers(ipc)
 
 
+def test_a_stage_failing_while_the_engine_starts_stops_it_without_replacing_it(tiny_llama_dir):
+    """A start's failure (here a KV budget that holds no block) would meet every replacement again: the engine
+    stops at once, naming the cause, rather than spending --max-restarts on it."""
+    with pytest.raises(StageFailure) as failed:
+        _engine(tiny_llama_dir, pp_size=2, kv_cache_memory="1K")
+    message = str(failed.value)
+    assert "--kv-cache-memory 1K holds no KV block" in message
+    assert "recovery" not in message and "--max-restarts" not in message
+
+
 def _streams(llm: Engine, kill: tuple[int, int] | None = None) -> tuple[list[list[int]], list[str]]:
     """Nine requests of 120 tokens (greedy, seeded, unseeded with a frequency penalty), read as they stream; with
     `kill` (rank, after), SIGKILL that rank once every request has `after` tokens. Tokens and errors."""

@@ -78,6 +78,9 @@ class Supervisor:
         self.nodes = None  # this node's part in a recovery (`process/ring_nodes.py`), once the store is there
         self.lost: set[int] = set()  # ranks that left their generation of the ring (`stage/rejoin.py`)
         self.recovery = Recovery(self)
+        # The ring has been whole once: before that a failure is the start's (a configuration or a load error a
+        # replacement would meet again), so it stops the engine at once instead of being replaced
+        self.started = False
 
     def start(self, timeout: float = 600.0) -> None:
         """Meet the other nodes, spawn this node's stages, wait until each is ready."""
@@ -96,6 +99,7 @@ class Supervisor:
             self._wait_ready(timeout)
             if self.cfg.node_rank == 0:
                 mark_started(self.store)
+        self.started = True
         self.rendezvous.start_heartbeat(on_beat=getattr(self.nodes, "watch", None))
         log_ready(self.cfg, self.info, self.spec.context_len)
 
@@ -175,8 +179,8 @@ class Supervisor:
         return True
 
     def _recover(self, failed: dict[int, str]) -> bool:
-        """Hand `failed` (rank -> cause) to a recovery, if one is allowed."""
-        if not self.recovery.allowed(max(len(failed), 1)):
+        """Hand `failed` (rank -> cause) to a recovery, if one is allowed (not while the engine starts)."""
+        if not self.started or not self.recovery.allowed(max(len(failed), 1)):
             return False
         self.recovery.start(failed)
         return True
