@@ -9,6 +9,7 @@ is the input token count when the client knows it (token ids, or a `prompt_len` 
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 from dataclasses import dataclass
@@ -100,8 +101,6 @@ def copy_requests(num_prompts: int, input_len: int, output_len: int, seed: int =
     its prompt, as summaries of a given text, edits and code with repeated identifiers do."""
     if input_len < 8 or output_len < 1:
         raise ValueError("--dataset copy needs --random-input-len >= 8 and --random-output-len >= 1")
-    import importlib
-
     words = " ".join((importlib.import_module(m).__doc__ or "") for m in PASSAGE_MODULES).split()
     n = min(len(words), max(8, round(input_len * WORDS_PER_TOKEN)))
     rng = np.random.default_rng(seed)

@@ -33,8 +33,13 @@ except ImportError as e:  # the benchmark's dependencies are an optional extra
         f"`ringsched.bench serve` needs aiohttp and tqdm ({e}); pip install 'ringsched[bench]'"
     ) from e
 
-from ringsched.bench import datasets
-from ringsched.bench.datasets import SampleRequest, jsonl_requests, random_requests, shared_prefix_requests
+from ringsched.bench.datasets import (
+    SampleRequest,
+    copy_requests,
+    jsonl_requests,
+    random_requests,
+    shared_prefix_requests,
+)
 from ringsched.bench.metrics import RequestResult, compute_metrics, format_metrics
 from ringsched.bench.serve_config import REQUEST_TIMEOUT_S, ServeConfig
 from ringsched.bench.serve_config import add_serve_args as add_serve_args  # `python -m ringsched.bench` finds it here
@@ -46,7 +51,7 @@ def load_requests(cfg: ServeConfig) -> list[SampleRequest]:
         assert cfg.dataset_path is not None  # checked in ServeConfig
         return jsonl_requests(cfg.dataset_path, cfg.num_prompts)
     if cfg.dataset == "copy":
-        return datasets.copy_requests(cfg.num_prompts, cfg.random_input_len, cfg.random_output_len, cfg.seed)
+        return copy_requests(cfg.num_prompts, cfg.random_input_len, cfg.random_output_len, cfg.seed)
     requests = random_requests(
         cfg.num_prompts,
         cfg.random_input_len,

@@ -119,20 +119,17 @@ class SuffixDrafter:
         self.cached: OrderedDict[object, None] = OrderedDict()  # finished requests in the shared tree, oldest first
         self.own: dict[object, SuffixTree] = {}
         self.outputs: dict[object, int] = {}  # request -> where its output starts
-        self.contexts: dict[object, list[int]] = {}
 
     def start(self, req_id: object, prompt: list[int]) -> None:
         tree = self.own[req_id] = SuffixTree(self.depth)
         tree.extend(req_id, prompt)
-        self.contexts[req_id] = list(prompt)
         self.outputs[req_id] = len(prompt)
 
     def extend(self, req_id: object, tokens: list[int]) -> None:
         self.own[req_id].extend(req_id, tokens)
-        self.contexts[req_id].extend(tokens)
 
     def propose(self, req_id: object, k: int) -> list[int]:
-        context = self.contexts[req_id]
+        context = self.own[req_id].sequences[req_id]  # its prompt and output, as its tree holds them
         mine = self.own[req_id].speculate(context, k, self.spec_factor, self.min_prob)
         shared = self.shared.speculate(context, k, self.spec_factor, self.min_prob)
         return (mine if mine[1] >= shared[1] else shared)[0]
@@ -140,8 +137,7 @@ class SuffixDrafter:
     def finish(self, req_id: object) -> None:
         """The request is done (or aborted): its output joins the shared tree, the oldest beyond `max_cached`
         leaves it."""
-        context, start = self.contexts.pop(req_id), self.outputs.pop(req_id)
-        self.own.pop(req_id)
+        context, start = self.own.pop(req_id).sequences[req_id], self.outputs.pop(req_id)
         if self.max_cached == 0 or len(context) == start:
             return
         self.shared.extend(req_id, context[start:])

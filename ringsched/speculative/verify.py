@@ -29,12 +29,14 @@ Rows = tuple[list[SamplingParams], list[list[int]], list[DrawKey | None]]
 def expand(drafts: Sequence[Sequence[int]], params: Sequence[SamplingParams], histories: Sequence[list[int]],
            keys: Sequence[DrawKey | None]) -> Rows:  # fmt: skip
     """Per request `r`, `len(drafts[r]) + 1` sampler rows (its positions, in order): its params, its history
-    extended by the drafts before the position, its key advanced by the position."""
+    extended by the drafts before the position (the same list where no penalty reads it: no copy per position),
+    its key advanced by the position."""
     rows_params, rows_hist, rows_keys = [], [], []
     for d, p, h, key in zip(drafts, params, histories, keys, strict=True):
+        penalised = p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty
         for j in range(len(d) + 1):
             rows_params.append(p)
-            rows_hist.append([*h, *d[:j]])
+            rows_hist.append([*h, *d[:j]] if penalised and j else h)  # only penalties read a history
             rows_keys.append(None if key is None else (key[0], key[1] + j))
     return rows_params, rows_hist, rows_keys
 
