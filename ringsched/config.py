@@ -8,6 +8,7 @@ and say what to do. Values that depend on the model (layer count, context length
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -74,6 +75,10 @@ class EngineConfig:
                                                "stage 0's block table holds the cache, idle cached blocks are "
                                                "evicted least recently used (default: on; off with --cp-size > 1, "
                                                "which it does not support)", type=bool)  # fmt: skip
+    speculative_config: str | dict | None = _flag(  # JSON text (a dict from Python is kept as its JSON)
+        None, 'model-free speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
+        '"suffix"; drafts are verified where they pay at the measured step cost, so outputs that repeat their input '
+        "(edits, code) come faster and others pay little (default: none)", type=str)  # fmt: skip
     kv_cache_memory: str | int | float = _flag("1G", "KV pool per stage: bytes (2G, 512MiB) or a fraction of free "
                                                "memory (0.3: of the GPU's, or on CPU of the node's shared by its "
                                                "stages)")  # fmt: skip
@@ -156,6 +161,8 @@ class EngineConfig:
         if isinstance(self.pp_layer_partition, (list, tuple)):
             # One form from here on (it travels to the stages and prints in logs like the flag's).
             object.__setattr__(self, "pp_layer_partition", ",".join(map(str, self.pp_layer_partition)))
+        if isinstance(self.speculative_config, dict):
+            object.__setattr__(self, "speculative_config", json.dumps(self.speculative_config))
         if self.enable_prefix_caching is None:
             object.__setattr__(self, "enable_prefix_caching", self.cp_size == 1)
         if self.quantization is None:

@@ -11,6 +11,7 @@ import torch
 
 from ringsched.device import gpu_shortfall
 from ringsched.layout.flex import CYCLE, FLEX_POLICIES
+from ringsched.speculative.config import SpeculativeConfig, SpeculativeConfigError
 
 if TYPE_CHECKING:
     from ringsched.config import EngineConfig
@@ -79,6 +80,21 @@ def check_prefix_caching(cfg: EngineConfig) -> None:
         f"--enable-prefix-caching runs with --cp-size 1 only (got --cp-size {cfg.cp_size}): a cached prefix's "
         "blocks would have to sit on the context-parallel ranks its tokens are placed on; pass "
         "--no-enable-prefix-caching",
+    )
+
+
+def check_speculative(cfg: EngineConfig) -> None:
+    """--speculative-config: its JSON, and the layouts it runs with."""
+    if not cfg.speculative_config:
+        return
+    try:
+        SpeculativeConfig.parse(cfg.speculative_config)
+    except SpeculativeConfigError as e:
+        raise ConfigError(str(e)) from None
+    _require(
+        cfg.cp_size == 1,
+        f"--speculative-config runs with --cp-size 1 only (got --cp-size {cfg.cp_size}): a verified entry's rows "
+        "would be spread over the context-parallel ranks; leave one of them out",
     )
 
 
@@ -220,5 +236,5 @@ def check_kv_cache(cfg: EngineConfig) -> None:
 
 
 # In the fields' order (of several bad flags, the first field's is reported).
-CHECKS = (check_parallel_sizes, check_prefix_caching, check_pipeline, check_batching, check_device,
-          check_auto_partition, check_timeouts, check_nodes, check_kv_cache)  # fmt: skip
+CHECKS = (check_parallel_sizes, check_prefix_caching, check_speculative, check_pipeline, check_batching,
+          check_device, check_auto_partition, check_timeouts, check_nodes, check_kv_cache)  # fmt: skip

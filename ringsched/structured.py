@@ -131,3 +131,16 @@ class Constraint:
         self._next = None
         if not self.matcher.consume_token(token):
             raise GrammarError(f"token {token} broke the grammar: {self.matcher.get_error()}")
+
+    def masks_along(self, tokens: list[int]) -> tuple[int, list[torch.Tensor]]:
+        """Speculative drafts `tokens`: how many of them in a row the grammar admits (`v`), and its `allowed()` before
+        each of those and after them (`v + 1` masks); the state is left as it was."""
+        v = self.matcher.validate_tokens(tokens)
+        masks = [self.allowed()]
+        for tok in tokens[:v]:
+            self.advance(tok)
+            masks.append(self.allowed())
+        if v:
+            self._next = None
+            self.matcher.rollback(v)
+        return v, masks

@@ -48,7 +48,7 @@ class FakeGrammars:
 def _step(state: SamplerState, start: int, ids: list[int], announce=()) -> int:
     plan = BatchPlan(0, 0, entries=[PlanEntry("r", start, ids, True)], announce=list(announce))
     state.apply(plan)
-    return state.sample(plan, torch.zeros(1, VOCAB)).item()
+    return state.sample(plan, torch.zeros(1, VOCAB))[1].item()
 
 
 def test_a_replayed_grammar_consumes_the_delivered_outputs_before_it_masks():

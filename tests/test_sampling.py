@@ -228,7 +228,7 @@ def test_a_row_whose_params_fail_gets_failed_and_the_others_their_tokens():
     state.apply(plan)
     logits = torch.randn(2, 100, generator=torch.Generator().manual_seed(0))
     logits[:, 2] = -10.0  # eos, banned under min_tokens: keep it from being the argmax anyway
-    tokens = state.sample(plan, logits)
+    tokens = state.sample(plan, logits)[1]
     assert tokens.tolist() == [int(logits[0].argmax()), FAILED]
 
 
@@ -346,7 +346,7 @@ def _decode(state, rid: str, start: int, ids: list[int], logits: torch.Tensor, a
 
     plan = BatchPlan(0, 0, entries=[PlanEntry(rid, start, ids, True)], announce=list(announce))
     state.apply(plan)
-    return state.sample(plan, logits).item()
+    return state.sample(plan, logits)[1].item()
 
 
 def test_a_fresh_sampler_state_resumes_a_request_token_for_token():

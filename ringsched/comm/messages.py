@@ -48,6 +48,9 @@ class PlanEntry:
     cp_blocks: list[list[int]] = field(default_factory=list)
     # Models with sliding layers: the blocks of the sliding pool this entry adds to the request's ring (`kv/ring.py`)
     ring_blocks: list[int] = field(default_factory=list)
+    # Speculative decoding: the last `drafts` of `token_ids` are stage 0's guesses of the next tokens; the last
+    # stage samples at each of the entry's last `drafts + 1` positions and keeps the longest run it agrees with
+    drafts: int = 0
 
 
 @dataclass
@@ -75,6 +78,11 @@ class BatchPlan:
     @property
     def num_samples(self) -> int:
         return sum(e.samples for e in self.entries)
+
+    @property
+    def sample_rows(self) -> int:
+        """Rows the last stage samples: one per sampling entry, and one more per draft."""
+        return sum(1 + e.drafts for e in self.entries if e.samples)
 
 
 @dataclass

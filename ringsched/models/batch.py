@@ -111,8 +111,8 @@ def _flatten(plan: BatchPlan, blocks: BlockTable, device) -> tuple[ForwardBatch,
             decs.append((row, e.rid, e.start + 1))
         else:
             chunks.append((row, e.rid, e.start + n, n))
-        if e.samples:
-            logit_rows.append(row + n - 1)
+        if e.samples:  # its last token's row, and with drafts those of the tokens before them too
+            logit_rows.extend(range(row + n - 1 - e.drafts, row + n))
         row += n
     batch = ForwardBatch(positions=on_device(positions, device, torch.long),
                          logit_rows=on_device(logit_rows, device, torch.long),

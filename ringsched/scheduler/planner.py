@@ -10,10 +10,10 @@ numbers into the plan, so the other stages never run an allocator of their own. 
 newest running request with nothing in flight is preempted: its KV is freed and it is recomputed later
 (nothing is lost).
 
-`on_output(seq, tokens)` takes the sampled tokens of a micro-batch when they come back around the ring,
-decides finishes, and returns what the front end should see. KV of a finished or aborted request is freed
-in the next plan, which every stage applies before that plan's batch: no in-flight batch still holds it,
-because a request is freed only when none of its micro-batches is in flight.
+`on_output(seq, values)` takes a micro-batch's sampled tokens when they come back around the ring (a drafted
+decode's kept ones: `speculation.py`), decides finishes and returns what the front end should see. KV of a finished
+or aborted request is freed in the next plan, which every stage applies before that plan's batch: no in-flight
+batch still holds it, as a request is freed only when none of its micro-batches is in flight.
 
 Prefix caching (`BlockTable.cache`, `prefix.py`): at admission a request takes the longest cached prefix of its
 tokens (whole blocks, never its last token, which must run to give logits) and computes from there; its first plan
@@ -35,12 +35,13 @@ from collections import OrderedDict, deque
 from ringsched.comm.messages import BatchPlan, NewRequest, PlanEntry, TokenOutput
 from ringsched.kv.cache import BlockTable
 from ringsched.kv.cp_blocks import CPBlocks
-from ringsched.sampler import logprob_width, unpack_logprobs
 from ringsched.sampling import SamplingParams
 from ringsched.scheduler.chunking import ChunkSizer
 from ringsched.scheduler.prefix import PrefixIndex
 from ringsched.scheduler.refusals import refusal
 from ringsched.scheduler.request import Request, Status
+from ringsched.scheduler.returns import split, take
+from ringsched.scheduler.speculation import Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -49,13 +50,13 @@ class Planner:
     def __init__(self, blocks: BlockTable | CPBlocks, micro_batch_size: int, max_running: int, token_budget: int,
                  eos_ids: tuple[int, ...], max_len: int, rng: random.Random | None = None,
                  vocab_size: int | None = None, flexible_cut: bool = False,
-                 chunker: ChunkSizer | None = None) -> None:  # fmt: skip
+                 chunker: ChunkSizer | None = None, speculator: Speculator | None = None) -> None:  # fmt: skip
         self.blocks = blocks
         self.micro_batch_size, self.max_running, self.token_budget = micro_batch_size, max_running, token_budget
         self.eos_ids, self.max_len, self.vocab_size = eos_ids, max_len, vocab_size
         # A flexible cut: blocks are indexed for the prefix cache when their micro-batch comes back (a shared
         # layer's KV reaches stage 0 only then).
-        self.flexible_cut, self.chunker = flexible_cut, chunker
+        self.flexible_cut, self.chunker, self.speculator = flexible_cut, chunker, speculator
         self._decoding = 0  # decoding requests as this plan began (sizes chunks beside them)
         self.pipelined_chunks = 0
         self.waiting: deque[Request] = deque()
@@ -117,12 +118,14 @@ class Planner:
         self._decoding = self._count_decoding() if self.chunker is not None else 0
         budget = self._plan_running(plan, seq, self.token_budget)
         self._admit_waiting(plan, seq, budget)
+        if self.speculator is not None:
+            self.speculator.extend(plan, self.requests)
         if plan.entries:
             self.flight[seq] = plan.entries
         if self._prefix.cache is not None and not self.flexible_cut:
             # Indexed once the whole micro-batch is planned: only a later micro-batch may read these blocks.
             for e in plan.entries:
-                self._prefix.index(self.requests[e.rid], e.start + len(e.token_ids))
+                self._prefix.index(self.requests[e.rid], e.start + len(e.token_ids) - e.drafts)
         return plan
 
     def _plan_frees(self, plan: BatchPlan) -> None:
@@ -230,52 +233,42 @@ class Planner:
         self.waiting.appendleft(r)
 
     # -- results ---------------------------------------------------------------------------------------
-    def on_output(self, seq: int, tokens: list[int]) -> list[TokenOutput]:
-        """`tokens`: the sampled id of each entry that samples, then the log-probabilities they asked for
-        (`sampler.logprob_values`)."""
+    def on_output(self, seq: int, values: list[int]) -> list[TokenOutput]:
+        """`values`: what the last stage sampled for micro-batch `seq` (`returns.split`)."""
         entries = self.flight.pop(seq, [])
-        sampled = [e for e in entries if e.samples]
-        ks = [self.requests[e.rid].params.logprobs for e in sampled]
-        if len(sampled) + logprob_width(ks) != len(tokens):
-            raise RuntimeError(
-                f"micro-batch {seq}: expected {len(sampled)} sampled tokens and {logprob_width(ks)} log-probability "
-                f"values, got {len(tokens)} values"
-            )
-        logprobs = iter(unpack_logprobs(tokens[len(sampled) :], ks))
+        sampled = split(seq, entries, values, lambda rid: self.requests[rid].params.logprobs)
         outs: list[TokenOutput] = []
-        it = iter(tokens[: len(sampled)])
-        for e in entries:
+        for i, e in enumerate(entries):
             r = self.requests[e.rid]
             r.in_flight.discard(seq)
             if self._prefix.cache is not None and self.flexible_cut:  # its KV is on both stages now
-                self._prefix.index(r, e.start + len(e.token_ids))
-            tok, lp = (next(it), next(logprobs)) if e.samples else (None, None)
+                self._prefix.index(r, e.start + len(e.token_ids) - e.drafts)
             if r.aborted:
                 if not r.in_flight:  # its last micro-batch passed every stage
                     self._finish(r, free_now=True)
                 continue
-            if tok is None:
-                continue
-            if tok < 0:  # the last stage could not sample it (sampler_state.FAILED): this request alone ends
-                error = "the request failed on the last stage while sampling its next token (see that stage's log)"
-                outs.append(TokenOutput(r.rid, [], "error", error, len(r.prompt_ids), len(r.output_ids),
-                                        "request_failed"))  # fmt: skip
-                self._finish(r, free_now=True)
-                continue
-            r.output_ids.append(tok)
-            reason = r.check_finish(self.eos_ids, self.max_len)
-            outs.append(TokenOutput(r.rid, [tok], reason, None, len(r.prompt_ids), len(r.output_ids),
-                                    cached_tokens=r.cached_tokens, logprobs=None if lp is None else [lp]))  # fmt: skip
-            if reason:
-                self._finish(r, free_now=True)
+            if e.samples:
+                tokens, logprobs = sampled[i]
+                if self.speculator is not None and tokens[0] >= 0:
+                    self.speculator.kept(r.rid, e.drafts, len(tokens))
+                outs.append(take(r, e, tokens, logprobs, self.eos_ids, self.max_len))
+                if outs[-1].finish_reason:
+                    self._finish(r, free_now=True)
         return outs
 
     def _finish(self, r: Request, free_now: bool) -> None:
         r.status = Status.FINISHED
         self.running.pop(r.rid, None)
         self.requests.pop(r.rid, None)
+        if self.speculator is not None:
+            self.speculator.forget(r.rid)
         if free_now:
             self._frees.append((r.rid, r.announced))
+
+    def step_took(self, rows: int, seconds: float) -> None:
+        """Stage 0 computed a micro-batch of `rows` rows in `seconds` (what drafting weighs a draft's row by)."""
+        if self.speculator is not None:
+            self.speculator.step_took(rows, seconds)
 
     # -- state -----------------------------------------------------------------------------------------
     @property
@@ -297,4 +290,5 @@ class Planner:
             # the most in-flight micro-batches one request is in now (> 1: its prefill chunks fill the ring)
             "request_in_flight_max": max((len(r.in_flight) for r in self.requests.values()), default=0),
             "pipelined_chunks": self.pipelined_chunks,  # chunks planned while the request's one before was in flight
+            **(self.speculator.stats() if self.speculator else {}),
         }

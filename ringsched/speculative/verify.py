@@ -25,6 +25,18 @@ from ringsched.sampling import SamplingParams
 
 Rows = tuple[list[SamplingParams], list[list[int]], list[DrawKey | None]]
 
+# On the way back to stage 0 a verified entry's kept tokens are padded with this to its `1 + k` sampled values, so
+# the last stage's message has a length stage 0 knows from its plan.
+FILLER = -2
+
+
+def padded(kept: Sequence[int], rows: int) -> list[int]:
+    return [*kept, *[FILLER] * (rows - len(kept))]
+
+
+def unpadded(values: Sequence[int]) -> list[int]:
+    return [v for v in values if v != FILLER]
+
 
 def expand(drafts: Sequence[Sequence[int]], params: Sequence[SamplingParams], histories: Sequence[list[int]],
            keys: Sequence[DrawKey | None]) -> Rows:  # fmt: skip

@@ -69,7 +69,7 @@ class ProgressReporter:
 
     def layers(self, plan: BatchPlan, layers: range) -> Iterator[int]:
         start = time.perf_counter()
-        head_s = self._head_row_s * plan.num_samples
+        head_s = self._head_row_s * plan.sample_rows
         for j, i in enumerate(layers):
             layer_s = (time.perf_counter() - start) / j if j else self._layer_s
             if layer_s > 0:

@@ -125,7 +125,7 @@ class FlexRing:
     def choose(self, plan: BatchPlan) -> None:
         """Before the plan leaves: `balance` and `cycle` set its cut; `ready` leaves it to the forward pass."""
         if plan.entries and self.chooser is not None:
-            plan.cut = min(self.chooser.choose(plan.num_tokens, plan.num_samples), self._cap(plan))
+            plan.cut = min(self.chooser.choose(plan.num_tokens, plan.sample_rows), self._cap(plan))
 
     def _cap(self, plan: BatchPlan) -> int:
         """The latest cut `plan` may take on stage 0: no later than the in-flight micro-batches whose KV it reads
@@ -134,7 +134,7 @@ class FlexRing:
 
     def sent(self, plan: BatchPlan, compute_s: float, slots: torch.Tensor) -> None:
         self.cuts[plan.cut] = self.cuts.get(plan.cut, 0) + 1
-        self._sent[plan.seq] = _Sent(plan.num_tokens, plan.num_samples, plan.cut, compute_s, self._overhead, slots)
+        self._sent[plan.seq] = _Sent(plan.num_tokens, plan.sample_rows, plan.cut, compute_s, self._overhead, slots)
 
     def on_output(self, seq: int, tensors: list[torch.Tensor]) -> torch.Tensor:
         """Stage 0: take one output message apart; mirror stage 1's K/V rows and learn from its time. Returns

@@ -217,6 +217,7 @@ class StageLoop:
             rows = self.cut.after_layers(plan, batch.slot_mapping)
             out = self.head(plan, out, rows)
         self.cut.computed(plan, took.seconds, batch.slot_mapping, rows)
+        self.plans.computed(plan, took.seconds)
         self.times.count(batch.num_tokens, self.cut.layers_run(plan))
         return out
 

@@ -73,6 +73,10 @@ class LeadPlans:
     def apply(self, plan: BatchPlan) -> None:
         pass  # the planner already did, as it planned
 
+    def computed(self, plan: BatchPlan, seconds: float) -> None:
+        """This stage computed `plan` in `seconds`: what a step of its rows costs (speculative drafts weigh by it)."""
+        self.planner.step_took(plan.num_tokens, seconds)
+
 
 class FollowPlans:
     def __init__(self, where: RankInfo, io, blocks: BlockTable, times: StageTimes, gc: GcPolicy, outputs,
@@ -108,3 +112,6 @@ class FollowPlans:
                 self.blocks.assign(e.rid, e.cached_blocks + e.new_blocks)
             if e.ring_blocks:  # a sliding model's request: its ring grows with its main blocks
                 self.blocks.ring.assign(e.rid, e.ring_blocks)
+
+    def computed(self, plan: BatchPlan, seconds: float) -> None:
+        pass

@@ -83,14 +83,14 @@ class SamplingHead:
             return self.empty()
         with self.times.measure("head") as took:
             if self.sampler.greedy_only(plan):
-                tokens = self.model.greedy_tokens(out).cpu()
+                tokens = self.sampler.keep(plan, self.model.greedy_tokens(out).cpu())
             else:
                 logits = self.model.compute_logits(out)
-                tokens = self.sampler.sample(plan, logits).cpu()
+                targets, tokens = self.sampler.sample(plan, logits)
                 # The sampled ids, then any log-probabilities asked for (stage 0 knows how many to expect).
-                tokens = torch.cat([tokens, self.sampler.logprobs(plan, logits, tokens)])
-        self.cut.head_took(plan.num_samples, took.seconds)
-        self.times.sample_rows += plan.num_samples
+                tokens = torch.cat([tokens, self.sampler.logprobs(plan, logits, targets)])
+        self.cut.head_took(plan.sample_rows, took.seconds)
+        self.times.sample_rows += plan.sample_rows
         return tokens
 
     def empty(self) -> torch.Tensor:

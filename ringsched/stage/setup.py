@@ -31,7 +31,9 @@ from ringsched.models.config import ModelConfig
 from ringsched.models.loader import load_stage_model, weights_bytes
 from ringsched.scheduler import chunking
 from ringsched.scheduler.planner import Planner
+from ringsched.scheduler.speculation import Speculator
 from ringsched.spec import ModelSpec
+from ringsched.speculative.config import SpeculativeConfig
 from ringsched.stage import chunk_probe, rejoin
 from ringsched.stage.affinity import allowed_cpus, stage_cpus
 from ringsched.stage.channels import generation_store, plan_channels, progress_channels
@@ -175,9 +177,12 @@ def _planner(cfg: EngineConfig, spec: ModelSpec, local: ModelConfig, blocks: Blo
         cost, decode = chunk_probe.probe(local, cfg.torch_dtype, device, cfg.chunked_prefill_size, spec.context_len,
                                          attention_backend=cfg.attention_backend)
         chunker = chunking.ChunkSizer(cost, cfg.chunked_prefill_size, decode=decode)
+    speculator = None
+    if cfg.speculative_config:  # drafting is stage 0's alone (--cp-size, which it does not run with, is refused)
+        speculator = Speculator(SpeculativeConfig.parse(cfg.speculative_config), blocks, spec.context_len)
     return Planner(allocator, cfg.micro_batch_size, cfg.max_running_requests, cfg.chunked_prefill_size, spec.eos_ids,
                    spec.context_len, random.Random(cfg.seed), spec.config.vocab_size, flexible_cut=flex,
-                   chunker=chunker)  # fmt: skip
+                   chunker=chunker, speculator=speculator)  # fmt: skip
 
 
 def _threads_and_device(cfg: EngineConfig, local_rank: int) -> torch.device:
