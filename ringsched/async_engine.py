@@ -70,11 +70,12 @@ class AsyncEngine:
             return
         try:
             async for o in self.client.generate(rid, ids, params):
-                out.token_ids += o.token_ids
+                used = text.add_until_stop(o.token_ids)[1]  # the tokens up to a stop string's end
+                out.token_ids += o.token_ids[:used]
                 out.cached_tokens = o.cached_tokens or out.cached_tokens
                 if o.logprobs:
-                    out.logprobs = (out.logprobs or []) + [(lp, [tuple(t) for t in top]) for lp, top in o.logprobs]
-                text.add(o.token_ids)
+                    lps = o.logprobs[:used]
+                    out.logprobs = (out.logprobs or []) + [(lp, [tuple(t) for t in top]) for lp, top in lps]
                 if text.stopped:  # returning closes `generate`, which aborts the request on the ring
                     out.finish_reason = "stop"
                 elif o.finish_reason:

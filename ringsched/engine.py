@@ -168,14 +168,14 @@ class Engine:
                     if i is None or o.rid not in pending:
                         continue
                     r, text = results[i], texts[o.rid]
-                    r.token_ids += o.token_ids
+                    # the tokens up to a stop string's end (a speculative step's can run past it)
+                    used = text.add_until_stop(o.token_ids)[1] if text is not None else len(o.token_ids)
+                    stopped = text is not None and text.stopped
+                    r.token_ids += o.token_ids[:used]
                     r.cached_tokens = o.cached_tokens or r.cached_tokens
                     if o.logprobs:
-                        r.logprobs = (r.logprobs or []) + [(lp, [tuple(t) for t in top]) for lp, top in o.logprobs]
-                    stopped = False
-                    if text is not None:
-                        text.add(o.token_ids)
-                        stopped = text.stopped
+                        lps = o.logprobs[:used]
+                        r.logprobs = (r.logprobs or []) + [(lp, [tuple(t) for t in top]) for lp, top in lps]
                     finish = "stop" if stopped else o.finish_reason
                     if finish:
                         if stopped and not o.finish_reason:
@@ -183,7 +183,7 @@ class Engine:
                         r.finish_reason, r.error = finish, o.error
                         r.text = text.text if stopped else self.tokenizer.decode(r.token_ids)
                         pending.discard(o.rid)
-                    yield StreamEvent(i, list(o.token_ids), finish)
+                    yield StreamEvent(i, list(o.token_ids[:used]), finish)
         finally:
             for rid in pending:  # the caller stopped early: nothing stays running
                 self.abort(rid)

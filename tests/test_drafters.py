@@ -19,8 +19,8 @@ def brute_ngram(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
     for n in range(min(n_max, len(tokens) - 1), n_min - 1, -1):
         tail = tokens[-n:]
         for end in range(len(tokens) - 2, n - 2, -1):
-            if tokens[end - n + 1 : end + 1] == tail:
-                return tokens[end + 1 : end + 1 + k]
+            if tokens[end - n + 1 : end + 1] == tail:  # then on as the tokens repeat with that period
+                return [tokens[end + 1 + i % (len(tokens) - 1 - end)] for i in range(k)]
     return []
 
 
@@ -30,6 +30,7 @@ def test_ngram_drafts_what_followed_the_last_time():
     index.extend([4, 7, 1, 2, 3])  # [2, 3] now last followed 4, 7; [1, 2, 3] followed 4, 5
     assert index.propose(2) == [4, 5]  # the longest match wins over the latest shorter one
     assert NgramIndex([5, 6, 7], 1, 3).propose(4) == []
+    assert NgramIndex([5, 6, 7, 8, 7], 1, 3).propose(5) == [8, 7, 8, 7, 8]  # a loop of period 2 goes on
 
 
 def test_ngram_kept_incrementally_equals_the_definition():
@@ -73,6 +74,14 @@ def test_a_suffix_draft_follows_the_most_frequent_continuation_while_likely():
     short, _ = tree.speculate([9, 1, 2], k=4, spec_factor=1.0, min_prob=0.1)
     assert len(short) == 2  # a match of 2 tokens drafts at most 2 at factor 1
     assert tree.speculate([7, 7], k=4, spec_factor=1.0, min_prob=0.1)[0] == []
+
+
+def test_a_requests_own_tree_drafts_from_an_earlier_occurrence_of_its_suffix():
+    """The tree holds the context itself: the match is the longest suffix seen followed by something."""
+    tree = SuffixTree(depth=24)
+    context = [9, 10, 11, 12] * 6
+    tree.extend("r", context)
+    assert tree.speculate(context, k=5, spec_factor=1.0, min_prob=0.1)[0] == [9, 10, 11, 12, 9]
 
 
 def test_removing_a_sequence_leaves_the_tree_as_if_never_added():

@@ -22,6 +22,8 @@ from ringsched.models.config import ModelConfig
 from ringsched.models.loader import load_stage_model
 from ringsched.sampling import SamplingParams
 from ringsched.scheduler.planner import Planner
+from ringsched.scheduler.speculation import Speculator
+from ringsched.speculative.config import SpeculativeConfig
 from ringsched.stage.loop import StageIO, StageLoop
 
 TIMEOUT_S = 60.0
@@ -69,8 +71,9 @@ class QueueSocket:
 
 
 def run_ring(model_dir, requests: list[tuple[list[int], SamplingParams]], pp_size: int, depth: int = 0,
-             **cfg_kw) -> dict[str, list[int]]:  # fmt: skip
-    """Every request through an in-process ring of `pp_size` stage threads; each request's generated tokens."""
+             stats: dict | None = None, **cfg_kw) -> dict[str, list[int]]:  # fmt: skip
+    """Every request through an in-process ring of `pp_size` stage threads; each request's generated tokens (and
+    stage 0's scheduler stats into `stats`)."""
     cfg = EngineConfig(pp_size=pp_size, pp_async_batch_depth=depth, kv_cache_memory="8M", **cfg_kw)
     mcfg = ModelConfig.from_dir(model_dir)
     ranges = stage_ranges(cfg.partition(mcfg.num_layers))
@@ -85,8 +88,12 @@ def run_ring(model_dir, requests: list[tuple[list[int], SamplingParams]], pp_siz
         blocks = BlockTable(num_blocks, cfg.block_size, follower=not stage.is_first)
         planner = None
         if stage.is_first:
+            speculator = None
+            if cfg.speculative_config:
+                speculator = Speculator(SpeculativeConfig.parse(cfg.speculative_config), blocks, 2048)
             planner = Planner(blocks, cfg.micro_batch_size, cfg.max_running_requests, cfg.chunked_prefill_size,
-                              tuple(mcfg.eos_token_ids), 2048, random.Random(0), mcfg.vocab_size)  # fmt: skip
+                              tuple(mcfg.eos_token_ids), 2048, random.Random(0), mcfg.vocab_size,
+                              speculator=speculator)  # fmt: skip
         io = StageIO(
             chan=QueueChannel(rank, boxes), plan_in=plans[rank] if rank else None,
             plan_out=plans[rank + 1] if rank + 1 < pp_size else None,
@@ -126,6 +133,8 @@ def run_ring(model_dir, requests: list[tuple[list[int], SamplingParams]], pp_siz
     assert not errors, errors
     assert not any(t.is_alive() for t in threads), "a stage did not stop"
     assert all(loop.blocks.used_blocks == 0 for loop in loops), "KV left allocated"
+    if stats is not None:
+        stats.update(loops[0].planner.stats())
     return out
 
 
@@ -134,7 +143,13 @@ def _requests(vocab: int) -> list[tuple[list[int], SamplingParams]]:
     greedy = [([rng.randrange(3, vocab) for _ in range(rng.randint(2, 40))],
                SamplingParams(max_tokens=rng.randint(3, 12), temperature=0, ignore_eos=True)) for _ in range(10)]
     seeded = [([5, 6, 7], SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=3, ignore_eos=True))]
-    return greedy + seeded  # fmt: skip
+    # outputs that fall into a loop: what a drafter proposes from (test_speculative_decoding_...)
+    looping = [([9, 10, 11, 12] * 6, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)),
+               ([7, 8] * 10, SamplingParams(max_tokens=30, temperature=0.8, seed=5, ignore_eos=True,
+                                             repetition_penalty=1.1, logprobs=2)),
+               ([3, 4, 5, 3, 4, 6, 3, 4, 7, 3, 4, 8, 3, 4],
+                SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))]
+    return greedy + seeded + looping  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +168,19 @@ def test_small_chunks_and_micro_batches_give_the_same_tokens(tiny_llama_dir, ref
     reqs, expected = reference
     got = run_ring(str(tiny_llama_dir), reqs, pp_size=2, chunked_prefill_size=7, pp_max_micro_batch_size=2)
     assert got == expected
+
+
+@pytest.mark.parametrize("pp_size, method", [(1, "ngram"), (2, "ngram"), (2, "suffix")])
+def test_speculative_decoding_gives_the_same_tokens(tiny_llama_dir, reference, pp_size, method):
+    """Drafts verified in the ring change how fast, never what: greedy and seeded rows (penalties and logprobs
+    too) give the tokens decoding without drafts gives, and some drafts were kept and some rejected."""
+    reqs, expected = reference
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "ngram":
+        spec |= {"prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    stats: dict = {}
+    assert run_ring(str(tiny_llama_dir), reqs, pp_size=pp_size, speculative_config=spec, stats=stats) == expected
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], stats
 
 
 def test_greedy_matches_transformers(tiny_llama_dir, reference):

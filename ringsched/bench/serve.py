@@ -43,6 +43,7 @@ from ringsched.bench.datasets import (
 from ringsched.bench.metrics import RequestResult, compute_metrics, format_metrics
 from ringsched.bench.serve_config import REQUEST_TIMEOUT_S, ServeConfig
 from ringsched.bench.serve_config import add_serve_args as add_serve_args  # `python -m ringsched.bench` finds it here
+from ringsched.bench.stage_metrics import speculation, speculation_between
 
 logger = logging.getLogger(__name__)
 
@@ -200,9 +201,14 @@ def run_serve(args: argparse.Namespace) -> dict[str, Any]:
     """Run one benchmark from parsed `serve` flags; print the summary block and return the result dict."""
     cfg = ServeConfig.from_args(args)
     requests = load_requests(cfg)
+    spec_before = speculation(cfg.base_url)
     model, results, duration = asyncio.run(benchmark(cfg, requests))
     metrics = compute_metrics(results, duration)
+    spec = speculation_between(spec_before, speculation(cfg.base_url))  # a ringsched server's, while drafting
     print(format_metrics(metrics, cfg.max_concurrency, cfg.request_rate))
+    if spec:
+        print(f"{'Draft acceptance rate:':<40} {spec['spec_acceptance_rate']:<10.3f}")
+        print(f"{'Mean accepted length:':<40} {spec['spec_mean_accepted_length']:<10.2f}")
     errors = [r.error for r in results if not r.success]
     if errors:
         logger.warning("%d of %d requests failed; first error: %s", len(errors), len(results), errors[0])
@@ -215,6 +221,7 @@ def run_serve(args: argparse.Namespace) -> dict[str, Any]:
         **config,
         "model": model,
         **metrics.as_dict(),
+        **spec,
         "errors": errors,
     }
     if cfg.save_result:

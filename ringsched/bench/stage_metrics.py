@@ -4,6 +4,8 @@ Contract: `parse_stage_metrics(text)` reads the Prometheus text into `{stage: {"
 "sched_s", "comm_s", "peak_memory_bytes"}}` (the `ringsched:stage_time_seconds` gauges are cumulative
 seconds since the stage started, idle time left out); `stage_deltas(before, after, duration)` turns two such
 snapshots into what each stage spent in between, with `busy_fraction` = compute seconds / `duration`.
+`speculation(base_url)` reads the speculative decoding counters (None from a server without them), and
+`speculation_between(before, after)` what a benchmark's requests drafted and kept.
 """
 
 from __future__ import annotations
@@ -19,12 +21,42 @@ T = TypeVar("T")
 TIME_KINDS = ("compute", "wait", "sched", "comm")
 TIME_METRIC = "ringsched:stage_time_seconds"
 MEMORY_METRIC = "ringsched:stage_peak_memory_bytes"
+SPEC_METRICS = {"ringsched:spec_decode_num_drafts": "steps", "ringsched:spec_decode_num_draft_tokens": "drafts",
+                "ringsched:spec_decode_num_accepted_tokens": "kept"}  # fmt: skip
 
 
 def scrape_stages(base_url: str, timeout: float = 10.0) -> dict[int, dict[str, float]]:
     """GET `{base_url}/metrics` and parse the per-stage gauges."""
     with urllib.request.urlopen(f"{base_url.rstrip('/')}/metrics", timeout=timeout) as resp:
         return parse_stage_metrics(resp.read().decode("utf-8"))
+
+
+def speculation(base_url: str, timeout: float = 10.0) -> dict[str, float] | None:
+    """The speculative decoding counters of a ringsched server (`steps`, `drafts`, `kept`); None where the server
+    has no `/metrics` or no such counters (another engine)."""
+    try:
+        with urllib.request.urlopen(f"{base_url.rstrip('/')}/metrics", timeout=timeout) as resp:
+            text = resp.read().decode("utf-8")
+    except OSError:
+        return None
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            name = s.name.removesuffix("_total")
+            if name in SPEC_METRICS:
+                out[SPEC_METRICS[name]] = s.value
+    return out if len(out) == len(SPEC_METRICS) else None
+
+
+def speculation_between(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float]:
+    """`spec_acceptance_rate` (kept / drafted) and `spec_mean_accepted_length` (1 + kept per verifying step) of
+    what happened between two `speculation` readings; empty when nothing was drafted or the server lacks them."""
+    if before is None or after is None:
+        return {}
+    steps, drafts, kept = (after[k] - before[k] for k in ("steps", "drafts", "kept"))
+    if steps <= 0 or drafts <= 0:
+        return {}
+    return {"spec_acceptance_rate": kept / drafts, "spec_mean_accepted_length": 1 + kept / steps}
 
 
 def parse_stage_metrics(text: str) -> dict[int, dict[str, float]]:

@@ -112,6 +112,18 @@ class TextStream:
     def add(self, token_ids: Sequence[int]) -> str:
         return self._emit(self.stops.feed(self.detok.add(token_ids)))
 
+    def add_until_stop(self, token_ids: Sequence[int]) -> tuple[str, int]:
+        """`add`, a token at a time once there are stop strings, up to the token that completes one: the text and
+        how many of `token_ids` it took (a speculative step's tokens can run past a stop string)."""
+        if len(token_ids) <= 1 or not self.stops.stop:
+            return self.add(token_ids), len(token_ids)
+        text = ""
+        for i, tok in enumerate(token_ids):
+            text += self.add([tok])
+            if self.stopped:
+                return text, i + 1
+        return text, len(token_ids)
+
     def finish(self) -> str:
         """The held-back rest when the request ended on its own (eos, stop token, length)."""
         out = self.stops.feed(self.detok.flush())

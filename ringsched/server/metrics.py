@@ -29,7 +29,7 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         # Defined in groups, in this order (the exposition lists them so).
         for define in (self._define_requests, self._define_stages, self._define_ranks, self._define_totals,
-                       self._define_recovery):  # fmt: skip
+                       self._define_speculation, self._define_recovery):  # fmt: skip
             define(self.registry, "ringsched:")
 
     def _define_requests(self, r: CollectorRegistry, p: str) -> None:
@@ -120,6 +120,30 @@ class ServerMetrics:
             ["finished_reason"], registry=r,
         )  # fmt: skip
 
+    def _define_speculation(self, r: CollectorRegistry, p: str) -> None:
+        """--speculative-config: drafts verified and kept (vLLM's spec_decode names), from stage 0's running totals."""
+        self._spec_seen = {"spec_verify_steps": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
+        self.spec_counters = {
+            "spec_verify_steps": Counter(f"{p}spec_decode_num_drafts", "Decode steps that verified drafts.",
+                                         registry=r),  # fmt: skip
+            "spec_draft_tokens": Counter(f"{p}spec_decode_num_draft_tokens", "Draft tokens verified.", registry=r),
+            "spec_accepted_tokens": Counter(f"{p}spec_decode_num_accepted_tokens", "Draft tokens kept.", registry=r),
+        }
+        self.spec_rate = Gauge(f"{p}spec_decode_acceptance_rate", "Kept draft tokens / verified draft tokens since "
+                               "start (0-1).", registry=r)  # fmt: skip
+        self.spec_length = Gauge(f"{p}spec_decode_mean_accepted_length", "Tokens a verifying step gave per request "
+                                 "on average since start: 1 + kept drafts per step.", registry=r)  # fmt: skip
+
+    def _render_speculation(self, sched: dict) -> None:
+        for key, counter in self.spec_counters.items():
+            now = sched.get(key, 0)
+            counter.inc(_since(now, self._spec_seen[key]))
+            self._spec_seen[key] = now
+        drafts, kept, steps = (sched.get(k, 0) for k in ("spec_draft_tokens", "spec_accepted_tokens",
+                                                          "spec_verify_steps"))  # fmt: skip
+        self.spec_rate.set(kept / drafts if drafts else 0.0)
+        self.spec_length.set(1 + kept / steps if steps else 0.0)
+
     def _define_recovery(self, r: CollectorRegistry, p: str) -> None:
         """Failed ranks replaced (`--max-restarts`) and the requests replayed into the ring after each."""
         self.rank_restarts = Counter(f"{p}rank_restarts", "Times each rank was replaced after dying, failing or "
@@ -204,6 +228,7 @@ class ServerMetrics:
             for kind in ("compute", "wait", "sched", "comm"):
                 self.stage_time.labels(stage=stage, kind=kind).set(s.get(f"{kind}_s", 0.0))
             self.peak_memory.labels(stage=stage).set(peak)
+        self._render_speculation(sched)
         self._render_recovery(client)
         return generate_latest(self.registry)
 

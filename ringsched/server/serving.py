@@ -72,11 +72,11 @@ async def text_deltas(ctx: ServerContext, rid: str, req: Prepared) -> AsyncItera
         async with contextlib.aclosing(ctx.client.generate(rid, req.prompt_ids, req.params)) as outs:
             async for out in outs:
                 first = first or time.monotonic()
-                n = out.completion_tokens or n + len(out.token_ids)
+                text, used = stream.add_until_stop(out.token_ids)  # the tokens up to a stop string's end
+                n = (out.completion_tokens or n + len(out.token_ids)) - (len(out.token_ids) - used)
                 cached = out.cached_tokens or cached
                 if out.logprobs:
-                    lps += [(t, lp, top) for t, (lp, top) in zip(out.token_ids, out.logprobs, strict=True)]
-                text = stream.add(out.token_ids)
+                    lps += [(t, lp, top) for t, (lp, top) in zip(out.token_ids[:used], out.logprobs, strict=False)]
                 if stream.stopped:  # a stop string: leaving the loop closes `outs`, which aborts the request
                     reason = "stop"
                     yield Delta(text, len(req.prompt_ids), n, "stop", stream.stops.matched, cached, lps)

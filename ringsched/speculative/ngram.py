@@ -5,7 +5,8 @@ appeared before.
 `NgramIndex` keeps, per `n`, the end position of the latest earlier occurrence of every n-gram, updated as tokens
 are appended (`n_max - n_min + 1` dictionary writes a token), so a proposal is `n_max - n_min + 1` lookups, not a
 scan of the context. The latest occurrence is taken (vLLM takes the first): in a passage being repeated or edited
-the latest copy is the one being followed.
+the latest copy is the one being followed. A continuation that reaches the end of the tokens goes on as they
+repeat (a latest occurrence `p` tokens back predicts a period of `p`), so a loop of a few tokens drafts `k`.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class NgramIndex:
         end = len(self.tokens)
         for n in range(min(self.n_max, end), self.n_min - 1, -1):
             at = self.seen[n].get(tuple(self.tokens[end - n :]))
-            if at is not None:
-                return self.tokens[at + 1 : at + 1 + k]
+            if at is not None:  # what followed it, to the end; then, as the tokens repeat with that period, again
+                period = end - 1 - at
+                return [self.tokens[at + 1 + i % period] for i in range(k)]
         return []

@@ -76,12 +76,14 @@ class SuffixTree:
         return node
 
     def match(self, context: list[int]) -> tuple[Node, int]:
-        """The node of the longest suffix of `context` in the tree (at most `depth` tokens), and its length."""
+        """The node of the longest suffix of `context` that the tree has seen followed by something (at most `depth`
+        tokens; a request's own tree holds the context itself, whose whole suffix has no continuation), and its
+        length. A suffix seen followed has every shorter suffix seen followed too, so bisection finds it."""
         lo, hi, best = 0, min(self.depth, len(context)), self.root
         while lo < hi:  # invariant: the suffix of length lo matches (length 0: the root)
             mid = (lo + hi + 1) // 2
             node = self._walk(context[len(context) - mid :])
-            if node is None:
+            if node is None or not node.children:
                 hi = mid - 1
             else:
                 lo, best = mid, node
