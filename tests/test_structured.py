@@ -100,3 +100,19 @@ def test_greedy_structured_output_is_the_same_at_pp1_and_pp2():
     assert texts[1] == texts[2]
     for t in texts[1]:
         jsonschema.validate(json.loads(t), SCHEMA)
+
+
+def test_a_grammar_cuts_speculative_drafts_at_the_first_it_refuses_and_keeps_its_state(smollm2_dir):
+    import torch
+
+    from ringsched.tokenizer import Tokenizer
+
+    tok = Tokenizer(smollm2_dir)
+    c = structured.Grammars(smollm2_dir, 49152, (2,)).constraint(structured.grammar_for(regex="[0-9]{3}"))
+    one, two, letter = (tok.encode(s)[0] for s in ("1", "2", "x"))
+    before = c.allowed().clone()
+    v, masks = c.masks_along([one, two, letter, one])
+    assert v == 2 and len(masks) == 3  # "12" is admitted, "x" is not: the masks before 1, before 2, after both
+    assert masks[0][one] and masks[1][two] and not masks[2][letter]
+    assert torch.equal(c.allowed(), before)  # as it was: the drafts are verified, not yet consumed
+    c.advance(one)

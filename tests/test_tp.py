@@ -21,6 +21,7 @@ from ringsched.sampling import SamplingParams
 pytestmark = pytest.mark.slow  # several processes and real weights
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 SEEDED = [SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=s, ignore_eos=True) for s in (1, 2)]
 
 
@@ -64,14 +65,17 @@ def smol_tp1_samples(smollm2_dir, smol_reference):
         return [o.token_ids for o in llm.generate([prompts[0], prompts[2]], SEEDED)]
 
 
-@pytest.mark.parametrize(("pp", "tp"), [(1, 2), (2, 2)])
-def test_smollm2_tp_layouts_match_transformers_and_tp1(smollm2_dir, smol_reference, smol_tp1_samples, pp, tp):
+@pytest.mark.parametrize(("pp", "tp", "spec"), [(1, 2, None), (2, 2, SPEC)], ids=["tp2", "tp2-pp2-drafts"])
+def test_smollm2_tp_layouts_match_transformers_and_tp1(smollm2_dir, smol_reference, smol_tp1_samples, pp, tp, spec):
+    """(At TP=2 x PP=2 with speculative drafts: the tokens are the same, and some drafts were kept.)"""
     prompts, want = smol_reference
-    with Engine(model=str(smollm2_dir), pp_size=pp, tp_size=tp, kv_cache_memory="64M", threads_per_stage=1) as llm:
+    with Engine(model=str(smollm2_dir), pp_size=pp, tp_size=tp, kv_cache_memory="64M", threads_per_stage=1,
+                speculative_config=spec) as llm:  # fmt: skip
         assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
         assert [o.token_ids for o in llm.generate([prompts[0], prompts[2]], SEEDED)] == smol_tp1_samples
         info = {r: dict(i) for r, i in llm.supervisor.info.items()}
         stats = _settled_stats(llm, "seam_bytes_sent")
+        assert spec is None or llm.stats().get("spec_accepted_tokens", 0) > 0
     assert sorted(info) == list(range(pp * tp))
     share = _share_bytes(str(smollm2_dir), pp, tp)
     for r, i in info.items():
