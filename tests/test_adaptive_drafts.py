@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from ringsched.speculative.adaptive import PRIOR_RATE, Acceptance, StepCosts, choose
+from ringsched.speculative.adaptive import PRIOR_RATE, STALE_STEPS, Acceptance, StepCosts, choose
 
 
 def expected(rate: float, k: int) -> float:
@@ -66,3 +66,19 @@ def test_step_costs_are_learned_per_bucket_and_guessed_optimistically_beyond():
     assert costs(8) == pytest.approx(0.020, rel=0.01)  # a decayed mean follows the machine
     costs.record(2000, 2.0)  # past the last bucket: scaled to it
     assert costs(1024) == pytest.approx(2.0 * 1024 / 2000)
+
+
+def test_a_cost_that_once_kept_drafting_off_is_tried_again_once_stale():
+    costs = StepCosts()
+    costs.record(1, 0.010)
+    costs.record(2, 0.050)  # one noisy step of two rows
+    assert choose([0.9], [4], costs) == [0]  # drafting looks 5x dearer: off, and two-row steps are not measured
+    for _ in range(STALE_STEPS + 1):
+        costs.record(1, 0.010)  # only one-row steps since: the two-row bucket goes stale
+    assert costs(2) == pytest.approx(0.010)  # guessed as the rows below it, so drafting is tried again
+    assert choose([0.9], [4], costs)[0] >= 1
+
+
+def test_a_noisy_bucket_does_not_hide_a_cheaper_step_further_on():
+    costs = {1: 1.0, 2: 1.6, 3: 1.05, 4: 1.06, 5: 1.07}  # two rows measured slow; more rows are not
+    assert choose([0.9], [4], lambda r: costs[r]) == [4]
