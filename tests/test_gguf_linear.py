@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from ringsched.models import gguf_linear
+from ringsched.models import gguf_linear, native_build
 from ringsched.models.gguf_linear import TYPES, column_bytes, dequantize, gguf_matmul, keep, row_bytes
 from ringsched.models.small_linear import NATIVE, TORCH, Linear
 
@@ -87,6 +87,76 @@ def test_the_integer_path_is_the_float_one_within_the_activations_rounding(qtype
     got = gguf_matmul(x, raw, qtype, None)
     assert ((got - x @ w.T).abs() <= bound).all()
     assert not torch.equal(got, x @ w.T)  # it is the other path
+
+
+needs_amx = pytest.mark.skipif(gguf_linear.library() is None or not gguf_linear.library().gguf_has_amx(),
+                               reason="no AMX (tiles, bfloat16) or no permission for them: the tile path is not taken")
+INTEGER_TYPES = pytest.mark.parametrize("qtype", [2, 3, 6, 7, 8], ids=["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+
+
+@needs_amx
+@INTEGER_TYPES
+@pytest.mark.parametrize(("rows", "n", "k"), [(8, 37, 768), (17, 37, 768), (40, 21, 96), (16, 64, 32), (170, 5, 1536)])
+def test_the_tiles_multiply_as_the_dequantized_weight_to_float32s_accuracy(qtype, rows, n, k):
+    """From AMX_ROWS (8) rows the tiles (outputs and rows not multiples of 16, an odd number of blocks a row, one
+    block, rows in two runs: 160 a run at 1536 inputs): activations split into two bfloat16 halves, within 2e-5 of
+    the largest output (int8 ones: ~1e-3)."""
+    raw = random_blocks(qtype, n, k, seed=rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(3)) * torch.rand(rows, 1) * 4
+    bias = torch.randn(n)
+    want = x.double() @ reference(raw, qtype).double().T + bias.double()
+    got = gguf_matmul(x, raw, qtype, bias)
+    assert (got.double() - want).abs().max() <= 2e-5 * want.abs().max()
+    lib = gguf_linear.library()
+    lib.gguf_set_integer(0)
+    try:
+        assert not torch.equal(got, gguf_matmul(x, raw, qtype, bias))  # not the float tiles: the tiles ran
+    finally:
+        lib.gguf_set_integer(1)
+
+
+@needs_amx
+@pytest.mark.parametrize("qtype", [2, 8], ids=["Q4_0", "Q8_0"])
+def test_a_rows_result_on_the_tiles_does_not_depend_on_its_batch_its_threads_or_its_columns(qtype):
+    k = 256
+    raw = random_blocks(qtype, 40, k, seed=6)
+    x = torch.randn(33, k, generator=torch.Generator().manual_seed(7))
+    want = gguf_matmul(x, raw, qtype, None)[20]
+    others = torch.randn(7, k)
+    for batch, at in ((x, 20), (x[13:25], 7), (x[20:28], 0), (torch.cat([others, x[20:21]]), 7)):  # 8 rows or more
+        assert torch.equal(gguf_matmul(batch, raw, qtype, None)[at], want)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(gguf_matmul(x, raw, qtype, None)[20], want)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(gguf_matmul(x, raw[8:24].contiguous(), qtype, None)[20], want[8:24])  # a rank's rows
+
+
+@needs_amx
+def test_the_tiles_write_bfloat16_and_column_slices_as_float32_rounded():
+    """bfloat16 activations are exact in float32: the same sums, each rounded to bfloat16 once; parts of different
+    types side by side land in their columns exactly as each alone."""
+    raw = random_blocks(2, 37, 256, seed=8)
+    x = torch.randn(19, 256).to(torch.bfloat16)
+    want = gguf_matmul(x.float(), raw, 2, None)
+    assert torch.equal(gguf_matmul(x, raw, 2, None), want.to(torch.bfloat16))
+    parts = [keep(Linear(256, n, bias=True), random_blocks(t, n, 256, seed=t), t) for t, n in ((3, 20), (8, 17))]
+    fused = gguf_linear.fuse_kept(parts)
+    got = fused.run(x.float(), NATIVE)
+    assert torch.equal(got, torch.cat([gguf_matmul(x.float(), p.weight, p.qtype, p.bias.float()) for p in parts], 1))
+
+
+@needs_kernel
+def test_kept_layers_take_the_kernel_at_every_row_count_where_the_tiles_run():
+    lib = gguf_linear.library()
+    tiles = bool(lib.gguf_has_amx()) and native_build.switched_on(gguf_linear.INTEGER_SWITCH)
+    for qtype, tiled in ((8, tiles), (12, False)):  # Q4_K: the float tiles, which MKL beats past MAX_ROWS
+        layer = keep(Linear(256, 8, bias=False), random_blocks(qtype, 8, 256), qtype)
+        layer.prepare()
+        assert layer.paths.path(gguf_linear.MAX_ROWS) == NATIVE
+        assert layer.paths.path(4096) == (NATIVE if tiled else TORCH)
 
 
 @needs_kernel

@@ -9,6 +9,11 @@
  * result does not depend on its batch. Outputs are split over OpenMP threads (torch's own thread team: the library
  * links the same libgomp).
  *
+ * With `gguf_set_integer` on (the default), the 32-value-block types take two other paths where the CPU has them:
+ * below INTEGER_ROWS rows, integer dot products with int8-quantized activations (AVX512-VNNI, gguf_linear_vnni.h);
+ * from AMX_ROWS rows on, AMX tiles multiplying the codes by the activations split into two bfloat16 halves, to
+ * float32's accuracy (gguf_linear_amx.h).
+ *
  * `gguf_dequant` writes rows as float32 (a step of many rows multiplies those with MKL; the embedding looks up its
  * rows). Built by gguf_linear.py with -O3 -march=native; AVX-512 (F, BW, VL) gets intrinsics, other CPUs loops.
  */
@@ -29,6 +34,7 @@
 #define MB 8 /* rows per tile: 8 x 2 measured 0.82x the time of 4 x 4 at 16 rows (SmolLM2's shapes, Q4_0) */
 #define NB 2 /* outputs per tile */
 #define INTEGER_ROWS 3 /* rows from which the float tiles beat the integer path (gguf_linear_vnni.h) */
+#define AMX_ROWS 8 /* rows from which AMX tiles beat the float tiles, 2 threads (gguf_linear_amx.h) */
 #define PREFETCH_BYTES 4096
 
 /* ggml's type numbers */
@@ -298,12 +304,21 @@ INLINE void tile(const void *x, int64_t ldx, const int xb, int64_t m0, const int
     break
 
 #include "gguf_linear_vnni.h"
+#include "gguf_linear_amx.h"
 
-static int integer_path = 1; /* gguf_set_integer: the VNNI path where it runs (tests compare both) */
+static int integer_path = 1; /* gguf_set_integer: the VNNI and AMX paths where they run (tests compare them all) */
 
 void gguf_set_integer(int64_t on) { integer_path = (int)on; }
 
 int gguf_has_integer(void) { return HAVE_VNNI; }
+
+int gguf_has_amx(void) { /* 1 where the tile path runs (built for AMX tiles and bfloat16, permitted by the kernel) */
+#if HAVE_AMX
+  return amx_permitted();
+#else
+  return 0;
+#endif
+}
 
 #if HAVE_VNNI
 #define VNNI_MB(T)                                                                                             \
@@ -370,6 +385,11 @@ static int linear_into(const void *x, int64_t ldx, int64_t x_bf16, int64_t M, in
   const int64_t row_bytes = K / block_values(type) * block_bytes(type), tiles = (N + NB - 1) / NB;
   if (nthreads > tiles) nthreads = tiles;
   if (nthreads < 1) nthreads = 1;
+#if HAVE_AMX /* from AMX_ROWS rows on, tiles of 16 outputs x 16 rows (where the kernel lets this process use them) */
+  if (integer_path && M >= AMX_ROWS && block_values(type) == 32 &&
+      linear_amx(x, ldx, x_bf16, M, K, w, type, N, bias, y, ldy, y_bf16, nthreads) == 0)
+    return 0;
+#endif
 #if HAVE_VNNI
   /* at a few rows the integer path's cheaper decoding wins; from INTEGER_ROWS on, the float tiles' cheaper
    * per-row work does (decoding is shared by a tile's MB rows) */

@@ -114,7 +114,7 @@ def cache_key(shape: Shape, threads: int, cpu: tuple[str, str]) -> str:
     """The cache file's name for `shape` timed on `threads` threads of `cpu` (`cpu_identity()`)."""
     lib = gguf_linear if shape.weight.startswith("gguf-") else small_linear  # the kernel it times
     parts = [*cpu, shape.n, shape.k, shape.weight, shape.act, shape.layout, threads, torch.__version__,
-             hashlib.sha256(lib.SOURCE.read_bytes() + lib.HEADER.read_bytes()).hexdigest(), list(BUCKETS)]  # fmt: skip
+             hashlib.sha256(b"".join(f.read_bytes() for f in lib.SOURCES)).hexdigest(), list(BUCKETS)]  # fmt: skip
     digest = hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
     return f"{shape.n}x{shape.k}-{shape.weight}-{shape.act}-{shape.layout}-t{threads}-{digest}"
 

@@ -48,6 +48,7 @@ logger = logging.getLogger(__name__)
 ENV_SWITCH = "RINGSCHED_NATIVE_LINEAR"
 SOURCE = Path(__file__).with_name("small_linear.c")
 HEADER = SOURCE.with_name("small_linear_int4.h")  # included by SOURCE
+SOURCES = (SOURCE, HEADER)  # what the built library is made of (a tuning cache is keyed by them)
 # -fopenmp on both lines: the library then needs libgomp.so.1, which the dynamic linker resolves to the copy
 # torch has already loaded (same soname), so the kernel runs on torch's own thread team. The header's hash is a
 # flag: the build cache is keyed by the source and the flags, so a change to the header rebuilds too.
