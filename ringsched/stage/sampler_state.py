@@ -121,7 +121,7 @@ class SamplerState:
         if built is None:
             return e
         try:
-            matcher = self._caught_up(e.rid, built.result(), self._before(e)[0]).matcher
+            matcher = self._caught_up(e.rid, built.result(), self._before(e)).matcher
         except Exception:
             return e
         return e._replace(drafts=e.drafts[: matcher.validate_tokens(e.drafts)])
@@ -148,7 +148,7 @@ class SamplerState:
                 out += [None] * e.rows
                 continue
             try:
-                constraint = self._caught_up(e.rid, built.result(), self._before(e)[0])
+                constraint = self._caught_up(e.rid, built.result(), self._before(e))
                 masks = constraint.masks_along(e.drafts)[1] if e.drafts else [constraint.allowed()]
             except GrammarError as err:  # a bad grammar fails its own request, never the stage
                 raise GrammarError(f"its grammar could not be used: {err}") from None
@@ -188,7 +188,7 @@ class SamplerState:
     def _sample(self, entries: list[Sampled], logits: torch.Tensor) -> torch.Tensor:
         params = [self.params[e.rid] for e in entries]
         needs_history = any(p.needs_history for p in params)
-        histories = [self._before(e)[0] if needs_history else [] for e in entries]
+        histories = [self._before(e) if needs_history else [] for e in entries]
         keys = [self._key(e, p) for e, p in zip(entries, params, strict=True)]
         rows_params, rows_hist, rows_keys = expand([e.drafts + [0] * (e.rows - 1 - len(e.drafts)) for e in entries],
                                                    params, histories, keys)  # fmt: skip
@@ -196,17 +196,20 @@ class SamplerState:
         return sample(logits, rows_params, rows_hist, rows_keys, self._banned(entries, params), lens,
                       self._allowed(entries))  # fmt: skip
 
-    def _before(self, e: Sampled) -> tuple[list[int], int]:
-        """The request's tokens before the entry's drafts, and how many of them it has produced (the index, in its
-        output, of the token its first row samples)."""
+    def _before(self, e: Sampled) -> list[int]:
+        """The request's tokens before the entry's drafts (the history itself where it has none: no copy)."""
         h = self.history[e.rid]
-        base = h[: len(h) - (e.rows - 1)] if e.rows > 1 else h
-        return base, len(base) - self.prompt_len[e.rid]
+        return h[: len(h) - (e.rows - 1)] if e.rows > 1 else h
+
+    def _produced(self, e: Sampled) -> int:
+        """Tokens the request has produced before the entry's drafts: the index, in its output, of the token its
+        first row samples."""
+        return len(self.history[e.rid]) - (e.rows - 1) - self.prompt_len[e.rid]
 
     def _key(self, e: Sampled, p: SamplingParams) -> DrawKey | None:
         # Every random request arrives seeded (the front end's `SamplingParams.seeded`, else `Planner.add`'s fallback),
         # so even unseeded sampling replays identically.
-        return None if p.greedy else (p.seed or 0, self._before(e)[1])
+        return None if p.greedy else (p.seed or 0, self._produced(e))
 
     def _banned(self, entries: list[Sampled], params: list[SamplingParams]) -> list[list[int]] | None:
         """Under `min_tokens`, a request may not draw its stop ids (nor EOS unless it ignores EOS): per row, as the
@@ -216,7 +219,7 @@ class SamplerState:
         out = []
         for e, p in zip(entries, params, strict=True):
             stop = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_ids))
-            produced = self._before(e)[1]
+            produced = self._produced(e)
             out += [stop if produced + j < p.min_tokens else [] for j in range(e.rows)]
         return out
 
