@@ -84,18 +84,13 @@ def check_prefix_caching(cfg: EngineConfig) -> None:
 
 
 def check_speculative(cfg: EngineConfig) -> None:
-    """--speculative-config: its JSON, and the layouts it runs with."""
+    """--speculative-config: its JSON."""
     if not cfg.speculative_config:
         return
     try:
         SpeculativeConfig.parse(cfg.speculative_config)
     except SpeculativeConfigError as e:
         raise ConfigError(str(e)) from None
-    _require(
-        cfg.cp_size == 1,
-        f"--speculative-config runs with --cp-size 1 only (got --cp-size {cfg.cp_size}): a verified entry's rows "
-        "would be spread over the context-parallel ranks; leave one of them out",
-    )
 
 
 def check_pipeline(cfg: EngineConfig) -> None:

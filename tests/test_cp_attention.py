@@ -1,8 +1,8 @@
 """A micro-batch's attention over a KV split across a CP group, across 2 and 3 real gloo processes: each rank builds
 its batch from the same plans (stage 0's placement), computes only its rows, and the outputs equal causal
 attention over each whole request (split prefill chunks by the ring, short chunks and decodes by travelling
-queries, earlier chunks' KV on every rank); the sampling rows gather in plan order. Also the partial attention
-with its LSE against the reference, fully masked rows included."""
+queries, earlier chunks' KV on every rank, rejected drafts' KV dropped); the sampling rows gather in plan order.
+Also the partial attention with its LSE against the reference, fully masked rows included."""
 
 import datetime
 import socket
@@ -42,25 +42,36 @@ def reference(rid: str, n: int) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=SCALE, enable_gqa=True)[0].transpose(0, 1)
 
 
-# (rid, start, tokens) per micro-batch: a prompt split over the ranks in two chunks then decoding, a short prompt
-# on one rank then decoding, and a third joining later with a chunk just long enough to split.
+# (rid, start, tokens, drafts) per micro-batch: a prompt split over the ranks in two chunks then decoding, a short
+# prompt on one rank then decoding, and a third joining later with a chunk just long enough to split; then "a"
+# verifies 5 drafts (split over the ranks) of which 1 is kept, and 1 draft (on one rank) that is kept.
 SCHEDULE = [
-    [("a", 0, 21), ("b", 0, 3)],
-    [("a", 21, 14), ("b", 3, 1), ("c", 0, 7)],
-    [("a", 35, 1), ("b", 4, 1), ("c", 7, 2)],
-    [("a", 36, 1), ("c", 9, 1)],
+    [("a", 0, 21, 0), ("b", 0, 3, 0)],
+    [("a", 21, 14, 0), ("b", 3, 1, 0), ("c", 0, 7, 0)],
+    [("a", 35, 1, 0), ("b", 4, 1, 0), ("c", 7, 2, 0)],
+    [("a", 36, 1, 0), ("c", 9, 1, 0)],
+    [("a", 37, 6, 5)],
+    [("a", 39, 2, 1)],
+    [("a", 41, 1, 0)],
 ]
-TOTAL = {"a": 37, "b": 5, "c": 10}
+TOTAL = {"a": 43, "b": 5, "c": 10}
 
 
 def plans(size: int) -> list[BatchPlan]:
+    """As stage 0 makes them: a drafted entry placed as one chunk (`CPBlocks.extend`), and what the rejected drafts
+    held dropped before the request's next entry (`CPBlocks.rewind`)."""
     alloc = CPBlocks([BlockTable(64, BLOCK) for _ in range(size)])
     out = []
     for seq, chunks in enumerate(SCHEDULE):
         plan = BatchPlan(slot=seq % 2, seq=seq)
-        for rid, start, n in chunks:
-            plan.entries.append(PlanEntry(rid, start, list(range(start, start + n)), True,
-                                          **alloc.grow(rid, start + n)))  # fmt: skip
+        for rid, start, n, drafts in chunks:
+            alloc.rewind(rid, start)
+            e = PlanEntry(rid, start, list(range(start, start + n - drafts)), True,
+                          **alloc.grow(rid, start + n - drafts))  # fmt: skip
+            if drafts:
+                alloc.extend(e, start + n)
+                e.token_ids, e.drafts = list(range(start, start + n)), drafts
+            plan.entries.append(e)
         out.append(plan)
     return out
 
@@ -122,9 +133,10 @@ def test_split_kv_attention_across_gloo_processes_equals_causal_attention(size):
                 for i, (rid, pos) in enumerate(zip(rows, positions, strict=True)):
                     assert (out[i] - want[rid][pos]).abs().max() < 1e-5, (use_kernel, seq, rank, rid, pos)
                     seen.append((rid, pos))
-                # every rank holds the micro-batch's sampling rows, in plan order: each entry's last query
-                last = [qkv_of(e.rid, TOTAL[e.rid])[0][e.start + len(e.token_ids) - 1].reshape(-1)
-                        for e in plan.entries]  # fmt: skip
+                # every rank holds the micro-batch's sampling rows, in plan order: each entry's last query (a
+                # drafted entry's last 1 + drafts)
+                last = [qkv_of(e.rid, TOTAL[e.rid])[0][p].reshape(-1) for e in plan.entries
+                        for p in range(e.start + len(e.token_ids) - 1 - e.drafts, e.start + len(e.token_ids))]
                 assert torch.equal(samples, torch.stack(last))
             want_rows = sorted((e.rid, e.start + i) for e in plan.entries for i in range(len(e.token_ids)))
             assert sorted(seen) == want_rows  # each token computed by exactly one rank

@@ -1,6 +1,6 @@
 """Context parallelism's placement as plain data: the rule that splits a chunk or gives it to one rank, the balance
 it keeps (and the request capacity that follows), stage 0's allocator over every CP rank's pool, the positions
-every rank rebuilds from the plans, and the planner carrying it all in its plans."""
+every rank rebuilds from the plans, and the planner carrying it all in its plans (drafted entries too)."""
 
 import random
 
@@ -12,6 +12,9 @@ from ringsched.kv.cp_blocks import CPBlocks, CPPlacement, is_split, request_capa
 from ringsched.layout.cp_split import zigzag_pieces, zigzag_split
 from ringsched.layout.rank import Layout, rank_infos
 from ringsched.scheduler.planner import Planner
+from ringsched.scheduler.speculation import Speculator
+from ringsched.speculative.config import SpeculativeConfig
+from ringsched.speculative.verify import padded
 from ringsched.stage.plans import FollowPlans
 
 
@@ -121,3 +124,34 @@ def test_planner_places_tokens_and_refuses_what_no_rank_group_holds():
         seq += 1
     counts = [len(t.tables.get("long", [])) for t in alloc.tables]
     assert p.plan(seq % 2, seq).frees == ["long"] and alloc.used_blocks == 0, counts
+
+
+def test_drafted_entries_keep_the_allocator_and_the_placement_agreeing():
+    """Speculative entries at CP=2: a drafted entry is placed as one chunk (split when long enough), its rejected
+    drafts dropped on stage 0 when its tokens come back and on every rank when the next entry arrives; the
+    placement then holds each position below the entry's end once, as many per rank as stage 0 counts."""
+    size, rng = 2, random.Random(4)
+    alloc = CPBlocks([BlockTable(32, 4) for _ in range(size)])
+    spec = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1})
+    p = Planner(alloc, micro_batch_size=4, max_running=8, token_budget=64, eos_ids=(), max_len=10_000,
+                speculator=Speculator(spec, alloc, 10_000))  # fmt: skip
+    assert p.add(NewRequest("a", [1, 2, 3, 4] * 5, {"max_tokens": 40, "ignore_eos": True})) is None
+    placement, drafted, seq, done = CPPlacement(size), [], 0, False
+    while not done:
+        plan = decode(encode(p.plan(seq % 2, seq)))
+        placement.apply(plan)
+        values = []
+        for e in plan.entries:
+            end = e.start + len(e.token_ids)
+            assert sorted(int(x) for r in range(size) for x in placement.positions("a", r)) == list(range(end))
+            assert [placement.count("a", r) for r in range(size)] == alloc.counts["a"]
+            drafts = e.token_ids[len(e.token_ids) - e.drafts :]
+            kept = drafts[: rng.randint(0, e.drafts)] + [rng.choice([1, 2, 3, 4])]
+            values += padded(kept, 1 + e.drafts)
+            drafted.append((e.drafts, len(kept), max(e.cp_counts) < len(e.token_ids)))
+        done = any(o.finish_reason for o in p.on_output(seq, values))
+        seq += 1
+    assert any(d and k <= d for d, k, _ in drafted), "no draft was rejected"
+    assert any(d and split for d, _, split in drafted), "no drafted entry was split over the ranks"
+    p.plan(seq % 2, seq)
+    assert alloc.used_blocks == 0

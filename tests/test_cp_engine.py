@@ -1,8 +1,8 @@
 """Context parallelism end to end (real stage processes, ZMQ, gloo, shared-memory collectives, SmolLM2): CP=2 x
 PP=2 gives transformers' greedy tokens on short and long prompts (split chunks by ring attention, short ones and
 decodes by travelling queries), each CP rank computing its half of the tokens and every rank freeing its KV; a
-request larger than one rank's pool is served at CP=2 and refused at CP=1; an abort while a long prompt's chunks
-are in flight frees the KV on all four ranks of CP=2 x PP=2."""
+request larger than one rank's pool is served at CP=2 and refused at CP=1; speculative drafts give the same tokens;
+an abort while a long prompt's chunks are in flight frees the KV on all four ranks of CP=2 x PP=2."""
 
 import random
 
@@ -87,12 +87,21 @@ def test_a_request_larger_than_one_ranks_pool(smollm2_dir, hf_smol):
     assert set(usage.values()) == {0.0}
 
 
-def test_abort_with_chunks_in_flight_frees_every_cp_rank():
+def test_drafts_and_an_abort_with_chunks_in_flight_on_every_cp_rank(hf_smol):
+    """CP=2 x PP=2 with speculative drafts (placed over the CP ranks, rejected ones dropped on every rank): a looping
+    prompt and a random one give transformers' greedy tokens, drafts kept; then an abort while a long prompt's
+    chunks are in flight frees the KV on all four ranks, and the engine still serves."""
     long = _random_prompt(2000, 7)
-    after = _random_prompt(40, 8)
-    with Engine(cp_size=2, pp_size=2, pp_async_batch_depth=1, **{**KW, "chunked_prefill_size": 32}) as llm:
-        expected = llm.generate([after], GREEDY)[0].token_ids
+    prompts = [[9, 10, 11, 12, 13] * 8, _random_prompt(40, 8)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    with torch.no_grad():
+        want = [hf_greedy(hf_smol[0], ids, params.max_tokens) for ids in prompts]
+    spec = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1}
+    kw = {**KW, "chunked_prefill_size": 32, "speculative_config": spec}
+    with Engine(cp_size=2, pp_size=2, pp_async_batch_depth=1, **kw) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, params)] == want
+        assert llm.wait_idle().get("spec_accepted_tokens", 0) > 0
         abort_with_chunks_in_flight(llm, long, GREEDY, in_flight=2)
         usage = stage_kv_usage(llm)
         assert usage == dict.fromkeys(range(4), 0.0), f"KV not freed on every rank: {usage}"
-        assert llm.generate([after], GREEDY)[0].token_ids == expected
+        assert llm.generate(prompts[1:], params)[0].token_ids == want[1]

@@ -49,6 +49,9 @@ def run(pp: int, depth: int, **kw) -> tuple[list[list[int]], dict]:
     return outs, stats
 
 
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+
+
 @pytest.fixture(scope="module")
 def reference():
     """PP=1 without the prefix cache: every other layout runs with it (but CP) and must give these tokens."""
@@ -75,8 +78,8 @@ def test_identical_across_pp_and_depth(reference, pp, depth):
 def test_context_parallel_ranks_give_the_same_tokens_through_preemption(reference):
     """`--cp-size 2` with a pool of 448 tokens per rank (the longest request, 720 tokens, fits only spread over
     both): greedy and seeded requests give PP=1's tokens while preemption recomputes requests, and every rank
-    frees its KV."""
-    kw = {**ENGINE_KW, "kv_cache_memory": str(448 * 30 * 1536)}
+    frees its KV. With speculative drafts, placed over the ranks like any chunk and dropped where rejected."""
+    kw = {**ENGINE_KW, "kv_cache_memory": str(448 * 30 * 1536), "speculative_config": SPEC}
     # A request's tokens do not depend on its companions: a quarter of the greedy requests and every seeded one.
     picked = list(range(0, 48, 4)) + list(range(48, 56))
     work = workload()
@@ -85,6 +88,7 @@ def test_context_parallel_ranks_give_the_same_tokens_through_preemption(referenc
         stats = llm.wait_idle()
         usage = stage_kv_usage(llm)
     assert stats["preemptions"] > 0, "the pool was big enough: the test did not exercise preemption"
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], stats
     assert usage == {0: 0.0, 1: 0.0}, f"KV not freed on every rank: {usage}"
     mismatched = [i for i, out in zip(picked, outs, strict=True) if out != reference[i]]
     assert not mismatched, f"requests {mismatched} differ from PP=1 at CP=2"
@@ -99,8 +103,9 @@ def flex_cuts(smollm2_dir, flex: int) -> set[int]:
 
 def test_flexible_cut_gives_the_same_tokens(reference, smollm2_dir):
     """`--pp-flex-layers`: every micro-batch cut somewhere else (cycle), the shared layers' K/V mirrored both
-    ways; the tokens are PP=1's and the KV is freed on both stages (checked in `run`)."""
-    outs, stats = run(2, 1, pp_flex_layers=2, pp_flex_policy="cycle")
+    ways, with speculative drafts; the tokens are PP=1's and the KV is freed on both stages (checked in `run`)."""
+    outs, stats = run(2, 1, pp_flex_layers=2, pp_flex_policy="cycle", speculative_config=SPEC)
+    assert 0 < stats["sched"]["spec_accepted_tokens"] < stats["sched"]["spec_draft_tokens"], stats["sched"]
     cuts = {int(c): n for c, n in stats[0]["flex_cuts"].items()}
     assert set(cuts) == flex_cuts(smollm2_dir, 2) and min(cuts.values()) > 10, cuts
     mismatched = [i for i, (a, b) in enumerate(zip(outs, reference, strict=True)) if a != b]

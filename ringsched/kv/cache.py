@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from ringsched.comm.messages import PlanEntry
     from ringsched.kv.ring import RingTable
     from ringsched.models.config import ModelConfig
 
@@ -155,6 +156,20 @@ class BlockTable:
         if self.ring is not None and (ring := self.ring.grow(rid, len(self.tables[rid]))):
             out["ring_blocks"] = ring
         return out
+
+    def can_extend(self, e: PlanEntry, end: int) -> bool:
+        """Whether entry `e` (its request's last) can grow to end at position `end` (drafts after its token)."""
+        return self.can_hold(e.rid, end)
+
+    def extend(self, e: PlanEntry, end: int) -> None:
+        """Grow entry `e` to end at position `end`; its block fields take the new blocks."""
+        grown = self.grow(e.rid, end)
+        e.new_blocks = e.new_blocks + grown["new_blocks"]
+        e.ring_blocks = e.ring_blocks + grown.get("ring_blocks", [])
+
+    def rewind(self, rid: str, length: int) -> None:
+        """`rid` keeps its first `length` positions. Nothing to do here: position p is in slot p of its blocks, so
+        the request's next entry, starting at `length`, overwrites what follows (`CPBlocks` places by rank)."""
 
     def share(self, rid: str, blocks: Sequence[int]) -> None:
         """Start `rid` (holding nothing yet) from cached blocks: an idle one is held again, a held one shared."""

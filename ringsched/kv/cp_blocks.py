@@ -12,13 +12,17 @@ rank computes and stores, and `cp_blocks`, each rank's new KV blocks):
 
 So a request's ranks never hold more than `2 x cp_size - 1` tokens apart, and a request of `T` tokens needs
 at most `ceil(T / cp_size) + 2 x cp_size - 1` tokens of any one rank's pool (`request_capacity`).
+
+An entry replaces whatever its request held from the entry's start on: a speculative entry's rejected drafts
+(`--speculative-config`) are the tail of its ranks' storage, dropped when the request's next entry starts before
+them (`CPPlacement.apply` on every rank; `CPBlocks.rewind` on stage 0 when the kept tokens come back).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ringsched.comm.messages import BatchPlan
+from ringsched.comm.messages import BatchPlan, PlanEntry
 from ringsched.kv.cache import BlockTable
 from ringsched.layout.cp_split import zigzag_pieces
 
@@ -61,25 +65,52 @@ class CPBlocks:
         self.tables, self.size = tables, len(tables)
         self.block_size = tables[0].block_size
         self.counts: dict[str, list[int]] = {}
+        self._last: dict[str, tuple[int, list[int]]] = {}  # each request's last entry: its start and shares
 
     def _have(self, rid: str) -> list[int]:
         return self.counts.get(rid, [0] * self.size)
 
-    def _fits(self, rid: str, shares: list[int]) -> bool:
-        have = self._have(rid)
+    def _fits(self, rid: str, have: list[int], shares: list[int]) -> bool:
         return all(t.can_hold(rid, have[r] + shares[r]) for r, t in enumerate(self.tables))
+
+    def _kept(self, rid: str, length: int) -> list[int]:
+        """`rid`'s tokens per rank once its positions from `length` on are dropped (they are its last entry's)."""
+        have = self._have(rid)
+        if sum(have) <= length:
+            return have
+        start, shares = self._last[rid]
+        if length < start:
+            raise RuntimeError(f"request {rid}: cannot drop positions from {length}, before its last entry ({start})")
+        return [h - int((p >= length - start).sum()) for h, p in zip(have, zigzag_pieces(shares), strict=True)]
+
+    def rewind(self, rid: str, length: int) -> None:
+        """`rid` keeps its first `length` positions (a verified entry's rejected drafts go); the blocks stay its."""
+        if rid in self.counts:
+            self.counts[rid] = self._kept(rid, length)
+
+    def can_extend(self, e: PlanEntry, end: int) -> bool:
+        """Whether entry `e` (its request's last) can be placed again to end at position `end`."""
+        have = self._kept(e.rid, e.start)
+        return self._fits(e.rid, have, shares_for(have, end - e.start))
+
+    def extend(self, e: PlanEntry, end: int) -> None:
+        """Place entry `e` again, as one chunk ending at `end` (drafts after its token); its CP fields follow."""
+        self.rewind(e.rid, e.start)
+        grown = self.grow(e.rid, end)
+        e.cp_counts = grown["cp_counts"]
+        e.cp_blocks = [a + b for a, b in zip(e.cp_blocks, grown["cp_blocks"], strict=True)]
 
     def can_hold(self, rid: str, num_tokens: int, shared: tuple = ()) -> bool:
         """Whether `rid` can grow to `num_tokens` tokens, placed by the rule (`shared`: no cached prefix here)."""
         assert not shared, "CP stages run without a prefix cache"
         have = self._have(rid)
-        return self._fits(rid, shares_for(have, num_tokens - sum(have)))
+        return self._fits(rid, have, shares_for(have, num_tokens - sum(have)))
 
     def grow(self, rid: str, num_tokens: int) -> dict:
         """Place `rid`'s tokens up to `num_tokens` and allocate their blocks; the plan entry's CP fields."""
         have = self._have(rid)
         shares = shares_for(have, num_tokens - sum(have))
-        if not self._fits(rid, shares):
+        if not self._fits(rid, have, shares):
             raise RuntimeError(f"request {rid}: the CP pools cannot hold {num_tokens} tokens (caller checks first)")
         new = []
         for r, t in enumerate(self.tables):
@@ -87,12 +118,14 @@ class CPBlocks:
             t.ensure(rid, have[r] + shares[r])
             new.append(t.tables[rid][before:])
         self.counts[rid] = [h + s for h, s in zip(have, shares, strict=True)]
+        self._last[rid] = (sum(have), shares)
         return {"cp_counts": shares, "cp_blocks": new}
 
     def free(self, rid: str) -> None:
         for t in self.tables:
             t.free(rid)
         self.counts.pop(rid, None)
+        self._last.pop(rid, None)
 
     @property
     def capacity_tokens(self) -> int:
@@ -118,17 +151,27 @@ class CPPlacement:
         self._cat: dict[tuple[str, int], torch.Tensor] = {}
 
     def apply(self, plan: BatchPlan) -> None:
-        """Frees first (as every stage applies them), then each entry's tokens appended to their ranks."""
+        """Frees first (as every stage applies them), then each entry's tokens appended to their ranks, after what
+        its request held from the entry's start on is dropped."""
         for rid in plan.frees:
             self._pieces.pop(rid, None)
             for r in range(self.size):
                 self._cat.pop((rid, r), None)
         for e in plan.entries:
+            if e.rid in self._pieces:
+                self._drop_from(e.rid, e.start)
             pieces = self._pieces.setdefault(e.rid, [[] for _ in range(self.size)])
             for r, offsets in enumerate(zigzag_pieces(e.cp_counts)):
                 if offsets.numel():
                     pieces[r].append(offsets + e.start)
                     self._cat.pop((e.rid, r), None)
+
+    def _drop_from(self, rid: str, start: int) -> None:
+        for r in range(self.size):
+            held = self.positions(rid, r)
+            if held.numel() and int(held[-1]) >= start:  # stored in increasing order: the tail goes
+                self._cat[(rid, r)] = kept = held[held < start]
+                self._pieces[rid][r] = [kept]
 
     def positions(self, rid: str, rank: int) -> torch.Tensor:
         """`[count]` int64: the positions `rank` stores for `rid`, in storage order."""

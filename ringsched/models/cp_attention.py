@@ -208,6 +208,17 @@ class CPForward:
             o, _ = merge_all([a[0] for a in acc], [a[1] for a in acc])
             out[e.rows] = o
 
+    def sampled(self, held: list[int], row: int) -> list[int]:
+        """An entry's sampling rows, `held[j]` the index of its j-th in this rank's piece (or -1: another rank's),
+        the piece starting at buffer row `row`: the buffer rows this rank gives `gather_samples`."""
+        rows = []
+        for j, i in enumerate(held):
+            if i >= 0:
+                rows.append(row + i)
+                self.sample_index.append(self.num_samples + j)
+        self.num_samples += len(held)
+        return rows
+
     def gather_samples(self, hidden: torch.Tensor) -> torch.Tensor:
         """The last stage: the micro-batch's sampling rows `[S, hidden]` (in plan order) on every CP rank, from
         each rank's own `[S_local, hidden]`."""
@@ -252,11 +263,8 @@ def build_cp_batch(plan: BatchPlan, placement: CPPlacement, blocks: BlockTable, 
             if by_kernel and have:
                 kernel_rows.append((cp.travel_rows, e.rid, have))
             cp.travel_rows += n
-        if e.samples:
-            if _holder_of_last(pieces, n) == r:
-                logit_rows.append(row + k - 1)  # a piece ends with its highest offset
-                cp.sample_index.append(cp.num_samples)
-            cp.num_samples += 1
+        if e.samples:  # its last offset, and a verified entry's `drafts` before it: each on the rank holding it
+            logit_rows += cp.sampled(_held_samples(mine, n, e.drafts), row)
         row += k
     if ring_slots:
         cp.ring_slots = torch.cat(ring_slots).to(device)
@@ -269,9 +277,13 @@ def build_cp_batch(plan: BatchPlan, placement: CPPlacement, blocks: BlockTable, 
     return batch, torch.tensor(ids, dtype=torch.long, device=device)
 
 
-def _holder_of_last(pieces: list[torch.Tensor], n: int) -> int:
-    """The CP rank whose piece holds offset `n - 1` of an entry (its sampling row)."""
-    return next(j for j, p in enumerate(pieces) if p.numel() and int(p[-1]) == n - 1)
+def _held_samples(mine: torch.Tensor, n: int, drafts: int) -> list[int]:
+    """Where this rank's piece `mine` (offsets, increasing) of an `n`-token entry holds each of its sampled offsets
+    `n - 1 - drafts .. n - 1`: the index in the piece, or -1 where another rank holds it. Being the entry's highest
+    offsets, those held are among the piece's last `1 + drafts`."""
+    tail = mine[-(1 + drafts) :].tolist()
+    base = int(mine.numel()) - len(tail)
+    return [base + tail.index(o) if o in tail else -1 for o in range(n - 1 - drafts, n)]
 
 
 def _kernel_decodes(kernel_rows: list[tuple[int, str, int]], blocks: BlockTable) -> NativeDecode:

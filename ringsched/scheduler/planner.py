@@ -252,6 +252,8 @@ class Planner:
                 if self.speculator is not None and tokens[0] >= 0:
                     self.speculator.kept(r.rid, e.drafts, len(tokens))
                 outs.append(take(r, e, tokens, logprobs, self.eos_ids, self.max_len))
+                if e.drafts:
+                    self.blocks.rewind(r.rid, r.num_computed)  # rejected drafts' positions
                 if outs[-1].finish_reason:
                     self._finish(r, free_now=True)
         return outs

@@ -7,8 +7,9 @@ requests' outputs is shared). How many is `speculative/adaptive.py`'s choice: ea
 against the measured cost of a step of that many more rows (stage 0's compute time per step, by rows). A drafted
 entry computes `1 + k` positions, so its request's blocks grow to hold them; positions past the first rejected
 draft hold KV nothing reads, which the request's next entry (starting at its first unkept position) overwrites:
-nothing is rolled back and no stage needs telling. Drafts are never indexed in the prefix cache (the planner
-indexes the entry's tokens before its drafts).
+no stage needs telling (with `--cp-size`, every rank drops them from its placement when that entry arrives, and
+stage 0's allocator when the kept tokens come back: `CPBlocks.rewind`). Drafts are never indexed in the prefix
+cache (the planner indexes the entry's tokens before its drafts).
 """
 
 from __future__ import annotations
@@ -44,16 +45,14 @@ class Speculator:
         proposals = [self._propose(r, self._limit(r)) for _, r in decodes]
         rates = [self.acceptance.setdefault(r.rid, Acceptance()).rate for _, r in decodes]
         ks = choose(rates, [len(p) for p in proposals], self.costs, plan.num_tokens - len(decodes))
-        for (e, r), draft, k in zip(decodes, proposals, ks, strict=True):
-            while k and not self.blocks.can_hold(r.rid, e.start + 1 + k):
+        for (e, _), draft, k in zip(decodes, proposals, ks, strict=True):
+            while k and not self.blocks.can_extend(e, e.start + 1 + k):
                 k -= 1
             if k:
                 self._add(e, draft[:k])
 
     def _add(self, e: PlanEntry, draft: list[int]) -> None:
-        grown = self.blocks.grow(e.rid, e.start + 1 + len(draft))
-        e.new_blocks = e.new_blocks + grown["new_blocks"]
-        e.ring_blocks = e.ring_blocks + grown.get("ring_blocks", [])
+        self.blocks.extend(e, e.start + 1 + len(draft))
         e.token_ids = e.token_ids + draft
         e.drafts = len(draft)
 

@@ -178,8 +178,8 @@ def _planner(cfg: EngineConfig, spec: ModelSpec, local: ModelConfig, blocks: Blo
                                          attention_backend=cfg.attention_backend)
         chunker = chunking.ChunkSizer(cost, cfg.chunked_prefill_size, decode=decode)
     speculator = None
-    if cfg.speculative_config:  # drafting is stage 0's alone (--cp-size, which it does not run with, is refused)
-        speculator = Speculator(SpeculativeConfig.parse(cfg.speculative_config), blocks, spec.context_len)
+    if cfg.speculative_config:  # drafting is stage 0's alone; drafts are placed like the planner's tokens
+        speculator = Speculator(SpeculativeConfig.parse(cfg.speculative_config), allocator, spec.context_len)
     return Planner(allocator, cfg.micro_batch_size, cfg.max_running_requests, cfg.chunked_prefill_size, spec.eos_ids,
                    spec.context_len, random.Random(cfg.seed), spec.config.vocab_size, flexible_cut=flex,
                    chunker=chunker, speculator=speculator)  # fmt: skip
