@@ -237,6 +237,25 @@ static inline void store_out(void *y, int yb, int64_t i, float v) {
                                                         : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+#if !HAVE_AVX512
+/* One row's 16 lanes += its 32 activations of block `b` times the block's values `v`, and the lanes' sum. Not
+ * inlined: the tile's constant row count would let the compiler vectorize (and, with -ffast-math, reassociate)
+ * each copy its own way, and a row's result would then depend on how many rows shared its tile. */
+__attribute__((noinline)) static void lanes_add(float *lanes, const char *xr, const int xb, int64_t b,
+                                                const float *v) {
+  for (int l = 0; l < 16; l++) {
+    lanes[l] += load_act(xr, xb, 32 * b + l) * v[l];
+    lanes[l] += load_act(xr, xb, 32 * b + 16 + l) * v[16 + l];
+  }
+}
+
+__attribute__((noinline)) static float lanes_sum(const float *lanes) {
+  float s = 0.0f;
+  for (int l = 0; l < 16; l++) s += lanes[l];
+  return s;
+}
+#endif
+
 /* Sums of a tile of `nb` outputs x `mb` rows (16 lanes each, reduced at the end); inlined with constant t, mb, xb */
 INLINE void tile(const void *x, int64_t ldx, const int xb, int64_t m0, const int mb, int64_t K, const uint8_t *w,
                  int64_t row_bytes, const int t, int64_t n0, int64_t nb, float acc_out[MB][NB]) {
@@ -269,18 +288,10 @@ INLINE void tile(const void *x, int64_t ldx, const int xb, int64_t m0, const int
     for (int i = 0; i < NB; i++) {
       float v[32];
       decode32_scalar(wr[i], t, b, v);
-      for (int m = 0; m < mb; m++)
-        for (int l = 0; l < 16; l++) {
-          lanes[m][i][l] += load_act(xr[m], xb, 32 * b + l) * v[l];
-          lanes[m][i][l] += load_act(xr[m], xb, 32 * b + 16 + l) * v[16 + l];
-        }
+      for (int m = 0; m < mb; m++) lanes_add(lanes[m][i], xr[m], xb, b, v);
     }
   for (int m = 0; m < mb; m++)
-    for (int i = 0; i < NB; i++) {
-      float s = 0.0f;
-      for (int l = 0; l < 16; l++) s += lanes[m][i][l];
-      acc_out[m][i] = s;
-    }
+    for (int i = 0; i < NB; i++) acc_out[m][i] = lanes_sum(lanes[m][i]);
 #endif
 }
 

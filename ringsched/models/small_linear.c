@@ -257,6 +257,27 @@ INLINE __m512 load_x16(const void *p, const int xb, __mmask16 mk) {
 
 #include "small_linear_int4.h"
 
+#if !HAVE_AVX512
+/* One row's dot product with one output's weights, in 16 lanes of partial sums as the vector path keeps. Not
+ * inlined: the tile's constant row count would let the compiler vectorize (and, with -ffast-math, reassociate)
+ * each copy its own way, and a row's result would then depend on how many rows shared its tile. */
+__attribute__((noinline)) static float nk_dot(const char *xr, const int xb, const char *wr, const int wt, int64_t K) {
+  enum { L = 16 };
+  float part[L] = {0};
+  for (int64_t k0 = 0; k0 < K; k0 += L)
+    for (int l = 0; l < L && k0 + l < K; l++) {
+      const int64_t k = k0 + l;
+      const float wv = wt == W_F32    ? ((const float *)wr)[k]
+                       : wt == W_BF16 ? bf16_to_f32(((const uint16_t *)wr)[k])
+                                      : (float)((const int8_t *)wr)[k];
+      part[l] += load_act(xr, xb, k) * wv;
+    }
+  float s = 0.0f;
+  for (int l = 0; l < L; l++) s += part[l];
+  return s;
+}
+#endif
+
 /* Sums of one tile of `nb` outputs x `mb` rows into acc_out; inlined with constant `mb`, `wt`, `xb`. */
 INLINE void nk_tile(const void *x, int64_t ldx, const int xb, int64_t m0, const int mb, int64_t K, const void *w, const int wt,
                     int64_t n0, int64_t nb, float acc_out[MB][NB]) {
@@ -307,22 +328,8 @@ INLINE void nk_tile(const void *x, int64_t ldx, const int xb, int64_t m0, const 
   for (int m = 0; m < mb; m++)
     for (int i = 0; i < NB; i++) acc_out[m][i] = _mm512_reduce_add_ps(acc[m][i]);
 #else
-  enum { L = 16 }; /* lanes of partial sums, as the vector path keeps */
   for (int m = 0; m < mb; m++)
-    for (int i = 0; i < NB; i++) {
-      float part[L] = {0};
-      for (int64_t k0 = 0; k0 < K; k0 += L)
-        for (int l = 0; l < L && k0 + l < K; l++) {
-          const int64_t k = k0 + l;
-          const float wv = wt == W_F32    ? ((const float *)wr[i])[k]
-                           : wt == W_BF16 ? bf16_to_f32(((const uint16_t *)wr[i])[k])
-                                          : (float)((const int8_t *)wr[i])[k];
-          part[l] += load_act(xr[m], xb, k) * wv;
-        }
-      float s = 0.0f;
-      for (int l = 0; l < L; l++) s += part[l];
-      acc_out[m][i] = s;
-    }
+    for (int i = 0; i < NB; i++) acc_out[m][i] = nk_dot(xr[m], xb, wr[i], wt, K);
 #endif
 }
 

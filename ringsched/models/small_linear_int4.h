@@ -22,6 +22,29 @@ INLINE void load_q4_block(const uint8_t *p, __m512 *lo, __m512 *hi) {
 }
 #endif
 
+#if !HAVE_AVX512
+/* One row's sum with one output's int4 weights, as above. Not inlined: the tile's constant row count would let the
+ * compiler vectorize (and, with -ffast-math, reassociate) each copy its own way (small_linear.c's `nk_dot`). */
+__attribute__((noinline)) static float q4_dot(const char *xr, const int xb, const uint8_t *wr, const float *sr,
+                                              int64_t K, int64_t g) {
+  enum { L = 16 };
+  float lanes[L] = {0};
+  for (int64_t k0 = 0; k0 < K; k0 += g) {
+    float part[L] = {0};
+    for (int64_t k = k0; k < k0 + g; k += 32)
+      for (int l = 0; l < L; l++) {
+        const uint8_t b = wr[k / 2 + l];
+        part[l] += load_act(xr, xb, k + l) * (float)((int)(b & 0x0f) - 8);
+        part[l] += load_act(xr, xb, k + 16 + l) * (float)((int)(b >> 4) - 8);
+      }
+    for (int l = 0; l < L; l++) lanes[l] += part[l] * sr[k0 / g];
+  }
+  float s = 0.0f;
+  for (int l = 0; l < L; l++) s += lanes[l];
+  return s;
+}
+#endif
+
 /* Sums of one tile of `nb` outputs x `mb` rows of int4 weights with groups of `g` into acc_out (scales applied);
  * inlined with constant `mb`, `xb`, `g`. */
 INLINE void nk_tile_q4(const void *x, int64_t ldx, const int xb, int64_t m0, const int mb, int64_t K, const void *w,
@@ -63,23 +86,7 @@ INLINE void nk_tile_q4(const void *x, int64_t ldx, const int xb, int64_t m0, con
   for (int m = 0; m < mb; m++)
     for (int i = 0; i < NB; i++) acc_out[m][i] = _mm512_reduce_add_ps(acc[m][i]);
 #else
-  enum { L = 16 }; /* lanes of partial sums, as the vector path keeps */
   for (int m = 0; m < mb; m++)
-    for (int i = 0; i < NB; i++) {
-      float lanes[L] = {0};
-      for (int64_t k0 = 0; k0 < K; k0 += g) {
-        float part[L] = {0};
-        for (int64_t k = k0; k < k0 + g; k += 32)
-          for (int l = 0; l < L; l++) {
-            const uint8_t b = wr[i][k / 2 + l];
-            part[l] += load_act(xr[m], xb, k + l) * (float)((int)(b & 0x0f) - 8);
-            part[l] += load_act(xr[m], xb, k + 16 + l) * (float)((int)(b >> 4) - 8);
-          }
-        for (int l = 0; l < L; l++) lanes[l] += part[l] * sr[i][k0 / g];
-      }
-      float s = 0.0f;
-      for (int l = 0; l < L; l++) s += lanes[l];
-      acc_out[m][i] = s;
-    }
+    for (int i = 0; i < NB; i++) acc_out[m][i] = q4_dot(xr[m], xb, wr[i], sr[i], K, g);
 #endif
 }
