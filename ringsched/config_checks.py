@@ -25,21 +25,19 @@ class ConfigError(ValueError):
     """A bad flag value; the message names the flag and the fix."""
 
 
-def parse_memory(value: str | int | float) -> int | float:
-    """`--kv-cache-memory`: bytes (`536870912`, `512M`, `2GiB`) or a fraction of free memory (`0.3`)."""
+def parse_memory(value: str | int | float, flag: str = "--kv-cache-memory") -> int | float:
+    """`--kv-cache-memory` (or `flag`): bytes (`536870912`, `512M`, `2GiB`) or a fraction of free memory (`0.3`)."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         num, unit = float(value), ""
     else:
         m = _SIZE.match(str(value))
         if not m:
-            raise ConfigError(
-                f"--kv-cache-memory {value!r}: give bytes (e.g. 2G, 512MiB) or a fraction like 0.3"
-            )
+            raise ConfigError(f"{flag} {value!r}: give bytes (e.g. 2G, 512MiB) or a fraction like 0.3")
         num, unit = float(m.group(1)), (m.group(2) or "").lower().rstrip("b").rstrip("i")
     if 0 < num <= 1 and unit == "":
         return num
     if num < 1:
-        raise ConfigError(f"--kv-cache-memory {value!r} must be positive")
+        raise ConfigError(f"{flag} {value!r} must be positive")
     return int(num * _UNITS[unit])
 
 
@@ -228,6 +226,8 @@ def check_kv_cache(cfg: EngineConfig) -> None:
     if cfg.max_model_len is not None:
         _require(cfg.max_model_len >= 2, f"--max-model-len must be >= 2, got {cfg.max_model_len}")
     parse_memory(cfg.kv_cache_memory)
+    if cfg.node_memory is not None:
+        parse_memory(cfg.node_memory, "--node-memory")
 
 
 # In the fields' order (of several bad flags, the first field's is reported).

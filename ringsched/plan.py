@@ -4,6 +4,8 @@
 
 prints, for every TP x PP = --gpus that fits, the weights, KV capacity, traffic, latency, partition and
 bubble of that layout, then a one-line recommendation; `--json` prints the rows as a list of objects instead.
+With `--node speed=1,memory=16G --node speed=0.5,memory=8G` (nodes not alike) it prints the layer split over those
+nodes and each node's launch line instead (`capacity/nodes.py`).
 MODEL is a preset or a model directory with a HF config.json; every preset figure can be overridden by a flag.
 The arithmetic lives in `ringsched.capacity`; this module only parses arguments.
 """
@@ -18,6 +20,7 @@ import sys
 
 from ringsched.capacity import GPU_PRESETS, MODEL_PRESETS, CapacityError, ClusterSpec, load_gpu, load_model
 from ringsched.capacity.launch_lines import launch_commands
+from ringsched.capacity.nodes import plan_nodes
 from ringsched.capacity.report import json_rows, text_report
 from ringsched.capacity.sweep import make_layouts
 from ringsched.layout.partition import head_layers
@@ -47,9 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Capacity and bubble planner: weights, KV, traffic and latency of every TP x PP layout.",
     )
     p.add_argument("--model", required=True, help=f"a preset ({', '.join(MODEL_PRESETS)}) or a model dir")
-    p.add_argument("--gpu", required=True, help=f"a preset: {', '.join(GPU_PRESETS)}")
-    p.add_argument("--gpus", type=int, required=True, help="GPUs in all (N = TP x PP)")
-    p.add_argument("--gpus-per-node", type=int, required=True, help="GPUs in one node (one NVLink domain)")
+    p.add_argument("--gpu", help=f"a preset: {', '.join(GPU_PRESETS)} (required without --node)")
+    p.add_argument("--gpus", type=int, help="GPUs in all (N = TP x PP; required without --node)")
+    p.add_argument("--gpus-per-node", type=int, help="GPUs in one node, one NVLink domain (required without --node)")
+    p.add_argument("--node", action="append", metavar="speed=S|layer_ms=T[,memory=16G][,stages=K]",
+                   help="nodes that are not alike, one --node each in node order: the layer split their speeds and "
+                        "memory call for (as --pp-layer-partition auto measures it) and each node's launch line, "
+                        "instead of the GPU layouts")  # fmt: skip
     p.add_argument(
         "--inter-node-gbps",
         type=float,
@@ -109,7 +116,13 @@ def _overrides(args: argparse.Namespace, mapping: dict[str, str]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.node:
+        return _plan_nodes(args)
+    missing = [f for f in ("gpu", "gpus", "gpus_per_node") if getattr(args, f) is None]
+    if missing:
+        parser.error(f"give {', '.join('--' + f.replace('_', '-') for f in missing)} (or describe nodes with --node)")
     try:
         model = dataclasses.replace(load_model(args.model), **_overrides(args, _MODEL_FLAGS))
         gpu = dataclasses.replace(load_gpu(args.gpu), **_overrides(args, _GPU_FLAGS))
@@ -147,6 +160,18 @@ def main(argv: list[str] | None = None) -> int:
             launch.insert(0, f"# --model: replace /path/to/{args.model} by the model's directory on each node "
                              f"({args.model} is a planning preset)")
         print("\n" + "\n".join(launch), file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def _plan_nodes(args: argparse.Namespace) -> int:
+    try:
+        model = dataclasses.replace(load_model(args.model), **_overrides(args, _MODEL_FLAGS))
+        lines = plan_nodes(model, args.model if os.path.isdir(args.model) else f"/path/to/{args.model}", args.node,
+                           args.max_model_len, args.dist_init_addr)  # fmt: skip
+    except CapacityError as err:
+        print(f"ringsched.plan: error: {err}", file=sys.stderr)
+        return 2
+    print("\n".join(lines))
     return 0
 
 

@@ -1,12 +1,14 @@
 """The ring across machines: two hosts with their own addresses (network namespaces joined by a veth pair),
 node 0 in one and node 1 in the other, each started with the same `python -m ringsched.launch` command.
 
-Covered: greedy text equal to a single-node run at PP=2 (also with the cut decided while running), PP=4 and
-PP=2 x TP=2 (two ranks per node); with --max-restarts 0, node 1 killed and the link cut while streams are open
-(every process gone within --stage-timeout + 10 s, the error names node 1, every stream ends with an error chunk)
-and one rank of node 1 killed at TP=2 (the same, the error naming that rank); with restarts, node 1's launcher
-killed and started again, or its stage killed and replaced, while streams are open (every stream goes on with its
-undisturbed text); rendezvous refusing a different partition and timing out on a missing node.
+Covered: greedy text equal to a single-node run at PP=2 (with node 1 given memory for fewer layers than its default
+share: the nodes measure themselves and split by speed and memory; also with the cut decided while running), PP=4
+and PP=2 x TP=2 (two ranks per node); nodes that cannot hold the model refused before any stage starts; with
+--max-restarts 0, node 1 killed and the link cut while streams are open (every process gone within
+--stage-timeout + 10 s, the error names node 1, every stream ends with an error chunk) and one rank of node 1
+killed at TP=2 (the same, the error naming that rank); with restarts, node 1's launcher killed and started again,
+or its stage killed and replaced, while streams are open (every stream goes on with its undisturbed text);
+rendezvous refusing a different partition and timing out on a missing node.
 
 Every client request runs inside node 0's namespace (`tests/ns_client.py`): the test process itself has no
 route to the hosts. Needs root; skipped with the reason where network namespaces are unavailable.
@@ -139,7 +141,7 @@ READY = ("--pp-flex-layers", "2", "--pp-flex-policy", "ready")
 TP2 = ("--tp-size", "2")  # each node runs one stage of two ranks: the seam goes sharded across the hosts
 
 
-@pytest.mark.parametrize("pp,extra", [(2, ()), (4, ()), (2, READY), (2, TP2)], ids=["2", "4", "2-ready", "2-tp2"])
+@pytest.mark.parametrize("pp,extra", [(4, ()), (2, READY), (2, TP2)], ids=["4", "2-ready", "2-tp2"])
 def test_two_hosts_match_single_node_greedy(net, reference, pp, extra):
     nodes = [launch(net, r, pp, *extra, stage_timeout=FAST_TIMEOUT) for r in (0, 1)]
     wait_ready(net, nodes)
@@ -147,6 +149,41 @@ def test_two_hosts_match_single_node_greedy(net, reference, pp, extra):
     assert out == reference, logs(net)
     for n in nodes:
         assert n.poll() is None, logs(net)
+
+
+def _stage_bytes(smollm2_dir):
+    from ringsched.config import EngineConfig
+    from ringsched.process.node_measure import stage_bytes
+    from ringsched.spec import ModelSpec
+
+    cfg = EngineConfig(model=str(smollm2_dir), pp_size=2, kv_cache_memory="64M", max_model_len=1024)
+    return stage_bytes(cfg, ModelSpec.resolve(cfg))
+
+
+def test_a_node_with_less_memory_gets_fewer_layers_and_serves(net, reference, smollm2_dir):
+    """PP=2 (the plain two-host case) with node 1 given memory for 8 layers, short of its default 13: the nodes
+    measure themselves, node 0 splits 22,8 and logs each node's figures, and the text is the single node's."""
+    weights = _stage_bytes(smollm2_dir)
+    memory = int(weights.need(1, 2, 8) + weights.layer / 2)
+    nodes = [launch(net, 0, 2, stage_timeout=FAST_TIMEOUT),
+             launch(net, 1, 2, "--node-memory", str(memory), stage_timeout=FAST_TIMEOUT)]  # fmt: skip
+    wait_ready(net, nodes)
+    out = client(net, "greedy", base_url(net), "--prompt", PROMPT, "--chat", CHAT, "--max-tokens", str(MAX_TOKENS))
+    assert out == reference, logs(net)
+    said = nodes[0].log()
+    assert "layer split over nodes: 22,8" in said and "node 1 has" in said, logs(net)
+    assert re.search(r"node 1: layer [\d.]+ ms, [\d.]+ GiB \([\d.]+ GiB used\): layers \[8\]", said), logs(net)
+    assert lines_with(nodes[1].log(), "layer split over nodes from node 0: 22,8"), logs(net)
+
+
+def test_nodes_that_cannot_hold_the_model_are_refused_before_any_stage_starts(net, smollm2_dir):
+    memory = str(int(_stage_bytes(smollm2_dir).need(0, 2, 4)))  # a node holds a few layers, the two not 30
+    nodes = [launch(net, r, 2, "--node-memory", memory, "--dist-timeout", "30") for r in (0, 1)]
+    for n in nodes:
+        assert n.wait(90) not in (None, 0), f"{n.log_path.name} was not refused\n{logs(net)}"
+        said = lines_with(n.log(), "cannot hold the model")
+        assert said and all(f"node {r}" in said[0] for r in (0, 1)) and "short" in said[0], logs(net)
+        assert not lines_with(n.log(), "ready: layers"), f"a stage started\n{logs(net)}"
 
 
 # -- faults while streams are open ------------------------------------------------------------------------------

@@ -1,24 +1,28 @@
 """The layer split this node brings to the rendezvous: `--pp-layer-partition` as given or by default, or with `auto`
-node 0's measured choice (`process/partition_auto.py`)."""
+on one node its measured choice within its memory (`process/partition_auto.py`; across nodes,
+`process/node_exchange.py` decides at the rendezvous)."""
 
 from __future__ import annotations
 
 import torch
 
+from ringsched.comm.store import RendezvousError
 from ringsched.config import EngineConfig
+from ringsched.layout.node_split import NodeSpec, shortfall, stage_caps
 from ringsched.layout.partition import head_layers
+from ringsched.process.node_measure import node_memory, stage_bytes
 from ringsched.process.partition_auto import BatchShape, choose_partition, choose_partition_apart
 from ringsched.spec import ModelSpec
 from ringsched.stage.affinity import stage_cpus
 
 
 def own_partition(cfg: EngineConfig, spec: ModelSpec) -> list[int] | None:
-    """This node's partition: the override or default, or for `auto` node 0's measured choice (other nodes
-    return None and take node 0's from the rendezvous)."""
+    """This node's partition: the override or default, or for `auto` on one node the measured choice within its
+    memory (across nodes None: every node measures itself at the rendezvous, `process/node_exchange.py`)."""
     mcfg = spec.config
     if not cfg.auto_partition:
         return cfg.partition(mcfg.num_layers, head_layers(mcfg))
-    if cfg.node_rank != 0:
+    if cfg.nnodes > 1:
         return None
     c = cfg
     shape = BatchShape.for_workload(
@@ -26,11 +30,24 @@ def own_partition(cfg: EngineConfig, spec: ModelSpec) -> list[int] | None:
         c.pp_auto_input_len, c.pp_auto_output_len,
     )  # fmt: skip
     device = torch.device("cuda", 0) if c.resolved_device == "cuda" else torch.device("cpu")
-    # Node 0 knows only its own cores: with several nodes, its first stage's stand in for every stage's.
-    here = [stage_cpus(c.threads, c.ranks_per_node, i * c.ranks_per_stage, c.resolved_device)
+    cpus = [stage_cpus(c.threads, c.ranks_per_node, i * c.ranks_per_stage, c.resolved_device)
             for i in range(c.stages_per_node)]  # fmt: skip
-    cpus = here if c.nnodes == 1 else [here[0]] * c.pp_size
+    caps = _memory_caps(cfg, spec)
     choose = choose_partition_apart if device.type == "cuda" else choose_partition  # no CUDA context here
     counts, _ = choose(mcfg, c.pp_size, shape, c.torch_dtype, device, c.threads, cpus,
-                       attention_backend=c.attention_backend)
+                       attention_backend=c.attention_backend, caps=caps)  # fmt: skip
     return counts
+
+
+def _memory_caps(cfg: EngineConfig, spec: ModelSpec) -> list[int] | None:
+    """The most layers each stage's share of this node's memory holds (None on a GPU, where the launcher does not
+    probe: each stage has its own); refuses a model the node cannot hold, naming the shortfall."""
+    memory = node_memory(cfg, probe=False)
+    if memory is None:
+        return None
+    weights, num_layers = stage_bytes(cfg, spec), spec.config.num_layers
+    node = NodeSpec(0, (1.0,) * cfg.pp_size, 0.0, 0.0, memory)
+    caps = stage_caps([node], weights, num_layers)
+    if sum(caps) < num_layers or min(caps) < 1:
+        raise RendezvousError(shortfall(num_layers, [node], weights, caps))
+    return caps

@@ -33,6 +33,7 @@ import torch
 
 from ringsched.comm.messages import BatchPlan, PlanEntry
 from ringsched.kv.cache import BlockTable, KVPool, kv_bytes_per_token
+from ringsched.layout.node_split import balanced_split
 from ringsched.layout.rank import StageInfo
 from ringsched.models.attention_backend import select_backend
 from ringsched.models.config import ModelConfig, layer_weight_params
@@ -97,35 +98,14 @@ class StageCosts:
         return [self.cost(k, n) for k, n in enumerate(counts)]
 
 
-def best_partition(num_layers: int, pp_size: int, costs: StageCosts) -> list[int]:
-    """The partition (every stage >= 1 layer) whose slowest stage is fastest; ties go to the most even split.
-
-    Dynamic programming over (stages placed, layers placed): best[k][n] is the best (slowest stage, sum of
-    squared layer counts, counts) for the first k stages holding the first n layers."""
+def best_partition(num_layers: int, pp_size: int, costs: StageCosts, caps: list[int] | None = None) -> list[int]:
+    """The partition (every stage >= 1 layer, stage k at most `caps[k]`) whose slowest stage is fastest; ties go
+    to the most even split (`layout.node_split.balanced_split`)."""
     if not 1 <= pp_size <= num_layers:
         raise ValueError(f"cannot cut {num_layers} layers into {pp_size} stages")
     if len(costs.layer_ms) != pp_size:
         raise ValueError(f"costs for {len(costs.layer_ms)} stages, asked to cut into {pp_size}")
-    cost = costs.cost
-    best: list[dict[int, tuple[float, int, list[int]]]] = [{0: (0.0, 0, [])}]
-    for k in range(pp_size):
-        row: dict[int, tuple[float, int, list[int]]] = {}
-        for placed, (slowest, sq, counts) in best[k].items():
-            left_after = pp_size - k - 1  # stages still to fill, one layer each at least
-            for n in range(1, num_layers - placed - left_after + 1):
-                cand = (max(slowest, cost(k, n)), sq + n * n, counts + [n])
-                key = placed + n
-                if key not in row or _better(cand, row[key]):
-                    row[key] = cand
-        best.append(row)
-    return best[pp_size][num_layers][2]
-
-
-def _better(a: tuple[float, int, list[int]], b: tuple[float, int, list[int]]) -> bool:
-    # Differences under 0.1% are measurement noise: prefer the more even split then.
-    if abs(a[0] - b[0]) > 1e-3 * max(a[0], b[0]):
-        return a[0] < b[0]
-    return a[1] < b[1]
+    return balanced_split(num_layers, costs.cost, caps or [num_layers] * pp_size)
 
 
 def balance_loss(stage_ms: list[float]) -> float:
@@ -161,7 +141,7 @@ class CostProbe:
         self.shape, self.device, self.layers = shape, device, layers
         model = StageModel(mcfg, StageInfo(0, 1, 0, layers)).to(device=device, dtype=dtype)
         self.model = model.lay_out_for_cpu().prepare_linears()
-        blocks = BlockTable(-(-(shape.decodes * shape.context + shape.prefill_tokens) // 16) + 1, 16)
+        blocks = BlockTable(shape.decodes * -(-shape.context // 16) + -(-shape.prefill_tokens // 16) + 1, 16)
         self.pool = KVPool(mcfg, layers, blocks.num_blocks, 16, dtype, device)
         attention = select_backend(attention_backend, device, dtype)  # time the attention the stages will run
         self.batch, self.ids = attention.forward_batch(_plan(shape, blocks), blocks, device)
@@ -219,11 +199,24 @@ def choose_partition(
     stage_cpus: list[list[int] | None] | None = None,
     rounds: int = 5,
     attention_backend: str = "auto",
+    caps: list[int] | None = None,
 ) -> tuple[list[int], StageCosts]:
     """Measure with one stage's threads on each stage's cores (`stage_cpus[k]`; None: wherever this process
-    runs), pick the split, log the decision. The first stage's cores time the embedding, the last's the head."""
+    runs), pick the split (stage k at most `caps[k]` layers: what its memory holds), log the decision. The first
+    stage's cores time the embedding, the last's the head."""
     if pp_size == 1:
         return [mcfg.num_layers], StageCosts.uniform(0.0, 0.0, 0.0, shape, 1)
+    costs = measure_stages(mcfg, pp_size, shape, dtype, device, threads, stage_cpus, rounds, attention_backend)
+    counts = best_partition(mcfg.num_layers, pp_size, costs, caps)
+    log_choice(counts, costs)
+    return counts, costs
+
+
+def measure_stages(mcfg: ModelConfig, pp_size: int, shape: BatchShape, dtype: torch.dtype, device: torch.device,
+                   threads: int, stage_cpus: list[list[int] | None] | None = None, rounds: int = 5,
+                   attention_backend: str = "auto") -> StageCosts:  # fmt: skip
+    """A layer's cost on each stage's cores (`stage_cpus`: every stage's of `pp_size`, or a node's own stages'),
+    the embedding's on the first's and the head's on the last's, each the median over `rounds` rounds."""
     cpu_sets = stage_cpus if stage_cpus is not None else [None] * pp_size
     keys = [tuple(c) if c else None for c in cpu_sets]
     measured: dict[tuple[int, ...] | None, list[StageCosts]] = {k: [] for k in keys}
@@ -242,10 +235,7 @@ def choose_partition(
         return statistics.median(getattr(c, field) for c in measured[key])
 
     layer_ms = cores_layer_ms([[c.layer_ms[0] for c in measured[k]] for k in keys])
-    costs = StageCosts(layer_ms, med(keys[0], "embed_ms"), med(keys[-1], "head_ms"), shape)
-    counts = best_partition(mcfg.num_layers, pp_size, costs)
-    log_choice(counts, costs)
-    return counts, costs
+    return StageCosts(layer_ms, med(keys[0], "embed_ms"), med(keys[-1], "head_ms"), shape)
 
 
 UNEQUAL_CORES = 0.10  # how much slower one stage's cores must time (median) to be planned as slower

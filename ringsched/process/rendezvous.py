@@ -22,7 +22,9 @@ from torch.distributed import PrefixStore
 from ringsched import __version__
 from ringsched.comm.store import RendezvousError, connect_store, route_ip, split_addr
 from ringsched.config import EngineConfig
-from ringsched.layout.partition import head_layers, log_partition, partition_source
+from ringsched.layout.partition import DEFAULT_SOURCE, head_layers, log_partition, partition_source
+from ringsched.process.node_exchange import settle_split, why_measure
+from ringsched.process.node_measure import hardware
 from ringsched.spec import ModelSpec
 
 logger = logging.getLogger("ringsched.launch")
@@ -34,10 +36,14 @@ def meet(cfg: EngineConfig, spec: ModelSpec, partition: list[int] | None) -> tup
     given, auto = cfg.pp_layer_partition, cfg.auto_partition  # before the stages are told the split
     rdv = Rendezvous(cfg, cfg.model, spec.model_dir, partition)
     rdv.join()
+    explicit = partition_source(given) != DEFAULT_SOURCE and not auto
+    reason = why_measure(cfg, spec, rdv.metas, explicit, rdv.partition)
+    if reason:  # nodes not alike: each measures itself, node 0 decides (`process/node_exchange.py`)
+        rdv.partition = settle_split(rdv.nodes, cfg, spec, reason)
     cfg = replace(cfg, host_ip=rdv.host_ip, pp_layer_partition=",".join(map(str, rdv.partition)))
     cfg.check_partition(sum(rdv.partition))  # `auto` may leave no room for the flex
     spec = spec.with_partition(rdv.partition)
-    if cfg.node_rank == 0:  # `auto` logged its measured costs; otherwise the head is weighed as the default split
+    if cfg.node_rank == 0 and not reason:  # `auto` logged its measured costs; else the head weighs as by default
         log_partition(rdv.partition, partition_source(given), 0.0 if auto else head_layers(spec.config))
     if cfg.nnodes > 1:
         logger.info("node %d of %d joined the rendezvous at %s as %s; ranks %s run here", cfg.node_rank, cfg.nnodes,
@@ -59,6 +65,7 @@ class Rendezvous:
             "node": cfg.node_rank, "host_ip": self.host_ip, "version": __version__, "model": model_name,
             "model_config": model_fingerprint(model_dir), "partition": partition, "pp_size": cfg.pp_size,
             "tp_size": cfg.tp_size, "cp_size": cfg.cp_size, "nnodes": cfg.nnodes,
+            "hardware": hardware(cfg) if cfg.nnodes > 1 else None,
         }  # fmt: skip
         try:
             self.store = connect_store(cfg, is_master=cfg.node_rank == 0)
@@ -70,6 +77,7 @@ class Rendezvous:
             ) from None
         self.nodes = PrefixStore("nodes", self.store)
         self.partition = partition  # after join(): the partition node 0 runs
+        self.metas: list[dict] = []  # after join(): every node's published meta, by node
         self.failure: str | None = None
         self._stop = threading.Event()
         self._last_ok = time.monotonic()
@@ -101,7 +109,7 @@ class Rendezvous:
                     "--dist-init-addr, or raise --dist-timeout"
                 )
             time.sleep(0.2)
-        others = [json.loads(self.nodes.get(k)) for k in keys]
+        others = self.metas = [json.loads(self.nodes.get(k)) for k in keys]
         for other in others:
             self._compare(other)
         self.partition = others[0]["partition"]  # node 0 decides (`auto` elsewhere takes it)
