@@ -3,13 +3,15 @@ time (the first node's embedding, the last node's head), capped by the memory it
 node named when the nodes together cannot hold the model; whether the nodes measure themselves at all (identical
 nodes with no partition given keep the default split)."""
 
+from dataclasses import replace
+
 import pytest
 
 from ringsched.config import EngineConfig
 from ringsched.layout import node_split as ns
 from ringsched.layout.node_split import GIB, NodeSpec, SplitError, StageBytes, describe, split_over_nodes
 from ringsched.layout.partition import default_partition, head_layers
-from ringsched.process.node_exchange import why_measure
+from ringsched.process.node_exchange import split_mode, why_measure
 from ringsched.process.node_measure import _cgroup_room, stage_bytes
 from ringsched.spec import ModelSpec
 
@@ -65,26 +67,30 @@ def test_the_log_names_each_node_its_layers_and_the_balance():
     assert "predicted stage times [20.0, 20.0] ms; 0.0% lost" in text
 
 
-def _meta(node: int, memory: int | None = 2**40, cpus: int = 1, model: str = "cpu x") -> dict:
+def _meta(node: int, memory: int | None = 2**40, cpus: int = 1, model: str = "cpu x", split: str = "default") -> dict:
     hw = {"device": "cpu", "model": model, "cpus": cpus, "threads": 1, "ranks": 1, "memory": memory}
-    return {"node": node, "hardware": hw}
+    return {"node": node, "hardware": hw, "split": split}
 
 
 def test_nodes_measure_themselves_only_when_asked_or_when_they_differ(smollm2_dir):
+    """As node 0 was told: every node decides alike from what all published."""
     cfg = EngineConfig(model=str(smollm2_dir), pp_size=2, nnodes=2, dist_init_addr="127.0.0.1:1",
                        kv_cache_memory="64M")  # fmt: skip
     spec = ModelSpec.resolve(cfg)
     default = default_partition(spec.config.num_layers, 2, head_layers(spec.config))
     alike = [_meta(0), _meta(1)]
-    assert why_measure(cfg, spec, alike, False, default) is None  # identical nodes: today's split
-    assert "node 1 differs" in why_measure(cfg, spec, [_meta(0), _meta(1, cpus=4)], False, default)
-    assert "node 1 differs" in why_measure(cfg, spec, [_meta(0), _meta(1, model="cpu y")], False, default)
-    assert why_measure(cfg, spec, [_meta(0), _meta(1, cpus=4)], True, default) is None  # a split was given
+    assert why_measure(cfg, spec, alike, default) is None  # identical nodes: today's split
+    assert "node 1 differs" in why_measure(cfg, spec, [_meta(0), _meta(1, cpus=4)], default)
+    assert "node 1 differs" in why_measure(cfg, spec, [_meta(0), _meta(1, model="cpu y")], default)
+    given = [_meta(0, split="given"), _meta(1, cpus=4)]
+    assert why_measure(cfg, spec, given, default) is None  # node 0 was given a split
     short = [_meta(0), _meta(1, memory=100 * 2**20)]  # 100 MiB: not the 64 MiB KV and 13 layers' weights
-    assert "node 1 has 0.10 GiB" in why_measure(cfg, spec, short, False, default)
-    auto = EngineConfig(model=str(smollm2_dir), pp_size=2, nnodes=2, dist_init_addr="127.0.0.1:1",
-                        pp_layer_partition="auto")  # fmt: skip
-    assert why_measure(auto, spec, alike, False, default) == "--pp-layer-partition auto"
+    assert "node 1 has 0.10 GiB" in why_measure(cfg, spec, short, default)
+    auto = [_meta(0, split="auto"), _meta(1)]
+    assert why_measure(cfg, spec, auto, default) == "--pp-layer-partition auto"
+    assert why_measure(cfg, spec, [_meta(0), _meta(1, split="auto")], default) is None  # node 0's word counts
+    assert split_mode(cfg) == "default" and split_mode(replace(cfg, pp_layer_partition="auto")) == "auto"
+    assert split_mode(replace(cfg, pp_layer_partition="20,10")) == "given"
 
 
 def test_a_stage_is_priced_by_its_weights_and_kv(smollm2_dir):

@@ -20,17 +20,27 @@ import time
 from ringsched.comm.store import RendezvousError
 from ringsched.config import EngineConfig
 from ringsched.layout.node_split import NodeSpec, SplitError, describe, split_over_nodes
+from ringsched.layout.partition import DEFAULT_SOURCE, partition_source
 from ringsched.process.node_measure import measure_node, stage_bytes
 from ringsched.spec import ModelSpec
 
 logger = logging.getLogger("ringsched.launch")
 
 
-def why_measure(cfg: EngineConfig, spec: ModelSpec, metas: list[dict], given: bool, default: list[int]) -> str | None:
-    """Why the nodes measure themselves for the split (None: they keep `default`, or the split given)."""
-    if cfg.nnodes == 1 or given:
-        return None
+def split_mode(cfg: EngineConfig) -> str:
+    """How this node was told to split the layers: "auto", "given" (the flag or the environment) or "default"."""
     if cfg.auto_partition:
+        return "auto"
+    return "default" if partition_source(cfg.pp_layer_partition) == DEFAULT_SOURCE else "given"
+
+
+def why_measure(cfg: EngineConfig, spec: ModelSpec, metas: list[dict], default: list[int]) -> str | None:
+    """Why the nodes measure themselves for the split (None: they keep `default`, or the split given), as node 0
+    was told (`metas[0]["split"]`): every node decides alike from what all of them published."""
+    mode = metas[0]["split"] if metas else "given"
+    if cfg.nnodes == 1 or mode == "given":
+        return None
+    if mode == "auto":
         return "--pp-layer-partition auto"
     plain = [{k: v for k, v in m["hardware"].items() if k != "memory"} for m in metas]
     for m, hw in zip(metas, plain, strict=True):

@@ -22,8 +22,8 @@ from torch.distributed import PrefixStore
 from ringsched import __version__
 from ringsched.comm.store import RendezvousError, connect_store, route_ip, split_addr
 from ringsched.config import EngineConfig
-from ringsched.layout.partition import DEFAULT_SOURCE, head_layers, log_partition, partition_source
-from ringsched.process.node_exchange import settle_split, why_measure
+from ringsched.layout.partition import head_layers, log_partition, partition_source
+from ringsched.process.node_exchange import settle_split, split_mode, why_measure
 from ringsched.process.node_measure import hardware
 from ringsched.spec import ModelSpec
 
@@ -36,8 +36,7 @@ def meet(cfg: EngineConfig, spec: ModelSpec, partition: list[int] | None) -> tup
     given, auto = cfg.pp_layer_partition, cfg.auto_partition  # before the stages are told the split
     rdv = Rendezvous(cfg, cfg.model, spec.model_dir, partition)
     rdv.join()
-    explicit = partition_source(given) != DEFAULT_SOURCE and not auto
-    reason = why_measure(cfg, spec, rdv.metas, explicit, rdv.partition)
+    reason = why_measure(cfg, spec, rdv.metas, rdv.partition)
     if reason:  # nodes not alike: each measures itself, node 0 decides (`process/node_exchange.py`)
         rdv.partition = settle_split(rdv.nodes, cfg, spec, reason)
     cfg = replace(cfg, host_ip=rdv.host_ip, pp_layer_partition=",".join(map(str, rdv.partition)))
@@ -65,7 +64,7 @@ class Rendezvous:
             "node": cfg.node_rank, "host_ip": self.host_ip, "version": __version__, "model": model_name,
             "model_config": model_fingerprint(model_dir), "partition": partition, "pp_size": cfg.pp_size,
             "tp_size": cfg.tp_size, "cp_size": cfg.cp_size, "nnodes": cfg.nnodes,
-            "hardware": hardware(cfg) if cfg.nnodes > 1 else None,
+            "hardware": hardware(cfg) if cfg.nnodes > 1 else None, "split": split_mode(cfg),
         }  # fmt: skip
         try:
             self.store = connect_store(cfg, is_master=cfg.node_rank == 0)
