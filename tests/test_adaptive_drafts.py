@@ -82,3 +82,28 @@ def test_a_cost_that_once_kept_drafting_off_is_tried_again_once_stale():
 def test_a_noisy_bucket_does_not_hide_a_cheaper_step_further_on():
     costs = {1: 1.0, 2: 1.6, 3: 1.05, 4: 1.06, 5: 1.07}  # two rows measured slow; more rows are not
     assert choose([0.9], [4], lambda r: costs[r]) == [4]
+
+
+def test_without_adaptation_a_busy_batch_still_drafts_all_it_has():
+    """`"adaptive": false`: every decode takes what its drafter proposes, whatever the step costs say."""
+    from ringsched.comm.messages import BatchPlan, PlanEntry
+    from ringsched.kv.cache import BlockTable
+    from ringsched.sampling import SamplingParams
+    from ringsched.scheduler.request import Request
+    from ringsched.scheduler.speculation import Speculator
+    from ringsched.speculative.config import SpeculativeConfig
+
+    for adaptive, want in ((True, 0), (False, 3)):
+        spec = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                        "adaptive": adaptive})  # fmt: skip
+        blocks = BlockTable(64, 16)
+        sp = Speculator(spec, blocks, 1000)
+        for rows in range(1, 40):
+            sp.step_took(rows, float(rows))  # every row costs as much as the first: drafts never pay
+        requests, plan = {}, BatchPlan(slot=0, seq=0)
+        for i in range(8):
+            r = Request(f"r{i}", [5, 6, 7, 5, 6, 7, 5, 6], SamplingParams(max_tokens=20), i, [7])
+            requests[r.rid] = r
+            plan.entries.append(PlanEntry(r.rid, 9 - 1, [7], True, **blocks.grow(r.rid, 9)))
+        sp.extend(plan, requests)
+        assert [e.drafts for e in plan.entries] == [want] * 8, adaptive

@@ -96,7 +96,7 @@ def test_drafts_and_an_abort_with_chunks_in_flight_on_every_cp_rank(hf_smol):
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     with torch.no_grad():
         want = [hf_greedy(hf_smol[0], ids, params.max_tokens) for ids in prompts]
-    spec = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1}
+    spec = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1, "adaptive": False}
     kw = {**KW, "chunked_prefill_size": 32, "speculative_config": spec}
     with Engine(cp_size=2, pp_size=2, pp_async_batch_depth=1, **kw) as llm:
         assert [o.token_ids for o in llm.generate(prompts, params)] == want

@@ -131,6 +131,7 @@ def test_the_config_takes_vllms_shape_and_names_what_it_refuses():
                        ('{"method": "suffix", "num_speculative_tokens": 2, "suffix_decoding_min_token_prob": 2}',
                         "suffix_decoding_min_token_prob"),
                        ('{"method": "ngram", "num_speculative_tokens": 2, "draft_model": "x"}', "draft_model"),
+                       ('{"method": "ngram", "num_speculative_tokens": 2, "adaptive": "no"}', "adaptive"),
                        ("[1]", "JSON object")]:  # fmt: skip
         with pytest.raises(SpeculativeConfigError, match=field):
             SpeculativeConfig.parse(bad)

@@ -49,7 +49,7 @@ def run(pp: int, depth: int, **kw) -> tuple[list[list[int]], dict]:
     return outs, stats
 
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "adaptive": False}
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,8 @@ from ringsched.sampling import SamplingParams
 pytestmark = pytest.mark.slow  # several processes and real weights
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+        "adaptive": False}  # drafts on every step, however fast this host's rows are
 SEEDED = [SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=s, ignore_eos=True) for s in (1, 2)]
 
 

@@ -44,7 +44,9 @@ class Speculator:
             return
         proposals = [self._propose(r, self._limit(r)) for _, r in decodes]
         rates = [self.acceptance.setdefault(r.rid, Acceptance()).rate for _, r in decodes]
-        ks = choose(rates, [len(p) for p in proposals], self.costs, plan.num_tokens - len(decodes))
+        ks = [len(p) for p in proposals]
+        if self.config.adaptive:
+            ks = choose(rates, ks, self.costs, plan.num_tokens - len(decodes))
         for (e, _), draft, k in zip(decodes, proposals, ks, strict=True):
             while k and not self.blocks.can_extend(e, e.start + 1 + k):
                 k -= 1

@@ -4,7 +4,10 @@
     {"method": "suffix", "num_speculative_tokens": 8}
 
 As vLLM: an n-gram config naming neither lookup bound takes 5 for both, one naming only one takes it for both;
-the suffix method's fields and defaults are vLLM's `suffix_decoding_*`.
+the suffix method's fields and defaults are vLLM's `suffix_decoding_*`. One field is ringsched's own: `"adaptive":
+false` drafts as many tokens as the drafter proposes (up to `num_speculative_tokens`) on every step, where the
+default weighs each draft against the measured step cost (`speculative/adaptive.py`); for tests and measurements
+that must not depend on the host's speed.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    adaptive: bool = True
 
     @classmethod
     def parse(cls, value: str | dict) -> SpeculativeConfig:
@@ -79,6 +83,7 @@ class SpeculativeConfig:
              f"suffix_decoding_max_spec_factor must be > 0, got {self.suffix_decoding_max_spec_factor!r}")
         prob = self.suffix_decoding_min_token_prob
         need(_number(prob) and 0 <= prob <= 1, f"suffix_decoding_min_token_prob must be in [0, 1], got {prob!r}")
+        need(isinstance(self.adaptive, bool), f"adaptive must be true or false, got {self.adaptive!r}")
 
 
 def _int(v: object) -> bool:
