@@ -201,3 +201,14 @@ def test_choose_partition_apart_measures_in_a_child(tiny_llama_dir):
     assert sum(counts) == mcfg.num_layers and len(counts) == 2
     assert counts == best_partition(mcfg.num_layers, 2, costs)
     assert not torch.cuda.is_initialized()
+
+
+def test_each_stage_is_timed_on_its_own_device(tiny_llama_dir):
+    """A node's GPUs need not be alike: one probe per device, each stage timed on its own (two CPU devices by name
+    here, as far as a CPU machine can)."""
+    from ringsched.process.partition_auto import measure_stages
+
+    mcfg = ModelConfig.from_dir(tiny_llama_dir)
+    devices = [torch.device("cpu"), torch.device("cpu", 0)]
+    costs = measure_stages(mcfg, 2, SHAPE, torch.float32, devices, threads=1, rounds=1)
+    assert len(costs.layer_ms) == 2 and all(ms > 0 for ms in costs.layer_ms) and costs.head_ms > 0

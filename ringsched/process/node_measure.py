@@ -105,7 +105,7 @@ def stage_bytes(cfg: EngineConfig, spec: ModelSpec) -> StageBytes:
 
 
 def measure_node(cfg: EngineConfig, spec: ModelSpec) -> NodeSpec:
-    """This node's stages timed on their own cores with their threads and dtype (on a GPU in a child process, so
+    """This node's stages timed on their own cores or GPUs with their threads and dtype (GPUs in a child process, so
     that the launcher holds no CUDA context), and its memory. One stage: the median of 3 timings (~2.5 s for
     SmolLM2 on one core of this project's Xeon); several: 3 rounds over their cores, so that a slow moment of the
     host is not pinned on one."""
@@ -113,11 +113,12 @@ def measure_node(cfg: EngineConfig, spec: ModelSpec) -> NodeSpec:
     rounds = 1 if c.stages_per_node == 1 else 3
     shape = BatchShape.for_workload(c.micro_batch_size, c.chunked_prefill_size, spec.context_len,
                                     c.pp_auto_input_len, c.pp_auto_output_len)  # fmt: skip
-    device = torch.device("cuda", 0) if c.resolved_device == "cuda" else torch.device("cpu")
-    cpus = [stage_cpus(c.threads, c.ranks_per_node, i * c.ranks_per_stage, c.resolved_device)
-            for i in range(c.stages_per_node)]  # fmt: skip
-    args = (mcfg, c.pp_size, shape, c.torch_dtype, device, c.threads, cpus, rounds, c.attention_backend)
-    if device.type == "cuda":
+    cuda = c.resolved_device == "cuda"
+    firsts = [i * c.ranks_per_stage for i in range(c.stages_per_node)]  # each stage's first local rank
+    devices = [torch.device("cuda", r) if cuda else torch.device("cpu") for r in firsts]  # a rank takes its GPU
+    cpus = [stage_cpus(c.threads, c.ranks_per_node, r, c.resolved_device) for r in firsts]
+    args = (mcfg, c.pp_size, shape, c.torch_dtype, devices, c.threads, cpus, rounds, c.attention_backend)
+    if cuda:
         ctx = multiprocessing.get_context("spawn")
         with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
             costs, memory = pool.submit(_measure, c, args).result()

@@ -29,12 +29,13 @@ def own_partition(cfg: EngineConfig, spec: ModelSpec) -> list[int] | None:
         c.micro_batch_size, c.chunked_prefill_size, c.context_len(mcfg.max_position_embeddings),
         c.pp_auto_input_len, c.pp_auto_output_len,
     )  # fmt: skip
-    device = torch.device("cuda", 0) if c.resolved_device == "cuda" else torch.device("cpu")
-    cpus = [stage_cpus(c.threads, c.ranks_per_node, i * c.ranks_per_stage, c.resolved_device)
-            for i in range(c.stages_per_node)]  # fmt: skip
+    cuda = c.resolved_device == "cuda"
+    firsts = [i * c.ranks_per_stage for i in range(c.stages_per_node)]  # each stage's first local rank
+    devices = [torch.device("cuda", r) if cuda else torch.device("cpu") for r in firsts]  # a rank takes its GPU
+    cpus = [stage_cpus(c.threads, c.ranks_per_node, r, c.resolved_device) for r in firsts]
     caps = _memory_caps(cfg, spec)
-    choose = choose_partition_apart if device.type == "cuda" else choose_partition  # no CUDA context here
-    counts, _ = choose(mcfg, c.pp_size, shape, c.torch_dtype, device, c.threads, cpus,
+    choose = choose_partition_apart if cuda else choose_partition  # no CUDA context here
+    counts, _ = choose(mcfg, c.pp_size, shape, c.torch_dtype, devices, c.threads, cpus,
                        attention_backend=c.attention_backend, caps=caps)  # fmt: skip
     return counts
 

@@ -194,7 +194,7 @@ def choose_partition(
     pp_size: int,
     shape: BatchShape,
     dtype: torch.dtype,
-    device: torch.device,
+    device: torch.device | list[torch.device],
     threads: int,
     stage_cpus: list[list[int] | None] | None = None,
     rounds: int = 5,
@@ -202,8 +202,8 @@ def choose_partition(
     caps: list[int] | None = None,
 ) -> tuple[list[int], StageCosts]:
     """Measure with one stage's threads on each stage's cores (`stage_cpus[k]`; None: wherever this process
-    runs), pick the split (stage k at most `caps[k]` layers: what its memory holds), log the decision. The first
-    stage's cores time the embedding, the last's the head."""
+    runs) and device (one for all, or each stage's), pick the split (stage k at most `caps[k]` layers: what its
+    memory holds), log the decision. The first stage's cores time the embedding, the last's the head."""
     if pp_size == 1:
         return [mcfg.num_layers], StageCosts.uniform(0.0, 0.0, 0.0, shape, 1)
     costs = measure_stages(mcfg, pp_size, shape, dtype, device, threads, stage_cpus, rounds, attention_backend)
@@ -212,26 +212,29 @@ def choose_partition(
     return counts, costs
 
 
-def measure_stages(mcfg: ModelConfig, pp_size: int, shape: BatchShape, dtype: torch.dtype, device: torch.device,
-                   threads: int, stage_cpus: list[list[int] | None] | None = None, rounds: int = 5,
+def measure_stages(mcfg: ModelConfig, pp_size: int, shape: BatchShape, dtype: torch.dtype,
+                   device: torch.device | list[torch.device], threads: int,
+                   stage_cpus: list[list[int] | None] | None = None, rounds: int = 5,
                    attention_backend: str = "auto") -> StageCosts:  # fmt: skip
-    """A layer's cost on each stage's cores (`stage_cpus`: every stage's of `pp_size`, or a node's own stages'),
-    the embedding's on the first's and the head's on the last's, each the median over `rounds` rounds."""
+    """A layer's cost on each stage's cores and device (`stage_cpus`, `device`: every stage's of `pp_size`, or a
+    node's own stages'; one device for all, or one per stage: a node's GPUs need not be alike), the embedding's on
+    the first's and the head's on the last's, each the median over `rounds` rounds."""
     cpu_sets = stage_cpus if stage_cpus is not None else [None] * pp_size
-    keys = [tuple(c) if c else None for c in cpu_sets]
-    measured: dict[tuple[int, ...] | None, list[StageCosts]] = {k: [] for k in keys}
+    devices = device if isinstance(device, list) else [device] * len(cpu_sets)
+    keys = [(tuple(c) if c else None, str(d)) for c, d in zip(cpu_sets, devices, strict=True)]
+    measured: dict[tuple, list[StageCosts]] = {k: [] for k in keys}
     with restored_threads_and_cpus(threads) as allowed:
         layers = probe_layers(mcfg, shape, dtype, -(-mcfg.num_layers // pp_size))
-        probe = CostProbe(mcfg, shape, dtype, device, layers, attention_backend)
+        probes = {str(d): CostProbe(mcfg, shape, dtype, d, layers, attention_backend) for d in dict.fromkeys(devices)}
         # Rounds over the stages' cores, so that a slow moment of the host (or a cold start) is not pinned on
         # one stage; each figure is the median over the rounds.
         for _ in range(rounds):
-            for key in measured:
-                if key and allowed:
-                    os.sched_setaffinity(0, key)
-                measured[key].append(probe.measure(repeat=3))
+            for cpus, dev in measured:
+                if cpus and allowed:
+                    os.sched_setaffinity(0, cpus)
+                measured[(cpus, dev)].append(probes[dev].measure(repeat=3))
 
-    def med(key: tuple[int, ...] | None, field: str) -> float:
+    def med(key: tuple, field: str) -> float:
         return statistics.median(getattr(c, field) for c in measured[key])
 
     layer_ms = cores_layer_ms([[c.layer_ms[0] for c in measured[k]] for k in keys])
