@@ -26,8 +26,6 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ringsched.process.supervisor import free_port
-
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(os.geteuid() != 0, reason="slurmctld and slurmd run as root here"),
@@ -39,20 +37,33 @@ QUESTION = "What is the capital of France?"
 READY = re.compile(r"^(\d): .* ready: .*, (\d+) thread\(s\) on CPUs (\S+) \(pid \d+\)$", re.M)
 
 
-def free_port_pair() -> int:
-    """A port P with P and P+1 free, below the kernel's ephemeral range: node 1 listens on P+1, and an
-    ephemeral P+1 (what `free_port` would hand out next to P) can be taken by any outgoing connection
-    (the rendezvous, gloo) before node 1 binds it."""
+def free_low_ports(n: int, seed: int, width: int = 1) -> list[int]:
+    """`n` ports, each starting `width` consecutive free ports, below the kernel's ephemeral range: a port there
+    (what `free_port` hands out) can be taken by any outgoing connection (the rendezvous, gloo, the other xdist
+    worker's tests) before the daemon or node that was meant to listen on it binds it."""
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    for port in random.Random(os.getpid()).sample(range(10000, low - 1), 200):
+    out: list[int] = []
+    for port in random.Random(seed).sample(range(10000, low - width), 400):
         try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("0.0.0.0", port))
-                b.bind(("0.0.0.0", port + 1))
-            return port
+            socks = [socket.socket() for _ in range(width)]
+            try:
+                for i, sk in enumerate(socks):
+                    sk.bind(("0.0.0.0", port + i))
+            finally:
+                for sk in socks:
+                    sk.close()
         except OSError:
             continue
-    raise RuntimeError("no two adjacent free ports below the ephemeral range")
+        if all(abs(port - q) >= width for q in out):
+            out.append(port)
+        if len(out) == n:
+            return out
+    raise RuntimeError(f"no {n} free ports below the ephemeral range")
+
+
+def free_port_pair() -> int:
+    """A port P with P and P+1 free below the ephemeral range: node 1 listens on P+1."""
+    return free_low_ports(1, os.getpid(), width=2)[0]
 
 
 SLURM_CONF = """\
@@ -98,7 +109,8 @@ class SlurmCluster:
         for sub in ("state", "spool/n0", "spool/n1"):
             (self.d / sub).mkdir(parents=True)
         host = socket.gethostname().split(".")[0]  # slurmctld insists on `hostname -s`
-        ports = {"ctld_port": free_port(), "n0_port": free_port(), "n1_port": free_port()}
+        ctld, n0, n1 = free_low_ports(3, os.getpid() + 1)  # slurmd binds late: an ephemeral port may be gone
+        ports = {"ctld_port": ctld, "n0_port": n0, "n1_port": n1}
         self.conf.write_text(SLURM_CONF.format(host=host, d=self.d, **ports))
         try:
             self._daemon(["slurmctld", "-D", "-i", "-f", str(self.conf)], "slurmctld")
@@ -193,7 +205,7 @@ def test_sbatch_script_serves_on_two_nodes(cluster, smollm2_dir, tmp_path, tp, c
         "RINGSCHED_PP_SIZE": "2",
         "RINGSCHED_TP_SIZE": str(tp),
         "RINGSCHED_PORT": str(free_port_pair()),
-        "RINGSCHED_DIST_PORT": str(free_port()),
+        "RINGSCHED_DIST_PORT": str(free_low_ports(1, os.getpid() + 2)[0]),
         "RINGSCHED_EXTRA_ARGS": threads + "--kv-cache-memory 64M --max-model-len 1024",
         "RINGSCHED_READY_TIMEOUT": "120",
         "RINGSCHED_SMOKE_PROMPT": QUESTION,
