@@ -48,6 +48,11 @@ def balanced_split(num_layers: int, cost: Callable[[int, int], float], caps: lis
     return best[pp][num_layers][2]
 
 
+def balance_loss(stage_ms: list[float]) -> float:
+    """Throughput lost against a perfect balance (every stage taking the mean): 1 - mean / slowest."""
+    return 1.0 - statistics.fmean(stage_ms) / max(stage_ms)
+
+
 def _better(a: tuple[float, int, list[int]], b: tuple[float, int, list[int]]) -> bool:
     # Differences under 0.1% are measurement noise: prefer the more even split then.
     if abs(a[0] - b[0]) > 1e-3 * max(a[0], b[0]):
@@ -154,7 +159,7 @@ def describe(counts: list[int], nodes: list[NodeSpec], weights: StageBytes | Non
                      f"layers {[counts[j] for j in ks]}")  # fmt: skip
         k += nd.stages
     ms = [cost(j, n) for j, n in enumerate(counts)]
-    lost = 1.0 - statistics.fmean(ms) / max(ms)
+    lost = balance_loss(ms)
     lines.append(f"predicted stage times {[round(t, 2) for t in ms]} ms; {100 * lost:.1f}% lost against a perfect "
                  "balance")  # fmt: skip
     return "\n".join(lines)

@@ -104,6 +104,14 @@ def stage_bytes(cfg: EngineConfig, spec: ModelSpec) -> StageBytes:
                       kv_layer, kv_fixed)  # fmt: skip
 
 
+def local_stages(cfg: EngineConfig) -> tuple[list[torch.device], list[list[int] | None]]:
+    """Each of this node's stages' device and cores, as its first rank takes them (a rank takes its local GPU)."""
+    c, cuda = cfg, cfg.resolved_device == "cuda"
+    firsts = [i * c.ranks_per_stage for i in range(c.stages_per_node)]
+    devices = [torch.device("cuda", r) if cuda else torch.device("cpu") for r in firsts]
+    return devices, [stage_cpus(c.threads, c.ranks_per_node, r, c.resolved_device) for r in firsts]
+
+
 def measure_node(cfg: EngineConfig, spec: ModelSpec) -> NodeSpec:
     """This node's stages timed on their own cores or GPUs with their threads and dtype (GPUs in a child process, so
     that the launcher holds no CUDA context), and its memory. One stage: the median of 3 timings (~2.5 s for
@@ -113,12 +121,9 @@ def measure_node(cfg: EngineConfig, spec: ModelSpec) -> NodeSpec:
     rounds = 1 if c.stages_per_node == 1 else 3
     shape = BatchShape.for_workload(c.micro_batch_size, c.chunked_prefill_size, spec.context_len,
                                     c.pp_auto_input_len, c.pp_auto_output_len)  # fmt: skip
-    cuda = c.resolved_device == "cuda"
-    firsts = [i * c.ranks_per_stage for i in range(c.stages_per_node)]  # each stage's first local rank
-    devices = [torch.device("cuda", r) if cuda else torch.device("cpu") for r in firsts]  # a rank takes its GPU
-    cpus = [stage_cpus(c.threads, c.ranks_per_node, r, c.resolved_device) for r in firsts]
+    devices, cpus = local_stages(c)
     args = (mcfg, c.pp_size, shape, c.torch_dtype, devices, c.threads, cpus, rounds, c.attention_backend)
-    if cuda:
+    if c.resolved_device == "cuda":
         ctx = multiprocessing.get_context("spawn")
         with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
             costs, memory = pool.submit(_measure, c, args).result()

@@ -4,16 +4,13 @@ on one node its measured choice within its memory (`process/partition_auto.py`; 
 
 from __future__ import annotations
 
-import torch
-
 from ringsched.comm.store import RendezvousError
 from ringsched.config import EngineConfig
 from ringsched.layout.node_split import NodeSpec, shortfall, stage_caps
 from ringsched.layout.partition import head_layers
-from ringsched.process.node_measure import node_memory, stage_bytes
+from ringsched.process.node_measure import local_stages, node_memory, stage_bytes
 from ringsched.process.partition_auto import BatchShape, choose_partition, choose_partition_apart
 from ringsched.spec import ModelSpec
-from ringsched.stage.affinity import stage_cpus
 
 
 def own_partition(cfg: EngineConfig, spec: ModelSpec) -> list[int] | None:
@@ -30,9 +27,7 @@ def own_partition(cfg: EngineConfig, spec: ModelSpec) -> list[int] | None:
         c.pp_auto_input_len, c.pp_auto_output_len,
     )  # fmt: skip
     cuda = c.resolved_device == "cuda"
-    firsts = [i * c.ranks_per_stage for i in range(c.stages_per_node)]  # each stage's first local rank
-    devices = [torch.device("cuda", r) if cuda else torch.device("cpu") for r in firsts]  # a rank takes its GPU
-    cpus = [stage_cpus(c.threads, c.ranks_per_node, r, c.resolved_device) for r in firsts]
+    devices, cpus = local_stages(c)
     caps = _memory_caps(cfg, spec)
     choose = choose_partition_apart if cuda else choose_partition  # no CUDA context here
     counts, _ = choose(mcfg, c.pp_size, shape, c.torch_dtype, devices, c.threads, cpus,

@@ -33,7 +33,7 @@ import torch
 
 from ringsched.comm.messages import BatchPlan, PlanEntry
 from ringsched.kv.cache import BlockTable, KVPool, kv_bytes_per_token
-from ringsched.layout.node_split import balanced_split
+from ringsched.layout.node_split import balance_loss, balanced_split
 from ringsched.layout.rank import StageInfo
 from ringsched.models.attention_backend import select_backend
 from ringsched.models.config import ModelConfig, layer_weight_params
@@ -106,11 +106,6 @@ def best_partition(num_layers: int, pp_size: int, costs: StageCosts, caps: list[
     if len(costs.layer_ms) != pp_size:
         raise ValueError(f"costs for {len(costs.layer_ms)} stages, asked to cut into {pp_size}")
     return balanced_split(num_layers, costs.cost, caps or [num_layers] * pp_size)
-
-
-def balance_loss(stage_ms: list[float]) -> float:
-    """Throughput lost against a perfect balance (every stage taking the mean): 1 - mean / slowest."""
-    return 1.0 - statistics.fmean(stage_ms) / max(stage_ms)
 
 
 PROBE_BYTES = 384 * 2**20  # weights + KV the probe's layers span: more than a server CPU's last-level cache
