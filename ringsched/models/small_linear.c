@@ -16,7 +16,8 @@
  * Outputs are split over `nthreads` OpenMP threads: the library links torch's own libgomp (the same soname,
  * already loaded), so it runs on torch's thread team instead of a second one competing for the cores.
  * Built by ringsched/models/small_linear.py with -O3 -march=native; AVX-512 (F, BW, VL) gets intrinsics,
- * AVX512-BF16 the bfloat16 dot-product instruction, any other CPU portable loops.
+ * AVX512-BF16 the bfloat16 dot-product instruction, AVX2 with FMA its own intrinsics (small_linear_avx2.h), any other
+ * CPU portable loops.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -84,6 +85,9 @@ static inline float load_act(const void *x, int x_bf16, int64_t i) {
 #define PREFETCH_BYTES 8192
 #endif
 #define INLINE static inline __attribute__((always_inline))
+#define NB 4 /* outputs per tile of linear_nk */
+
+#include "small_linear_avx2.h"
 
 static inline int64_t kn_half(int64_t K) {
   const int64_t kh = (K / 2 + 15) / 16 * 16;
@@ -110,6 +114,8 @@ INLINE void kn_stream_x(const void *x, int64_t ldx, const int xb, int64_t M, int
       }
     }
   }
+#elif HAVE_AVX2
+  kn_stream_avx2(x, ldx, xb, M, k0, k1, w, ldw, c0, c1, acc, N);
 #else
   for (int64_t k = k0; k < k1; k++)
     for (int64_t m = 0; m < M; m++) {
@@ -238,8 +244,6 @@ int linear_kn(const void *x, int64_t ldx, int64_t x_bf16, int64_t M, int64_t K, 
  * [N, K] weights: out[m, n] = scale[n] * sum_k x[m, k] * w[n * K + k]   (scale: int8 only; int4: per group)
  * ------------------------------------------------------------------------------------------------------- */
 
-#define NB 4 /* outputs per tile */
-
 #if HAVE_AVX512
 INLINE __m512 widen_bf16(__m256i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)); }
 
@@ -257,7 +261,7 @@ INLINE __m512 load_x16(const void *p, const int xb, __mmask16 mk) {
 
 #include "small_linear_int4.h"
 
-#if !HAVE_AVX512
+#if !HAVE_AVX512 && !HAVE_AVX2
 /* One row's dot product with one output's weights, in 16 lanes of partial sums as the vector path keeps. Not
  * inlined: the tile's constant row count would let the compiler vectorize (and, with -ffast-math, reassociate)
  * each copy its own way, and a row's result would then depend on how many rows shared its tile. */
@@ -327,6 +331,8 @@ INLINE void nk_tile(const void *x, int64_t ldx, const int xb, int64_t m0, const 
   }
   for (int m = 0; m < mb; m++)
     for (int i = 0; i < NB; i++) acc_out[m][i] = _mm512_reduce_add_ps(acc[m][i]);
+#elif HAVE_AVX2
+  for (int i = 0; i < nb; i++) nk_out_avx2(xr, xb, mb, K, wr[i], wt, i, acc_out);
 #else
   for (int m = 0; m < mb; m++)
     for (int i = 0; i < NB; i++) acc_out[m][i] = nk_dot(xr[m], xb, wr[i], wt, K);

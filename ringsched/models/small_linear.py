@@ -47,13 +47,13 @@ logger = logging.getLogger(__name__)
 
 ENV_SWITCH = "RINGSCHED_NATIVE_LINEAR"
 SOURCE = Path(__file__).with_name("small_linear.c")
-HEADER = SOURCE.with_name("small_linear_int4.h")  # included by SOURCE
-SOURCES = (SOURCE, HEADER)  # what the built library is made of (a tuning cache is keyed by them)
+HEADERS = tuple(SOURCE.with_name(f"small_linear_{h}.h") for h in ("int4", "avx2"))  # included by SOURCE
+SOURCES = (SOURCE, *HEADERS)  # what the built library is made of (a tuning cache is keyed by them)
 # -fopenmp on both lines: the library then needs libgomp.so.1, which the dynamic linker resolves to the copy
-# torch has already loaded (same soname), so the kernel runs on torch's own thread team. The header's hash is a
-# flag: the build cache is keyed by the source and the flags, so a change to the header rebuilds too.
+# torch has already loaded (same soname), so the kernel runs on torch's own thread team. The headers' hash is a
+# flag: the build cache is keyed by the source and the flags, so a change to a header rebuilds too.
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC",
-                 f"-DINT4_HEADER_HASH={hashlib.sha256(HEADER.read_bytes()).hexdigest()[:16]}", "-c"]  # fmt: skip
+                 f"-DHEADERS_HASH={hashlib.sha256(b''.join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]}", "-c"]  # fmt: skip
 LINK_FLAGS = ["-shared", "-fopenmp"]
 
 _W_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}

@@ -22,7 +22,7 @@ INLINE void load_q4_block(const uint8_t *p, __m512 *lo, __m512 *hi) {
 }
 #endif
 
-#if !HAVE_AVX512
+#if !HAVE_AVX512 && !HAVE_AVX2
 /* One row's sum with one output's int4 weights, as above. Not inlined: the tile's constant row count would let the
  * compiler vectorize (and, with -ffast-math, reassociate) each copy its own way (small_linear.c's `nk_dot`). */
 __attribute__((noinline)) static float q4_dot(const char *xr, const int xb, const uint8_t *wr, const float *sr,
@@ -85,6 +85,8 @@ INLINE void nk_tile_q4(const void *x, int64_t ldx, const int xb, int64_t m0, con
   }
   for (int m = 0; m < mb; m++)
     for (int i = 0; i < NB; i++) acc_out[m][i] = _mm512_reduce_add_ps(acc[m][i]);
+#elif HAVE_AVX2
+  for (int i = 0; i < nb; i++) nk_out_q4_avx2(xr, xb, mb, K, wr[i], sr[i], g, i, acc_out);
 #else
   for (int m = 0; m < mb; m++)
     for (int i = 0; i < NB; i++) acc_out[m][i] = q4_dot(xr[m], xb, wr[i], sr[i], K, g);
