@@ -52,8 +52,8 @@ SOURCES = (SOURCE, *HEADERS)  # what the built library is made of (a tuning cach
 # -fopenmp on both lines: the library then needs libgomp.so.1, which the dynamic linker resolves to the copy
 # torch has already loaded (same soname), so the kernel runs on torch's own thread team. The headers' hash is a
 # flag: the build cache is keyed by the source and the flags, so a change to a header rebuilds too.
-COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC",
-                 f"-DHEADERS_HASH={hashlib.sha256(b''.join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]}", "-c"]  # fmt: skip
+_HEADERS_HASH = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
+COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", f"-DHEADERS_HASH={_HEADERS_HASH}", "-c"]
 LINK_FLAGS = ["-shared", "-fopenmp"]
 
 _W_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
