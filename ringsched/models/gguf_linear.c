@@ -15,7 +15,8 @@
  * float32's accuracy (gguf_linear_amx.h).
  *
  * `gguf_dequant` writes rows as float32 (a step of many rows multiplies those with MKL; the embedding looks up its
- * rows). Built by gguf_linear.py with -O3 -march=native; AVX-512 (F, BW, VL) gets intrinsics, other CPUs loops.
+ * rows). Built by gguf_linear.py with -O3 -march=native; AVX-512 (F, BW, VL) gets intrinsics, AVX2 with FMA keeps the
+ * sums in registers, other CPUs loops.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -28,6 +29,11 @@
 #define HAVE_AVX512 1
 #else
 #define HAVE_AVX512 0
+#endif
+#if !HAVE_AVX512 && defined(__AVX2__) && defined(__FMA__)
+#define HAVE_AVX2 1 /* the tile's sums in 8-lane registers, Q4_0, Q4_1 and Q8_0 decoded in them */
+#else
+#define HAVE_AVX2 0
 #endif
 
 #define INLINE static inline __attribute__((always_inline))
@@ -237,7 +243,47 @@ static inline void store_out(void *y, int yb, int64_t i, float v) {
                                                         : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-#if !HAVE_AVX512
+#if HAVE_AVX2
+INLINE __m256 load_x8(const char *p, const int xb) {
+  return xb ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16))
+            : _mm256_loadu_ps((const float *)p);
+}
+
+/* The 32 values of block b of a Q4_0, Q4_1 or Q8_0 row as float32 in v[0..3] (values 0-7, 8-15, 16-23, 24-31), the
+ * products decode32_scalar forms; other types through it */
+INLINE void decode32_avx2(const uint8_t *row, const int64_t t, int64_t b, __m256 v[4]) {
+  if (t != Q4_0 && t != Q4_1 && t != Q8_0) {
+    float f[32];
+    decode32_scalar(row, t, b, f);
+    for (int j = 0; j < 4; j++) v[j] = _mm256_loadu_ps(f + 8 * j);
+    return;
+  }
+  const uint8_t *p = row + b * block_bytes(t);
+  const __m256 d = _mm256_set1_ps(fp16(p));
+  if (t == Q8_0) {
+    for (int j = 0; j < 4; j++)
+      v[j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 2 + 8 * j)))));
+    return;
+  }
+  const __m128i q = _mm_loadu_si128((const __m128i *)(p + (t == Q4_0 ? 2 : 4))), mask = _mm_set1_epi8(0x0f);
+  const __m128i half[2] = {_mm_and_si128(q, mask), _mm_and_si128(_mm_srli_epi16(q, 4), mask)};
+  for (int j = 0; j < 4; j++) {
+    const __m128i h = half[j / 2];
+    v[j] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(j % 2 ? _mm_srli_si128(h, 8) : h));
+  }
+  if (t == Q4_0)
+    for (int j = 0; j < 4; j++) v[j] = _mm256_mul_ps(d, _mm256_sub_ps(v[j], _mm256_set1_ps(8.0f)));
+  else
+    for (int j = 0; j < 4; j++) v[j] = _mm256_fmadd_ps(d, v[j], _mm256_set1_ps(fp16(p + 2)));
+}
+
+/* The 8 lanes added in a fixed order */
+INLINE float sum8(__m256 v) {
+  const __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 d = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  return _mm_cvtss_f32(_mm_add_ss(d, _mm_movehdup_ps(d)));
+}
+#elif !HAVE_AVX512
 /* One row's 16 lanes += its 32 activations of block `b` times the block's values `v`, and the lanes' sum. Not
  * inlined: the tile's constant row count would let the compiler vectorize (and, with -ffast-math, reassociate)
  * each copy its own way, and a row's result would then depend on how many rows shared its tile. */
@@ -282,6 +328,24 @@ INLINE void tile(const void *x, int64_t ldx, const int xb, int64_t m0, const int
   }
   for (int m = 0; m < mb; m++)
     for (int i = 0; i < NB; i++) acc_out[m][i] = _mm512_reduce_add_ps(acc[m][i]);
+#elif HAVE_AVX2 /* 16 lanes as two registers: lanes l and 8 + l take values l and 16 + l, then 8 + l and 24 + l */
+  __m256 acc[MB][NB][2];
+  for (int m = 0; m < mb; m++)
+    for (int i = 0; i < NB; i++) acc[m][i][0] = acc[m][i][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < K / 32; b++)
+    for (int i = 0; i < NB; i++) {
+      __m256 v[4];
+      decode32_avx2(wr[i], t, b, v);
+      const __m256 v0 = v[0], v1 = v[1], v2 = v[2], v3 = v[3];
+      for (int m = 0; m < mb; m++) {
+        const char *p = xr[m] + xsize * 32 * b;
+        acc[m][i][0] = _mm256_fmadd_ps(load_x8(p + xsize * 16, xb), v2, _mm256_fmadd_ps(load_x8(p, xb), v0, acc[m][i][0]));
+        acc[m][i][1] = _mm256_fmadd_ps(load_x8(p + xsize * 24, xb), v3,
+                                       _mm256_fmadd_ps(load_x8(p + xsize * 8, xb), v1, acc[m][i][1]));
+      }
+    }
+  for (int m = 0; m < mb; m++)
+    for (int i = 0; i < NB; i++) acc_out[m][i] = sum8(_mm256_add_ps(acc[m][i][0], acc[m][i][1]));
 #else
   float lanes[MB][NB][16] = {{{0}}};
   for (int64_t b = 0; b < K / 32; b++)
