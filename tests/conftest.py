@@ -21,6 +21,23 @@ if not torch.cuda.is_available():
 
 
 @pytest.fixture(scope="session")
+def fresh_cache():
+    """`make(root)`: a new, empty `RINGSCHED_CACHE` at `root` for a test's own model conversions, whose `native/`
+    is the usual cache's, so that engines started in it find the kernels built rather than compile them again."""
+    from ringsched.models.fetch import cache_dir
+
+    built = cache_dir() / "native"  # the session's cache, before any test points RINGSCHED_CACHE elsewhere
+
+    def make(root: Path) -> Path:
+        built.mkdir(parents=True, exist_ok=True)
+        root.mkdir(parents=True, exist_ok=True)
+        (root / "native").symlink_to(built, target_is_directory=True)
+        return root
+
+    return make
+
+
+@pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     from ringsched.models.fetch import resolve_model
 

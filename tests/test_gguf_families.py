@@ -133,7 +133,7 @@ PROMPTS = [[5, 17, 42, 99, 3, 250, 7, 11, 13, 200, 31, 64], list(range(40, 90))]
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(HF_GGUF_GAPS))
-def test_transformers_gguf_loader_and_ringsched_agree(made, name, monkeypatch, tmp_path):
+def test_transformers_gguf_loader_and_ringsched_agree(made, name, monkeypatch, tmp_path, fresh_cache):
     from test_model_reference import hf_greedy
 
     from ringsched.engine import Engine
@@ -145,7 +145,7 @@ def test_transformers_gguf_loader_and_ringsched_agree(made, name, monkeypatch, t
     with torch.no_grad():
         want = [hf_greedy(theirs, ids, 16) for ids in PROMPTS]
         assert want == [hf_greedy(hf, ids, 16) for ids in PROMPTS]  # the file holds the model whole
-    monkeypatch.setenv("RINGSCHED_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("RINGSCHED_CACHE", str(fresh_cache(tmp_path / "cache")))
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     with Engine(model=str(path), kv_cache_memory="8M", threads_per_stage=1, log_level="warning") as llm:
         assert [o.token_ids for o in llm.generate(PROMPTS, params)] == want

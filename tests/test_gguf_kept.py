@@ -178,14 +178,14 @@ MAX_TOKENS = 14
 
 
 @pytest.fixture(scope="module")
-def served(made, tmp_path_factory):
+def served(made, tmp_path_factory, fresh_cache):
     """Per (mix, layout), lazily: the engine's greedy tokens for `PROMPTS` (`--model FILE.gguf`, so
     `--quantization gguf`)."""
     from ringsched.engine import Engine
     from ringsched.sampling import SamplingParams
 
     cache: dict[tuple, list[list[int]]] = {}
-    ringsched_cache = tmp_path_factory.mktemp("cache")  # one for the module's engines: kernels built once
+    ringsched_cache = fresh_cache(tmp_path_factory.mktemp("served") / "cache")  # the conversions apart, not the kernels
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 
     def serve(name: str, **layout) -> list[list[int]]:

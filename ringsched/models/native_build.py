@@ -2,13 +2,14 @@
 
 The build is keyed by the source, the compiler's version, the flags and the CPU's flags (it is built for this
 CPU with `-march=native`, and a cache directory may be shared by the nodes of a cluster), and lands in
-`$RINGSCHED_CACHE/native/`. Stages start together and may all build: each in its own directory, then an
-atomic rename.
+`$RINGSCHED_CACHE/native/`. Stages start together: one builds (in its own directory, then an atomic rename)
+while the others wait on a lock file, then find the library built.
 """
 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import logging
 import os
@@ -17,11 +18,15 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ringsched.models.fetch import cache_dir
+
+BUILD_STEP_TIMEOUT = 120  # seconds for the compile, and again for the link
+LOCK_WAIT = 2 * BUILD_STEP_TIMEOUT + 10  # the longest another process's build may keep this one waiting
 
 
 def load(source: Path, compile_flags: list[str], link_flags: list[str], log: logging.Logger, what: str,
@@ -37,27 +42,55 @@ def load(source: Path, compile_flags: list[str], link_flags: list[str], log: log
 
 def build(source: Path, compile_flags: list[str], link_flags: list[str]) -> Path:
     """The shared library built from `source` (raises RuntimeError or OSError when it cannot be built)."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        raise RuntimeError("no C compiler (cc or gcc) on PATH")
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
+    lib = target(source, compile_flags, link_flags)
+    if lib.exists():
+        return lib
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    with open(lib.with_name(f".{lib.stem}.lock"), "w") as lock:  # released on close, or when its holder dies
+        _wait_for(lock, lib)
+        if not lib.exists():
+            _compile(_compiler(), source, compile_flags, link_flags, lib)
+    return lib
+
+
+def target(source: Path, compile_flags: list[str], link_flags: list[str]) -> Path:
+    """Where the library built from `source` with these flags by this compiler for this CPU is cached."""
+    version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
     key = hashlib.sha256()
     for part in (source.read_bytes(), version.encode(), " ".join(compile_flags + link_flags).encode(),
                  _cpu_flags().encode(), platform.machine().encode()):  # fmt: skip
         key.update(part)
-    out_dir = cache_dir() / "native"
-    target = out_dir / f"{source.stem}-{key.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+    return cache_dir() / "native" / f"{source.stem}-{key.hexdigest()[:16]}.so"
+
+
+def _compiler() -> str:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise RuntimeError("no C compiler (cc or gcc) on PATH")
+    return cc
+
+
+def _wait_for(lock, target: Path) -> None:
+    """Hold `lock`, waiting at most LOCK_WAIT seconds for another process's build."""
+    deadline = time.monotonic() + LOCK_WAIT
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"another process has been building {target.name} for too long") from None
+            time.sleep(0.1)
+
+
+def _compile(cc: str, source: Path, compile_flags: list[str], link_flags: list[str], target: Path) -> None:
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         obj, lib = Path(tmp) / "k.o", Path(tmp) / "k.so"
         for cmd in ([cc, *compile_flags, str(source), "-o", str(obj)], [cc, str(obj), *link_flags, "-o", str(lib)]):
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_STEP_TIMEOUT)
             if done.returncode != 0:
                 raise RuntimeError(f"`{' '.join(cmd)}` failed: {done.stderr.strip()[-500:]}")
         os.replace(lib, target)
-    return target
 
 
 def _cpu_flags() -> str:
