@@ -12,8 +12,10 @@ from ringsched.engine import Engine
 from ringsched.sampling import SamplingParams
 
 
-def mixed_workload(n: int, seed: int = 0, max_prompt: int = 600, max_new: int = 200, vocab: int = 49152):
-    """`n` (prompt ids, params) pairs: prompts of 1..max_prompt tokens, 1..max_new new tokens, greedy.
+def mixed_workload(n: int, seed: int = 0, max_prompt: int = 600, max_new: int = 200, vocab: int = 49152,
+                   longest: int | None = None):
+    """`n` (prompt ids, params) pairs: prompts of 1..max_prompt tokens and one of `longest` (default max_prompt),
+    1..max_new new tokens, greedy.
 
     Lengths are log-uniform (many short, a few long, both extremes present) so that the whole range is
     covered at a CPU cost the test suite can afford."""
@@ -22,7 +24,7 @@ def mixed_workload(n: int, seed: int = 0, max_prompt: int = 600, max_new: int = 
     def logu(hi: int) -> int:
         return min(hi, max(1, round(math.exp(rng.uniform(0, math.log(hi))))))
 
-    lengths = [1, max_prompt] + [logu(max_prompt) for _ in range(n - 2)]
+    lengths = [1, longest or max_prompt] + [logu(max_prompt) for _ in range(n - 2)]
     news = [max_new, 1] + [logu(max_new) for _ in range(n - 2)]
     out = []
     for plen, new in zip(lengths, news, strict=True):

@@ -81,9 +81,9 @@ def prompt_ids(tok, i):
     )
 
 
-def test_logits_match_transformers(smollm2_dir, hf_smol):
+def test_logits_match_transformers(smol, hf_smol):
     hf, tok = hf_smol
-    ours = full_model(smollm2_dir)
+    ours = smol
     for i in range(len(RAW) + len(CHAT)):
         ids = prompt_ids(tok, i)
         with torch.no_grad():
@@ -97,12 +97,25 @@ def smol(smollm2_dir):
     return full_model(smollm2_dir)
 
 
-@pytest.mark.parametrize("i", range(8))
-def test_greedy_64_tokens_match_transformers(smol, hf_smol, i):
+@pytest.fixture(scope="module")
+def hf_64(hf_smol):
+    """`get(i)`: prompt i's ids and transformers' 64 greedy tokens after it, computed once for the module."""
     hf, tok = hf_smol
-    ours = smol
-    ids = prompt_ids(tok, i)
-    assert greedy(ours, ids, 64) == hf_greedy(hf, ids, 64)
+    got: dict[int, tuple[list[int], list[int]]] = {}
+
+    def get(i: int) -> tuple[list[int], list[int]]:
+        if i not in got:
+            ids = prompt_ids(tok, i)
+            got[i] = ids, hf_greedy(hf, ids, 64)
+        return got[i]
+
+    return get
+
+
+@pytest.mark.parametrize("i", range(8))
+def test_greedy_64_tokens_match_transformers(smol, hf_64, i):
+    ids, want = hf_64(i)
+    assert greedy(smol, ids, 64) == want
 
 
 def _hf_tiny(kind, tmp_path):
@@ -245,7 +258,6 @@ def smol_one_path(smollm2_dir, request):
 
 
 @pytest.mark.parametrize("i", [0, 1, 4, 5])
-def test_greedy_tokens_match_transformers_whichever_path_tuning_takes(smol_one_path, hf_smol, i):
-    hf, tok = hf_smol
-    ids = prompt_ids(tok, i)
-    assert greedy(smol_one_path, ids, 64) == hf_greedy(hf, ids, 64)
+def test_greedy_tokens_match_transformers_whichever_path_tuning_takes(smol_one_path, hf_64, i):
+    ids, want = hf_64(i)
+    assert greedy(smol_one_path, ids, 64) == want
