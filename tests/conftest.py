@@ -63,10 +63,37 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def hf_smol(smollm2_gguf):
-    """transformers' model and tokenizer loaded from the same GGUF file (slow: loaded once per session)."""
+    """transformers' model and tokenizer read from the same GGUF file as ringsched's (by `_hf_read_of`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    kw = {"gguf_file": smollm2_gguf.name}
-    model = AutoModelForCausalLM.from_pretrained(str(smollm2_gguf.parent), dtype=torch.float32, **kw).eval()
-    tok = AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), **kw)
-    return model, tok
+    saved = _hf_read_of(smollm2_gguf)
+    model = AutoModelForCausalLM.from_pretrained(str(saved), dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(str(saved))
+
+
+def _hf_read_of(gguf: Path) -> Path:
+    """What transformers reads from `gguf`, saved as it holds it, once, in the cache:
+    its GGUF reader takes ~25 s for SmolLM2, and each test worker would otherwise pay that again."""
+    import fcntl
+
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ringsched.models.fetch import cache_dir
+
+    st = gguf.stat()
+    saved = cache_dir() / "tests" / f"transformers-read-{gguf.stem}-{st.st_size}-{st.st_mtime_ns}"
+    saved.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{saved}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one worker reads the file while the others wait for its copy
+        if not saved.exists():
+            kw = {"gguf_file": gguf.name}
+            tmp = Path(f"{saved}.partial")
+            model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), dtype=torch.float32, **kw)
+            # transformers will not save_pretrained a model it read from GGUF: its config and tensors as they are
+            model.config.quantization_config = None
+            model.config.save_pretrained(tmp)
+            save_model(model, str(tmp / "model.safetensors"))
+            AutoTokenizer.from_pretrained(str(gguf.parent), **kw).save_pretrained(tmp)
+            tmp.rename(saved)
+    return saved
