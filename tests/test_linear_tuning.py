@@ -3,6 +3,8 @@ read back without measuring, is keyed by what the timings depend on, and `off` k
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -161,3 +163,21 @@ def test_a_path_falling_further_behind_is_retired_and_one_catching_up_is_kept(mo
     assert linear_tuning.read_times(path, ("native", "slow", "late")) == times
     table = linear_tuning.choose(times, ("native", "slow", "late"))
     assert "4 40/-/120" in linear_tuning.describe(table, times, ("native", "slow", "late"))
+
+
+def test_the_first_touch_of_the_weights_is_charged_to_no_path(monkeypatch):
+    """A fresh mmap's page faults (here 1 s on the first call of all) would count as the first path's warm-up, and a
+    path whose warm-up is far behind is not timed again: the weights are read once before any path is timed."""
+    clock = [0.0]
+    cost = {NATIVE: 1e-3, TORCH: 2e-3}  # per call: the kernel is the faster
+    touched = []
+
+    def fake_call(path, x, pieces):
+        clock[0] += cost[path] + (0.0 if touched else 1.0)
+        touched.append(path)
+
+    monkeypatch.setattr(linear_timing, "_call", fake_call)
+    monkeypatch.setattr(linear_timing, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    layer = small_linear.Linear(8, 4, bias=False)
+    times = linear_timing.measure_shape(Shape(4, 8, "float32", "float32", "nk"), (NATIVE, TORCH), [layer])
+    assert all(t == pytest.approx(cost) for t in times.values()), times

@@ -3,7 +3,8 @@ these timings and caches them).
 
 Each timed call runs the path over distinct weights of the shape (the stage's layers; the lm_head in slices of its
 vocabulary) until it has read `STREAM_BYTES` or done `FLOP_BUDGET`: the few-row calls stream many layers' weights as
-a step does, not one layer's from a core's cache (a larger last-level cache holds them). Per bucket: a warm-up call,
+a step does, not one layer's from a core's cache (a larger last-level cache holds them). First an untimed call over
+every weight (its first touch, page faults of a fresh mmap, charged to no path); then per bucket: a warm-up call,
 one timed call per path, then `ROUNDS - 1` more for the paths within `SCREEN` times the best (interleaved); a path's
 time is its best (processes starting beside the stage only add time); a path whose warm-up took over twice `SCREEN`
 times the best's keeps that time and is not timed again; one far behind at two buckets in a row and falling further
@@ -22,6 +23,7 @@ from ringsched.models.small_linear import NATIVE, Linear
 from ringsched.models.vocab import HEAD_VOCAB_CHUNK, LMHead
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+METHOD = 2  # how the timings are taken, in the cache key: timings cached by an earlier method are taken again
 STREAM_BYTES = 64 * 2**20  # weights a timed call reads at least (or all the shape's), as a step streams them
 FLOP_BUDGET = 0.25e9  # ... unless a call would do more arithmetic than this: then fewer weights (at least one)
 HEAD_SLICE = 8 * HEAD_VOCAB_CHUNK  # vocabulary rows of an lm_head slice
@@ -95,6 +97,9 @@ def measure_shape(shape: Shape, paths: tuple[str, ...], layers: list[Linear]) ->
     times: Times = {}
     live = paths
     with torch.inference_mode():
+        # The weights' first touch (a fresh mmap's page faults) would count as the first path's warm-up, and a path
+        # far behind at its warm-up is not timed again: every weight is read once before anything is timed.
+        _call(paths[0], torch.zeros(1, shape.k, dtype=getattr(torch, shape.act)), pieces)
         for rows in BUCKETS:
             flops = 2 * rows * pieces[0].values
             count = min(len(pieces), math.ceil(STREAM_BYTES / pieces[0].nbytes), max(1, int(FLOP_BUDGET // flops)))

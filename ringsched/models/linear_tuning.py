@@ -12,8 +12,8 @@ above costs, not the one below. Up to `layer_ops.MAX_ROWS` rows a decoder layer'
 How the timings are taken: `models/linear_timing.py`.
 
 The timings are cached in `$RINGSCHED_CACHE/tuning/` (`fetch.cache_dir()`), one JSON file per CPU model and
-flags, dtypes, threads, shape and layout, torch version and kernel source (`cache_key`): a stage that finds its
-file does not measure, and the same cache always gives the same choice (ties: the order of `PATHS`).
+flags, dtypes, threads, shape and layout, torch version, kernel source and timing method (`cache_key`): a stage that
+finds its file does not measure, and the same cache always gives the same choice (ties: the order of `PATHS`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch
 from ringsched.models import gguf_linear, layer_ops, native_build, small_linear
 from ringsched.models.fetch import cache_dir
 from ringsched.models.gguf_linear import GGUFParts, GGUFWeights
-from ringsched.models.linear_timing import BUCKETS, Shape, Times, measure_shape
+from ringsched.models.linear_timing import BUCKETS, METHOD, Shape, Times, measure_shape
 from ringsched.models.small_linear import INT8PACK, NATIVE, PATHS, TORCH, WIDEN, Linear
 from ringsched.models.vocab import LMHead
 
@@ -113,8 +113,9 @@ def cpu_identity() -> tuple[str, str]:
 def cache_key(shape: Shape, threads: int, cpu: tuple[str, str]) -> str:
     """The cache file's name for `shape` timed on `threads` threads of `cpu` (`cpu_identity()`)."""
     lib = gguf_linear if shape.weight.startswith("gguf-") else small_linear  # the kernel it times
-    parts = [*cpu, shape.n, shape.k, shape.weight, shape.act, shape.layout, threads, torch.__version__,
-             hashlib.sha256(b"".join(f.read_bytes() for f in lib.SOURCES)).hexdigest(), list(BUCKETS)]  # fmt: skip
+    source = hashlib.sha256(b"".join(f.read_bytes() for f in lib.SOURCES)).hexdigest()
+    parts = [*cpu, shape.n, shape.k, shape.weight, shape.act, shape.layout, threads, torch.__version__, source,
+             list(BUCKETS), METHOD]  # fmt: skip
     digest = hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
     return f"{shape.n}x{shape.k}-{shape.weight}-{shape.act}-{shape.layout}-t{threads}-{digest}"
 
