@@ -112,7 +112,7 @@ def hf_64(hf_smol):
     return get
 
 
-@pytest.mark.parametrize("i", range(8))
+@pytest.mark.parametrize("i", [2, 3, 6, 7])  # the others go on each path below
 def test_greedy_64_tokens_match_transformers(smol, hf_64, i):
     ids, want = hf_64(i)
     assert greedy(smol, ids, 64) == want

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow  # real model or several processes: the full suite
 ENGINE_KW = dict(threads_per_stage=1, kv_cache_memory="256M", log_level="warning")
 
 
-GREEDY = 40  # greedy requests in the workload, then 8 seeded ones
+GREEDY = 32  # greedy requests in the workload, then 8 seeded ones
 
 
 def workload():

@@ -230,7 +230,7 @@ def test_decode_sweep(batch, longest, heads, kv_heads, bs, dtype):
 def test_extend_sweep(batch, longest, heads, kv_heads, bs, dtype):
     lens = torch.randint(1, longest + 1, (batch,), generator=torch.Generator().manual_seed(batch)).tolist()
     lens[0] = longest
-    # a chunk of up to 128 tokens (two row tiles) after a cached prefix of up to 2k, of up to 64 (one) after up to 8k:
+    # a chunk of up to 128 tokens (two row tiles) after a cached prefix of up to 1k, of up to 64 (one) after up to 8k:
     # the interpreter's time grows with the chunk times the context; the compiled kernels ran chunks of 512 on a GPU
-    news = [max(1, min(n // 4, 128 if longest <= 2048 else 64)) for n in lens]
+    news = [max(1, min(n // 4, 128 if longest <= 1024 else 64)) for n in lens]
     check_extend(lens, news, heads, kv_heads, 64, bs, dtype, seed=batch)
