@@ -70,12 +70,15 @@ def pool(smollm2_dir):
     asyncio.set_event_loop(None)
 
 
-def test_a_grammar_that_segfaults_its_helper_costs_only_its_request(pool):
+def test_a_grammar_that_segfaults_its_helper_costs_only_its_request(pool, caplog):
     assert '"regex"' in _prove(pool, {"regex": "ab+"})
     (first,) = pool._helpers
-    with pytest.raises(GrammarError, match=r"crashed the process that checks grammars \(exit code -11\)"):
+    with pytest.raises(GrammarError, match=r"crashed the process that checks grammars \(exit code -?\d+\)"):
         _prove(pool, {"json_schema": ref_chain(3000)})  # past the bounds (lifted here): llguidance overflows
-    assert pool.replaced == 1 and first.proc.returncode == -signal.SIGSEGV
+    # In a long test session (pid_max 32768) asyncio's watcher may find the helper's status taken by another
+    # waitpid of this test process on a reused pid: it says so and reports 255. A server process has no such waitpid.
+    lost = "Unknown child process pid" in caplog.text
+    assert pool.replaced == 1 and (first.proc.returncode == -signal.SIGSEGV or lost), caplog.text
     assert '"yes" | "no"' in _prove(pool, {"choice": ["yes", "no"]})  # the replacement serves
     with pytest.raises(GrammarError, match="not valid"):
         _prove(pool, {"lark": "start: ("})  # a refusal is an answer, not a loss

@@ -23,9 +23,8 @@ def test_stages_starting_together_build_once(tmp_path, monkeypatch):
     monkeypatch.setenv("RINGSCHED_CACHE", str(tmp_path / "cache"))
     builds, compile_ = [], native_build._compile
     monkeypatch.setattr(native_build, "_compile", lambda *a: (builds.append(a), compile_(*a)))
-    got = []
-    threads = [threading.Thread(target=lambda: got.append(native_build.build(source(tmp_path), FLAGS, LINK)))
-               for _ in range(4)]
+    got, src = [], source(tmp_path)
+    threads = [threading.Thread(target=lambda: got.append(native_build.build(src, FLAGS, LINK))) for _ in range(4)]
     for t in threads:
         t.start()
     for t in threads:
@@ -41,8 +40,10 @@ def test_a_build_held_too_long_elsewhere_is_an_error_naming_the_library(tmp_path
     release = threading.Event()
     real_wait = native_build._wait_for
 
+    src = source(tmp_path)
+
     def holder():  # another process's build that does not finish
-        lib = native_build.target(source(tmp_path), FLAGS, LINK)
+        lib = native_build.target(src, FLAGS, LINK)
         lib.parent.mkdir(parents=True)
         with open(lib.with_name(f".{lib.stem}.lock"), "w") as lock:
             real_wait(lock, lib)
@@ -54,7 +55,7 @@ def test_a_build_held_too_long_elsewhere_is_an_error_naming_the_library(tmp_path
     assert held.wait(30)
     try:
         with pytest.raises(RuntimeError, match=r"another process has been building k-[0-9a-f]+\.so"):
-            native_build.build(source(tmp_path), FLAGS, LINK)
+            native_build.build(src, FLAGS, LINK)
     finally:
         release.set()
         t.join(30)
