@@ -38,9 +38,8 @@ def reference():
 
 @pytest.mark.parametrize(
     "layout",
-    [dict(pp_size=2), dict(pp_size=2, enable_dynamic_chunking=True), dict(pp_size=3, pp_async_batch_depth=1,
-                                                                          enable_dynamic_chunking=True)],
-    ids=["pp2", "pp2-dynamic", "pp3-depth1-dynamic"],
+    [dict(pp_size=2), dict(pp_size=3, pp_async_batch_depth=1, enable_dynamic_chunking=True)],
+    ids=["pp2", "pp3-depth1-dynamic"],
 )  # fmt: skip
 def test_pipelined_chunks_give_pp1s_tokens(reference, layout):
     outs, stats = run(threads_per_stage=1, **layout)
