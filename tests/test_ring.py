@@ -21,6 +21,8 @@ ENGINE_KW = dict(threads_per_stage=1, kv_cache_memory="256M", log_level="warning
 
 
 GREEDY = 32  # greedy requests in the workload, then 8 seeded ones
+# A request's tokens do not depend on its companions: a third of the greedy requests and every seeded one.
+PICKED = [*range(0, GREEDY, 3), *range(GREEDY, GREEDY + 8)]
 
 
 def workload():
@@ -82,13 +84,12 @@ def test_identical_across_pp_and_depth(reference, pp, depth):
 
 
 def test_context_parallel_ranks_give_the_same_tokens_through_preemption(reference):
-    """`--cp-size 2` with a pool of 448 tokens per rank (the longest request, 601 tokens, fits only spread over
-    both): greedy and seeded requests give PP=1's tokens while preemption recomputes requests, and every rank
-    frees its KV. With speculative drafts, placed over the ranks like any chunk and dropped where rejected."""
+    """`--cp-size 2` with a pool of 448 tokens per rank, less than the requests running at once hold: greedy and
+    seeded requests give PP=1's tokens while preemption recomputes requests, and every rank frees its KV. With
+    speculative drafts, placed over the ranks like any chunk and dropped where rejected. (A request that fits only
+    spread over both ranks: `test_cp_engine.py`.)"""
     kw = {**ENGINE_KW, "kv_cache_memory": str(448 * 30 * 1536), "speculative_config": SPEC}
-    # A request's tokens do not depend on its companions: the longest, a third of the greedy requests and every
-    # seeded one.
-    picked = [1, *range(0, GREEDY, 3), *range(GREEDY, GREEDY + 8)]
+    picked = PICKED
     work = workload()
     with Engine(cp_size=2, **kw) as llm:
         outs = run_staggered(llm, [work[i] for i in picked], gap=0.0)
@@ -122,7 +123,7 @@ def test_flexible_cut_gives_the_same_tokens(reference, smollm2_dir):
 def test_cut_decided_while_running_gives_the_same_tokens(reference, smollm2_dir):
     """`--pp-flex-policy ready` at depth 0: stage 0 cuts each micro-batch when stage 1 is (about to be) ready,
     stage 1 reads the cut from the K/V rows it receives; the tokens are PP=1's and the KV is freed."""
-    picked = [1, *range(0, GREEDY, 3), *range(GREEDY, GREEDY + 8)]  # as at CP above
+    picked = PICKED
     outs, stats = run(2, 0, picked, pp_flex_layers=2, pp_flex_policy="ready")
     cuts = {int(c): n for c, n in stats[0]["flex_cuts"].items()}
     assert cuts and set(cuts) <= flex_cuts(smollm2_dir, 2), cuts

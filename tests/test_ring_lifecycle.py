@@ -80,11 +80,11 @@ def test_abort_anywhere_frees_kv_on_every_stage():
 
 
 def test_small_pool_preempts_and_recomputes():
-    work = [(p, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)) for p in prompts(8, 48)]
+    work = [(p, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)) for p in prompts(8, 48)]
     with Engine(pp_size=1, kv_cache_memory="64M", **KW) as llm:
         expected = run_staggered(llm, work, gap=0.0)
         assert llm.wait_idle()["preemptions"] == 0
-    # 8 x 112 tokens need ~900 tokens of KV; the pool below holds 400 per stage.
+    # 8 x 88 tokens need ~700 tokens of KV; the pool below holds 400 per stage.
     with Engine(pp_size=2, kv_cache_memory=str(400 * 15 * 1536), **KW) as llm:
         got = run_staggered(llm, work, gap=0.0)
         stats = llm.wait_idle()
