@@ -89,16 +89,15 @@ def test_context_parallel_ranks_give_the_same_tokens_through_preemption(referenc
     speculative drafts, placed over the ranks like any chunk and dropped where rejected. (A request that fits only
     spread over both ranks: `test_cp_engine.py`.)"""
     kw = {**ENGINE_KW, "kv_cache_memory": str(448 * 30 * 1536), "speculative_config": SPEC}
-    picked = PICKED
     work = workload()
     with Engine(cp_size=2, **kw) as llm:
-        outs = run_staggered(llm, [work[i] for i in picked], gap=0.0)
+        outs = run_staggered(llm, [work[i] for i in PICKED], gap=0.0)
         stats = llm.wait_idle()
         usage = stage_kv_usage(llm)
     assert stats["preemptions"] > 0, "the pool was big enough: the test did not exercise preemption"
     assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], stats
     assert usage == {0: 0.0, 1: 0.0}, f"KV not freed on every rank: {usage}"
-    mismatched = [i for i, out in zip(picked, outs, strict=True) if out != reference[i]]
+    mismatched = [i for i, out in zip(PICKED, outs, strict=True) if out != reference[i]]
     assert not mismatched, f"requests {mismatched} differ from PP=1 at CP=2"
 
 
@@ -123,11 +122,10 @@ def test_flexible_cut_gives_the_same_tokens(reference, smollm2_dir):
 def test_cut_decided_while_running_gives_the_same_tokens(reference, smollm2_dir):
     """`--pp-flex-policy ready` at depth 0: stage 0 cuts each micro-batch when stage 1 is (about to be) ready,
     stage 1 reads the cut from the K/V rows it receives; the tokens are PP=1's and the KV is freed."""
-    picked = PICKED
-    outs, stats = run(2, 0, picked, pp_flex_layers=2, pp_flex_policy="ready")
+    outs, stats = run(2, 0, PICKED, pp_flex_layers=2, pp_flex_policy="ready")
     cuts = {int(c): n for c, n in stats[0]["flex_cuts"].items()}
     assert cuts and set(cuts) <= flex_cuts(smollm2_dir, 2), cuts
-    mismatched = [i for i, out in zip(picked, outs, strict=True) if out != reference[i]]
+    mismatched = [i for i, out in zip(PICKED, outs, strict=True) if out != reference[i]]
     assert not mismatched, f"requests {mismatched} differ from PP=1 with the cut decided while running"
 
 
