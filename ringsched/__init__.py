@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
+from ringsched.version import __version__ as __version__
+
 __all__ = ["Engine", "AsyncEngine", "SamplingParams", "RequestOutput"]
 
 if TYPE_CHECKING:
     from ringsched.async_engine import AsyncEngine
     from ringsched.engine import Engine, RequestOutput
-    from ringsched.sampling import SamplingParams
+    from ringsched.sampling.params import SamplingParams
 
 
 def __getattr__(name: str):
@@ -27,7 +28,7 @@ def __getattr__(name: str):
 
         return AsyncEngine
     if name == "SamplingParams":
-        from ringsched.sampling import SamplingParams
+        from ringsched.sampling.params import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'ringsched' has no attribute {name!r}")

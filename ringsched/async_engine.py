@@ -16,9 +16,9 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 
 from ringsched.config import EngineConfig
+from ringsched.detokenizer import TextStream
 from ringsched.engine import RequestOutput
-from ringsched.sampling import SamplingParams
-from ringsched.server.detokenizer import TextStream
+from ringsched.sampling.params import SamplingParams
 from ringsched.server.engine_client import EngineClient, EngineError
 from ringsched.spec import ModelSpec
 from ringsched.tokenizer import Tokenizer

@@ -1,9 +1,8 @@
 """The engine's configuration: one frozen dataclass, validated where it is built.
 
 Every field mirrors a launcher flag (`pp_async_batch_depth` is `--pp-async-batch-depth`); errors name the flag
-and say what to do. Values that depend on the model (layer count, context length) are checked by
-`EngineConfig.check_against(model_cfg)` once the model is known. The checks themselves are in
-`config_checks.py`; `ConfigError` and `parse_memory` are imported from here too.
+and say what to do. The checks are `config_checks.py`'s (mixed in; import `ConfigError` and `parse_memory` from
+here); values that depend on the model (layer count, context length) are checked once the model is known.
 """
 
 from __future__ import annotations
@@ -18,10 +17,10 @@ import torch
 
 from ringsched.config_checks import (
     ATTENTION_BACKENDS,
-    CHECKS,
     DTYPES,
     LINEAR_TUNING_ENV,
     LINEAR_TUNINGS,
+    ConfigChecks,
     ConfigError,
     check_layer_partition,
 )
@@ -30,6 +29,8 @@ from ringsched.device import cpu_has_fast_bf16, cpus_here, read_checkpoint_confi
 from ringsched.layout.flex import FLEX_POLICIES, FlexBoundary
 from ringsched.layout.partition import ENV_OVERRIDE, PartitionError, resolve_partition
 from ringsched.layout.rank import Layout
+
+DEFAULT_MODEL = "smollm2-135m-instruct"  # what `--model` serves when not given (fetched from PyPI)
 
 
 def _flag(default: Any, help: str, *, type: Callable | None = None, choices: Sequence[str] | None = None,
@@ -45,8 +46,8 @@ RUNNING_PER_STAGE = 128
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    model: str = _flag("smollm2-135m-instruct", "a model directory, or a known model name (fetched on first use)")
+class EngineConfig(ConfigChecks):
+    model: str = _flag(DEFAULT_MODEL, "a model directory, or a known model name (fetched on first use)")
     pp_size: int = _flag(1, "pipeline stages, one process each; more stages hold a bigger model and raise throughput, "
                          "not single-request latency")  # fmt: skip
     tp_size: int = _flag(1, "tensor-parallel ranks per stage, one process each: every layer's matrices are split "
@@ -172,8 +173,7 @@ class EngineConfig:
             object.__setattr__(self, "quantization", "gguf" if gguf else "none")
         if self.linear_tuning is None:
             object.__setattr__(self, "linear_tuning", os.environ.get(LINEAR_TUNING_ENV, "auto").strip().lower())
-        for check in CHECKS:  # config_checks.py: one per concern, each naming the flag and the fix
-            check(self)
+        self.run_checks()  # config_checks.py: one per concern, each naming the flag and the fix
 
     @property
     def pp_loop_size(self) -> int:

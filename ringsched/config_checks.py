@@ -5,16 +5,13 @@ order; the checks only read the config."""
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
 
 import torch
 
 from ringsched.device import gpu_shortfall
 from ringsched.layout.flex import CYCLE, FLEX_POLICIES
+from ringsched.refusals import REFUSALS
 from ringsched.speculative.config import SpeculativeConfig, SpeculativeConfigError
-
-if TYPE_CHECKING:
-    from ringsched.config import EngineConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -46,7 +43,13 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def check_layer_partition(cfg: EngineConfig) -> None:
+def _refuse(pair: str, refused: bool, **values: object) -> None:
+    """Raise `REFUSALS[pair]`'s error, its message filled from `values`, if `refused`."""
+    if refused:
+        raise ConfigError(REFUSALS[pair].message(**values))
+
+
+def check_layer_partition(cfg: ConfigChecks) -> None:
     """`pp_layer_partition` given from Python as a list: layer counts as integers."""
     if isinstance(cfg.pp_layer_partition, (list, tuple)):
         _require(
@@ -55,33 +58,20 @@ def check_layer_partition(cfg: EngineConfig) -> None:
         )
 
 
-def check_parallel_sizes(cfg: EngineConfig) -> None:
+def check_parallel_sizes(cfg: ConfigChecks) -> None:
     """--pp-size, --tp-size, --cp-size and how they combine."""
     _require(cfg.pp_size >= 1, f"--pp-size must be >= 1, got {cfg.pp_size}")
     _require(cfg.tp_size >= 1, f"--tp-size must be >= 1, got {cfg.tp_size}")
     _require(cfg.cp_size >= 1, f"--cp-size must be >= 1, got {cfg.cp_size}")
-    _require(
-        cfg.cp_size == 1 or cfg.tp_size == 1,
-        f"--cp-size {cfg.cp_size} with --tp-size {cfg.tp_size}: a stage is either tensor-parallel or "
-        "context-parallel for now; pick one of them (and keep the other at 1)",
-    )
-    _require(
-        cfg.pp_flex_layers == 0 or cfg.cp_size == 1,
-        f"--pp-flex-layers runs with --cp-size 1 only (got --cp-size {cfg.cp_size}): a moving cut's mirrored KV "
-        "rows are not split over context-parallel ranks; leave --pp-flex-layers at 0",
-    )
+    _refuse("cp+tp", cfg.cp_size > 1 and cfg.tp_size > 1, cp=cfg.cp_size, tp=cfg.tp_size)
+    _refuse("flex+cp", cfg.pp_flex_layers > 0 and cfg.cp_size > 1, cp=cfg.cp_size)
 
 
-def check_prefix_caching(cfg: EngineConfig) -> None:
-    _require(
-        not (cfg.enable_prefix_caching and cfg.cp_size > 1),
-        f"--enable-prefix-caching runs with --cp-size 1 only (got --cp-size {cfg.cp_size}): a cached prefix's "
-        "blocks would have to sit on the context-parallel ranks its tokens are placed on; pass "
-        "--no-enable-prefix-caching",
-    )
+def check_prefix_caching(cfg: ConfigChecks) -> None:
+    _refuse("prefix+cp", bool(cfg.enable_prefix_caching) and cfg.cp_size > 1, cp=cfg.cp_size)
 
 
-def check_speculative(cfg: EngineConfig) -> None:
+def check_speculative(cfg: ConfigChecks) -> None:
     """--speculative-config: its JSON."""
     if not cfg.speculative_config:
         return
@@ -91,7 +81,7 @@ def check_speculative(cfg: EngineConfig) -> None:
         raise ConfigError(str(e)) from None
 
 
-def check_pipeline(cfg: EngineConfig) -> None:
+def check_pipeline(cfg: ConfigChecks) -> None:
     """--pp-async-batch-depth and the flexible cut (--pp-flex-layers, --pp-flex-policy)."""
     _require(
         cfg.pp_async_batch_depth >= 0,
@@ -99,23 +89,15 @@ def check_pipeline(cfg: EngineConfig) -> None:
         f"{cfg.pp_async_batch_depth}",
     )
     _require(cfg.pp_flex_layers >= 0, f"--pp-flex-layers must be >= 0 (0 = a fixed cut), got {cfg.pp_flex_layers}")
-    _require(
-        cfg.pp_flex_layers == 0 or cfg.pp_size == 2,
-        f"--pp-flex-layers moves the cut between two stages; it needs --pp-size 2 (got {cfg.pp_size}), or "
-        "leave it at 0",
-    )
-    _require(
-        cfg.pp_flex_layers == 0 or cfg.tp_size == 1,
-        f"--pp-flex-layers runs with --tp-size 1 only (got --tp-size {cfg.tp_size}): a moving cut's mirrored KV "
-        "rows are not sharded; leave --pp-flex-layers at 0 with tensor parallelism",
-    )
+    _refuse("flex+pp", cfg.pp_flex_layers > 0 and cfg.pp_size != 2, pp=cfg.pp_size)
+    _refuse("flex+tp", cfg.pp_flex_layers > 0 and cfg.tp_size > 1, tp=cfg.tp_size)
     _require(
         cfg.pp_flex_policy in (*FLEX_POLICIES, CYCLE),
         f"--pp-flex-policy {cfg.pp_flex_policy!r}: use one of {', '.join(FLEX_POLICIES)}",
     )
 
 
-def check_batching(cfg: EngineConfig) -> None:
+def check_batching(cfg: ConfigChecks) -> None:
     """--quantization, the batch sizes and prefill chunking."""
     _require(
         cfg.quantization in ("none", "int8", "int4", "gguf"),
@@ -140,23 +122,19 @@ def check_batching(cfg: EngineConfig) -> None:
     )
 
 
-ATTENTION_BACKENDS = ("auto", "torch", "native", "triton")  # models/attention_backend.py builds each
-LINEAR_TUNINGS = ("auto", "off")  # models/linear_tuning.py
+ATTENTION_BACKENDS = ("auto", "torch", "native", "triton")  # attention/backend.py builds each
+LINEAR_TUNINGS = ("auto", "off")  # kernels/linear_tuning.py
 LINEAR_TUNING_ENV = "RINGSCHED_LINEAR_TUNING"  # --linear-tuning's default when set (the tests set off)
 
 
-def check_gpus(cfg: EngineConfig) -> None:
+def check_gpus(cfg: ConfigChecks) -> None:
     """On CUDA: a GPU for each of this node's ranks; no flexible cut (its transfers are not batched for NCCL)."""
     shortfall = gpu_shortfall(cfg.pp_size, cfg.nnodes, cfg.tp_size, cfg.cp_size, torch.cuda.device_count())
     _require(shortfall is None, shortfall or "")
-    _require(
-        cfg.pp_flex_layers == 0,
-        "--pp-flex-layers is for CPU stages for now: on CUDA its large K/V transfers go both ways on one NCCL "
-        "communicator unbatched, which can deadlock; leave --pp-flex-layers at 0 with --device cuda",
-    )
+    _refuse("flex+cuda", cfg.pp_flex_layers > 0)
 
 
-def check_device(cfg: EngineConfig) -> None:
+def check_device(cfg: ConfigChecks) -> None:
     """--dtype, --device (and whether CUDA is there), --attention-backend, --linear-tuning, --threads-per-stage."""
     _require(
         cfg.dtype == "auto" or cfg.dtype in DTYPES,
@@ -182,7 +160,7 @@ def check_device(cfg: EngineConfig) -> None:
         _require(cfg.threads_per_stage >= 1, f"--threads-per-stage must be >= 1, got {cfg.threads_per_stage}")
 
 
-def check_auto_partition(cfg: EngineConfig) -> None:
+def check_auto_partition(cfg: ConfigChecks) -> None:
     """The workload `--pp-layer-partition auto` balances for."""
     _require(
         cfg.pp_auto_input_len >= 1 and cfg.pp_auto_output_len >= 1,
@@ -191,7 +169,7 @@ def check_auto_partition(cfg: EngineConfig) -> None:
     )
 
 
-def check_timeouts(cfg: EngineConfig) -> None:
+def check_timeouts(cfg: ConfigChecks) -> None:
     _require(cfg.stage_timeout > 0, f"--stage-timeout must be > 0 seconds, got {cfg.stage_timeout}")
     _require(
         cfg.heartbeat_timeout >= 1,
@@ -200,7 +178,7 @@ def check_timeouts(cfg: EngineConfig) -> None:
     _require(cfg.dist_timeout > 0, f"--dist-timeout must be > 0 seconds, got {cfg.dist_timeout}")
 
 
-def check_nodes(cfg: EngineConfig) -> None:
+def check_nodes(cfg: ConfigChecks) -> None:
     """--nnodes, --node-rank, --dist-init-addr: nodes hold whole stages."""
     _require(cfg.nnodes >= 1, f"--nnodes must be >= 1, got {cfg.nnodes}")
     _require(
@@ -220,7 +198,7 @@ def check_nodes(cfg: EngineConfig) -> None:
         )
 
 
-def check_kv_cache(cfg: EngineConfig) -> None:
+def check_kv_cache(cfg: ConfigChecks) -> None:
     """The KV pool's block size, --max-model-len, --kv-cache-memory."""
     _require(cfg.block_size >= 1, f"block size must be >= 1, got {cfg.block_size}")
     if cfg.max_model_len is not None:
@@ -230,6 +208,15 @@ def check_kv_cache(cfg: EngineConfig) -> None:
         parse_memory(cfg.node_memory, "--node-memory")
 
 
-# In the fields' order (of several bad flags, the first field's is reported).
+class ConfigChecks:
+    """Mixed into `EngineConfig`: its checks, run in the fields' order (of several bad flags, the first field's is
+    reported). The checks read the config's fields as `cfg`; this class names their type without importing
+    `config.py`, which imports it."""
+
+    def run_checks(self) -> None:
+        for check in CHECKS:
+            check(self)
+
+
 CHECKS = (check_parallel_sizes, check_prefix_caching, check_speculative, check_pipeline, check_batching,
           check_device, check_auto_partition, check_timeouts, check_nodes, check_kv_cache)  # fmt: skip

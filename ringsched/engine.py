@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 
 from ringsched.comm.messages import AbortRequest, NewRequest, OutputBatch, TokenOutput
 from ringsched.config import EngineConfig
+from ringsched.detokenizer import TextStream
 from ringsched.link import RingLink
 from ringsched.replay import FollowRecovery, OpenRequests
-from ringsched.sampling import SamplingParams
-from ringsched.server.detokenizer import TextStream
+from ringsched.sampling.params import SamplingParams
 from ringsched.spec import ModelSpec
 from ringsched.tokenizer import Tokenizer
 

@@ -14,10 +14,11 @@ from pathlib import Path
 from ringsched.config import ConfigError, EngineConfig
 from ringsched.layout.partition import default_partition, head_layers
 from ringsched.models.checkpoint_check import check_checkpoint
-from ringsched.models.config import ModelConfig
-from ringsched.models.fetch import resolve_model
-from ringsched.models.gguf_weights import check_kept
-from ringsched.models.tp import TPLayoutError, check_tp
+from ringsched.refusals import REFUSALS
+from ringsched.weights.fetch import resolve_model
+from ringsched.weights.gguf_weights import check_kept
+from ringsched.weights.model_config import ModelConfig
+from ringsched.weights.tp_shard import TPLayoutError, check_tp
 
 
 @dataclass(frozen=True)
@@ -47,13 +48,9 @@ class ModelSpec:
             except ValueError as e:
                 raise ConfigError(str(e)) from None
         if cfg.cp_size > 1 and (mcfg.layer_types or mcfg.attn_softcap):
-            raise ConfigError(f"--cp-size {cfg.cp_size}: context parallelism runs full attention without soft-capping, "
-                              f"and this {mcfg.architecture} has sliding-window or soft-capped layers; use --cp-size 1 "
-                              "(--pp-size and --tp-size split it)")  # fmt: skip
+            raise ConfigError(REFUSALS["cp+sliding"].message(cp=cfg.cp_size, arch=mcfg.architecture))
         if cfg.pp_flex_layers and mcfg.has_sliding:
-            raise ConfigError(f"--pp-flex-layers {cfg.pp_flex_layers}: a moving cut mirrors the pool's KV rows, and "
-                              f"this {mcfg.architecture}'s sliding layers keep theirs in rings of their own; use "
-                              "--pp-flex-layers 0")  # fmt: skip
+            raise ConfigError(REFUSALS["flex+sliding"].message(flex=cfg.pp_flex_layers, arch=mcfg.architecture))
         auto = cfg.auto_partition
         counts = default_partition(mcfg.num_layers, cfg.pp_size, head) if auto else cfg.partition(mcfg.num_layers, head)
         return cls(model_dir, mcfg, cfg.context_len(mcfg.max_position_embeddings), _eos_ids(model_dir, mcfg),

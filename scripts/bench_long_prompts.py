@@ -16,7 +16,7 @@ import sys
 
 from ringsched.bench.long_prompt import time_long_prompts
 from ringsched.engine import Engine
-from ringsched.models.config import ModelConfig
+from ringsched.weights.model_config import ModelConfig
 
 
 def parse_config(text: str) -> dict:

@@ -3,8 +3,8 @@
 The weights are a whole model's projections (distinct tensors per layer, so they stream from memory as in a
 real step, not from cache): by default SmolLM2-135M's shapes with q/k/v and gate/up fused, plus the tied lm_head.
 Each configuration is timed in turns with the others, medians of `--rounds`. This is what the fixed thresholds
-(`MAX_ROWS` in `ringsched/models/small_linear.py`, `--linear-tuning off`) were chosen from; by default each stage
-makes the same comparison at start-up on its own weights (`ringsched/models/linear_tuning.py`).
+(`MAX_ROWS` in `ringsched/kernels/small_linear.py`, `--linear-tuning off`) were chosen from; by default each stage
+makes the same comparison at start-up on its own weights (`ringsched/kernels/linear_tuning.py`).
 
     python scripts/bench_small_linear.py --threads 2 --rows 1,2,4,8,16,32
 """
@@ -18,9 +18,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ringsched.models import small_linear
+from ringsched.kernels import small_linear
+from ringsched.kernels.quantize import quantize_int8_weight
 from ringsched.models.llama import cpu_layout
-from ringsched.models.quantize import quantize_int8_weight
 
 SMOLLM2 = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
 

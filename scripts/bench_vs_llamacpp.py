@@ -28,7 +28,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from ringsched.models.fetch import cache_dir, resolve_model
+from ringsched.cache_dir import cache_dir
+from ringsched.weights.fetch import resolve_model
 
 PAIRS = {"f32": ("f32", ["--dtype", "float32"]), "bf16": ("bf16", ["--dtype", "bfloat16"]),
          "q8_0": ("q8_0", ["--dtype", "float32", "--quantization", "int8"])}  # fmt: skip

@@ -15,7 +15,7 @@ import sys
 import time
 
 from ringsched.engine import Engine
-from ringsched.sampling import SamplingParams
+from ringsched.sampling.params import SamplingParams
 
 
 def main() -> int:
@@ -48,7 +48,7 @@ def main() -> int:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from ringsched.models.fetch import gguf_path
+        from ringsched.weights.fetch import gguf_path
 
         gguf = gguf_path()
         hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()

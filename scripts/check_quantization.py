@@ -21,12 +21,12 @@ import math
 import torch
 
 from ringsched import Engine
+from ringsched.attention.paged import ForwardBatch
 from ringsched.layout.rank import StageInfo
-from ringsched.models.attention import ForwardBatch
-from ringsched.models.fetch import resolve_model
 from ringsched.models.loader import load_stage_model
-from ringsched.sampling import SamplingParams
+from ringsched.sampling.params import SamplingParams
 from ringsched.tokenizer import Tokenizer
+from ringsched.weights.fetch import resolve_model
 
 PROMPTS = [
     "The capital of France is",
@@ -74,7 +74,7 @@ def nll(model: str, dtype: torch.dtype, quantization: str) -> tuple[float, float
 
 
 def _layers(model_dir) -> int:
-    from ringsched.models.config import ModelConfig
+    from ringsched.weights.model_config import ModelConfig
 
     return ModelConfig.from_dir(model_dir).num_layers
 

@@ -21,9 +21,9 @@ import torch
 from safetensors.torch import save_file
 
 from ringsched.models.checkpoint_check import expected_shapes
-from ringsched.models.config import ModelConfig
 from ringsched.models.random_model import CHAT_TEMPLATE, byte_tokenizer
-from ringsched.models.tokenizer_build import write_tokenizer_files
+from ringsched.weights.model_config import ModelConfig
+from ringsched.weights.tokenizer_build import write_tokenizer_files
 
 LIKE = {
     "llama-3.1-8b": {

@@ -24,7 +24,7 @@ if not torch.cuda.is_available():
 def fresh_cache():
     """`make(root)`: a new, empty `RINGSCHED_CACHE` at `root` for a test's own model conversions, whose `native/`
     is the usual cache's, so that engines started in it find the kernels built rather than compile them again."""
-    from ringsched.models.fetch import cache_dir
+    from ringsched.cache_dir import cache_dir
 
     built = cache_dir() / "native"  # the session's cache, before any test points RINGSCHED_CACHE elsewhere
 
@@ -39,14 +39,14 @@ def fresh_cache():
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
-    from ringsched.models.fetch import resolve_model
+    from ringsched.weights.fetch import resolve_model
 
     return resolve_model("smollm2-135m-instruct", quiet=True)
 
 
 @pytest.fixture(scope="session")
 def smollm2_gguf(smollm2_dir) -> Path:
-    from ringsched.models.fetch import gguf_path
+    from ringsched.weights.fetch import gguf_path
 
     return gguf_path()
 
@@ -79,7 +79,7 @@ def _hf_read_of(gguf: Path) -> Path:
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ringsched.models.fetch import cache_dir
+    from ringsched.cache_dir import cache_dir
 
     st = gguf.stat()
     saved = cache_dir() / "tests" / f"transformers-read-{gguf.stem}-{st.st_size}-{st.st_mtime_ns}"

@@ -4,7 +4,7 @@ split across the group (`split_kv_decode`).
 
 Ring attention: every rank starts with its own K/V block; at each of N steps it attends its queries to the
 block it holds while passing that block on to the next rank and receiving one from the previous, so after N
-steps it has seen every block once; the partial results merge by log-sum-exp (`models/ring_attention.py`).
+steps it has seen every block once; the partial results merge by log-sum-exp (`attention/ring.py`).
 Decode over a split KV: each rank attends the same queries over its own share of the KV, and the partial
 outputs merge the same way, so each rank reads 1/N of a request's KV.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ringsched.models.ring_attention import attend_block, merge, merge_all
+from ringsched.attention.ring import attend_block, merge, merge_all
 
 
 def ring_attention_sim(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: list[torch.Tensor],

@@ -28,7 +28,7 @@ from ringsched.server.http_limits import HttpLimits, uvicorn_config
 from ringsched.server.metrics import ServerMetrics
 from ringsched.server.protocol import Limits
 from ringsched.server.serving import ServerContext
-from ringsched.stage.worker import StageAddrs
+from ringsched.stage.channels import StageAddrs
 from ringsched.tokenizer import Tokenizer
 
 

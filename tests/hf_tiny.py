@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from ringsched.models.random_model import CHAT_TEMPLATE, byte_tokenizer
-from ringsched.models.tokenizer_build import write_tokenizer_files
+from ringsched.weights.tokenizer_build import write_tokenizer_files
 
 SIZES = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2)  # fmt: skip

@@ -9,7 +9,7 @@ import time
 import psutil
 
 from ringsched.engine import Engine
-from ringsched.sampling import SamplingParams
+from ringsched.sampling.params import SamplingParams
 
 
 def mixed_workload(n: int, seed: int = 0, max_prompt: int = 600, max_new: int = 200, vocab: int = 49152,

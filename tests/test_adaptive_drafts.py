@@ -88,7 +88,7 @@ def test_without_adaptation_a_busy_batch_still_drafts_all_it_has():
     """`"adaptive": false`: every decode takes what its drafter proposes, whatever the step costs say."""
     from ringsched.comm.messages import BatchPlan, PlanEntry
     from ringsched.kv.cache import BlockTable
-    from ringsched.sampling import SamplingParams
+    from ringsched.sampling.params import SamplingParams
     from ringsched.scheduler.request import Request
     from ringsched.scheduler.speculation import Speculator
     from ringsched.speculative.config import SpeculativeConfig

@@ -4,10 +4,10 @@ that request's keys and values laid out contiguously."""
 import torch
 import torch.nn.functional as F
 
+from ringsched.attention.batch import build_forward_batch
+from ringsched.attention.paged import paged_attention
 from ringsched.comm.messages import BatchPlan, PlanEntry
 from ringsched.kv.cache import BlockTable
-from ringsched.models.attention import paged_attention
-from ringsched.models.batch import build_forward_batch
 
 
 def test_paged_decode_matches_contiguous_attention():
@@ -35,7 +35,7 @@ def test_paged_decode_matches_contiguous_attention():
 
 
 def test_cpu_decode_groups_are_capped_and_cover_every_row():
-    from ringsched.models.batch import CPU_GROUP_ROWS
+    from ringsched.attention.batch import CPU_GROUP_ROWS
 
     blocks = BlockTable(256, 4)
     n = CPU_GROUP_ROWS + 8
@@ -52,7 +52,7 @@ def test_prefill_attention_does_not_materialise_the_scores():
     # [heads, n, kv_len] score matrix (its softmax is the marker): the chunk and the continuation cases.
     from torch.profiler import ProfilerActivity, profile
 
-    from ringsched.models.attention import _sdpa
+    from ringsched.attention.paged import _sdpa
 
     torch.manual_seed(0)
     for n, kv_len in [(64, 64), (16, 80)]:
@@ -73,8 +73,8 @@ def test_prefill_attention_does_not_materialise_the_scores():
 
 def test_one_rotary_table_per_stage():
     from ringsched.layout.rank import StageInfo
-    from ringsched.models.config import ModelConfig
     from ringsched.models.llama import StageModel
+    from ringsched.weights.model_config import ModelConfig
 
     cfg = ModelConfig.from_dict({
         "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 3, "hidden_size": 16, "intermediate_size": 32,

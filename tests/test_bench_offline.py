@@ -16,8 +16,8 @@ from ringsched.bench.efficiency import (
 )
 from ringsched.bench.memory import OVERHEAD_BUDGET_BYTES, format_memory, stage_memory
 from ringsched.bench.offline import add_offline_args, offline_config, run_offline
-from ringsched.models.config import ModelConfig
 from ringsched.process.cli_args import add_engine_args, config_from_args
+from ringsched.weights.model_config import ModelConfig
 
 pytestmark = pytest.mark.slow  # real model or several processes: the full suite's
 

@@ -13,10 +13,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ringsched.config import EngineConfig
-from ringsched.models.checkpoint_check import UNSUPPORTED_FIELDS, check_config
-from ringsched.models.config import UnsupportedModelError
 from ringsched.models.random_model import random_config, write_random_model
 from ringsched.spec import ModelSpec
+from ringsched.weights.config_check import UNSUPPORTED_FIELDS, check_config
+from ringsched.weights.model_config import UnsupportedModelError
 
 REFUSED = {
     "use_sliding_window": True, "layer_types": ["sliding_attention", "full_attention"],

@@ -6,11 +6,11 @@ import torch
 
 from ringsched.comm.messages import NewRequest
 from ringsched.kv.cache import BlockTable
-from ringsched.models.config import ModelConfig
-from ringsched.sampling import SamplingParams
+from ringsched.sampling.params import SamplingParams
 from ringsched.scheduler.chunking import ChunkCost, ChunkSizer, DecodeCost
 from ringsched.scheduler.planner import Planner
 from ringsched.stage.chunk_probe import probe
+from ringsched.weights.model_config import ModelConfig
 
 SMOL_LIKE = ChunkCost(per_token=36.4 / 512, per_pair=(102.5 - 36.4) / (512 * 4096))  # ms, as probed on SmolLM2
 

@@ -13,8 +13,8 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from cp_reference import ring_attention, ring_attention_sim, split_kv_decode
 
+from ringsched.attention.ring import attend_block, merge, merge_all
 from ringsched.layout.cp_split import causal_pairs, contiguous_split, zigzag_split
-from ringsched.models.ring_attention import attend_block, merge, merge_all
 
 
 def reference(q, k, v, scale):

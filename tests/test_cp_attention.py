@@ -13,13 +13,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from ringsched.attention.cp import Visibility, partial_attention
+from ringsched.attention.cp_backend import CPBackend
+from ringsched.attention.paged import paged_attention
+from ringsched.attention.ring import attend_block
 from ringsched.comm.cp_group import CPGroup
 from ringsched.comm.messages import BatchPlan, PlanEntry
+from ringsched.kernels import native
 from ringsched.kv.cache import BlockTable
-from ringsched.kv.cp_blocks import CPBlocks, CPPlacement
-from ringsched.models import native
-from ringsched.models.cp_attention import Visibility, build_cp_batch, partial_attention
-from ringsched.models.ring_attention import attend_block
+from ringsched.kv.cp_blocks import CPBlocks
 
 HEADS, KV_HEADS, DIM, BLOCK = 6, 2, 16, 4
 SCALE = DIM**-0.5
@@ -90,23 +92,23 @@ def _rank_main(rank: int, size: int, port: int, results) -> None:
 def _run_plans(rank: int, size: int, use_kernel: bool) -> list:
     """This rank's rows, their outputs and the gathered sampling rows of each plan, its caches filled as it goes."""
     group = CPGroup(rank, tuple(range(size)), None)
-    table, placement = BlockTable(64, BLOCK, follower=True), CPPlacement(size)
+    table, backend = BlockTable(64, BLOCK, follower=True), CPBackend(group, use_kernel)
     k_cache = torch.zeros(64 * BLOCK, KV_HEADS, DIM)
     v_cache = torch.zeros_like(k_cache)
     got = []
     for plan in plans(size):
         for e in plan.entries:
             table.assign(e.rid, e.cp_blocks[rank])
-        placement.apply(plan)
-        batch, ids = build_cp_batch(plan, placement, table, group, torch.device("cpu"), use_kernel)
+        backend.apply(plan)
+        batch, ids = backend.forward_batch(plan, table, torch.device("cpu"))
         rows = []  # the request of each of this rank's rows (the plan's token ids are the positions here)
         for e in plan.entries:
             rows += [e.rid] * int(e.cp_counts[rank])
         q, k, v = (torch.stack([qkv_of(rid, TOTAL[rid])[i][p] for rid, p in zip(rows, ids.tolist(), strict=True)])
                    if rows else torch.empty(0, h, DIM)
                    for i, h in enumerate((HEADS, KV_HEADS, KV_HEADS)))  # fmt: skip
-        out = batch.cp.attend(q, k, v, batch.slot_mapping, (k_cache, v_cache), SCALE)
-        samples = batch.cp.gather_samples(q.reshape(q.shape[0], HEADS * DIM)[batch.logit_rows])
+        out = paged_attention(q, k, v, batch, k_cache, v_cache, SCALE)  # the layers' call: writes K/V, then attends
+        samples = batch.gather_samples(q.reshape(q.shape[0], HEADS * DIM)[batch.logit_rows])
         got.append((rows, ids.tolist(), out, samples))
     return got
 
@@ -164,7 +166,7 @@ def test_partial_attention_with_its_lse(dtype):
 def test_the_gpu_path_attends_in_key_chunks(monkeypatch):
     """Off the CPU partial attention runs `attend_block` a bounded number of keys at a time, merged by LSE: the
     same output and LSE as over all keys at once (run here on CPU tensors)."""
-    from ringsched.models import cp_attention
+    from ringsched.attention import cp as cp_attention
 
     monkeypatch.setattr(cp_attention, "KEY_CHUNK", 5)
     q, k, v = qkv_of("g", 23)

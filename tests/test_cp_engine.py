@@ -14,8 +14,8 @@ from test_model_reference import hf_greedy, prompt_ids
 from ringsched.engine import Engine
 from ringsched.kv.cache import kv_bytes_per_token
 from ringsched.kv.cp_blocks import request_capacity
-from ringsched.models.config import ModelConfig
-from ringsched.sampling import SamplingParams
+from ringsched.sampling.params import SamplingParams
+from ringsched.weights.model_config import ModelConfig
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""A small decode step's layers as one native call (`models/decode_layers.py`) give the per-layer path's results
+"""A small decode step's layers as one native call (`kernels/decode_layers.py`) give the per-layer path's results
 bit for bit: outputs, residuals and the KV cache, for a first and a later stage, float32, bfloat16, int8 and int4."""
 
 from __future__ import annotations
@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ringsched.attention.batch import build_forward_batch
 from ringsched.comm.messages import BatchPlan, PlanEntry
+from ringsched.kernels import decode_layers, small_linear
 from ringsched.kv.cache import BlockTable, KVPool
 from ringsched.layout.rank import StageInfo
-from ringsched.models import decode_layers, small_linear
-from ringsched.models.batch import build_forward_batch
-from ringsched.models.config import ModelConfig
 from ringsched.models.loader import load_stage_model
 from ringsched.models.random_model import random_config, write_random_model
+from ringsched.weights.model_config import ModelConfig
 
 pytestmark = pytest.mark.skipif(decode_layers.library() is None, reason="no C compiler: the per-layer path runs")
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from ringsched.engine import Engine
-from ringsched.models.small_linear import Linear
-from ringsched.sampling import SamplingParams
+from ringsched.kernels.small_linear import Linear
+from ringsched.sampling.params import SamplingParams
 
 TARGET = "The lighthouse keeper counted the ships"
 CROWD = [f"Story {i}: " + "the sea was calm and the night was long " * (2 + i % 4) for i in range(7)]

@@ -92,9 +92,9 @@ def test_gpu_check_without_a_gpu_runs_nothing(tmp_path):
 
 def test_fractional_kv_budget_on_gpu_leaves_room_for_activations():
     from ringsched.config import EngineConfig
-    from ringsched.models.config import ModelConfig
     from ringsched.models.random_model import random_config
     from ringsched.stage.worker import kv_budget_bytes
+    from ringsched.weights.model_config import ModelConfig
 
     mcfg = ModelConfig.from_dict(random_config("llama", 30, 576, 9, 3, 1536, 49152, True))
     cfg, free, gpu = EngineConfig(device="cpu", kv_cache_memory="0.9"), 80 * 2**30, torch.device("cuda", 0)

@@ -9,7 +9,7 @@ import torch
 
 from ringsched.comm.messages import BatchPlan, NewRequest, PlanEntry
 from ringsched.kv.cache import BlockTable
-from ringsched.sampling import SamplingParams
+from ringsched.sampling.params import SamplingParams
 from ringsched.scheduler.planner import Planner
 from ringsched.scheduler.speculation import Speculator
 from ringsched.speculative.config import SpeculativeConfig

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from ringsched.engine import Engine
-from ringsched.sampling import SamplingParams
+from ringsched.sampling.params import SamplingParams
 
 MODEL = "smollm2-135m-instruct"
 

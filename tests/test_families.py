@@ -13,9 +13,9 @@ import torch
 
 from ringsched.config import ConfigError, EngineConfig
 from ringsched.engine import Engine
-from ringsched.models.config import ModelConfig
-from ringsched.sampling import SamplingParams
+from ringsched.sampling.params import SamplingParams
 from ringsched.spec import ModelSpec
+from ringsched.weights.model_config import ModelConfig
 
 pytestmark = pytest.mark.slow  # transformers' models and several processes per case: the full suite's
 

@@ -1,4 +1,4 @@
-"""GGUF files of every family ringsched runs (`--model FILE.gguf`: `models/gguf_import.py`, `gguf_families.py`,
+"""GGUF files of every family ringsched runs (`--model FILE.gguf`: `weights/gguf_import.py`, `gguf_families.py`,
 `gguf_tokenizer.py`). Tiny random models made by transformers' classes are written as llama.cpp's converter
 writes them: tensor names from gguf-py's own table (`TensorNameMap`), Q and K permuted for `llama`, Gemma's norms
 plus 1, experts stacked per projection, Phi-3's longrope factors and Llama 3.1's RoPE divisors as tensors,
@@ -21,12 +21,12 @@ import torch
 from hf_tiny import save_tiny
 from safetensors.torch import load_file
 
-from ringsched.models.config import ModelConfig, UnsupportedModelError
-from ringsched.models.fetch import FetchError, resolve_model
-from ringsched.models.gguf_families import Meta
-from ringsched.models.gguf_import import convert_gguf
-from ringsched.models.gguf_tokenizer import write_gguf_tokenizer
 from ringsched.models.random_model import CHAT_TEMPLATE
+from ringsched.weights.fetch import FetchError, resolve_model
+from ringsched.weights.gguf_families import Meta
+from ringsched.weights.gguf_import import convert_gguf
+from ringsched.weights.gguf_tokenizer import write_gguf_tokenizer
+from ringsched.weights.model_config import ModelConfig, UnsupportedModelError
 
 gguf = pytest.importorskip("gguf")
 from gguf_writer import CASES, gpt2_vocab, spm_vocab, write_gguf, write_vocab  # noqa: E402
@@ -68,7 +68,7 @@ def test_the_import_holds_the_checkpoint_tensors_and_config(made, name):
 
 
 def assert_same_tensors(out: Path, hf_dir: Path) -> None:
-    from ringsched.models.loader import weight_index
+    from ringsched.weights.checkpoint_names import weight_index
 
     want, files = load_file(str(hf_dir / "model.safetensors")), weight_index(out)
     got = {name: t for file in set(files.values()) for name, t in load_file(str(file)).items()}
@@ -78,7 +78,7 @@ def assert_same_tensors(out: Path, hf_dir: Path) -> None:
 
 
 def test_a_large_model_is_written_in_shards(made, tmp_path, monkeypatch):
-    import ringsched.models.gguf_import as gguf_import
+    import ringsched.weights.gguf_import as gguf_import
 
     hf_dir, _, path, _ = made("mixtral")
     monkeypatch.setattr(gguf_import, "SHARD_BYTES", 64 << 10)
@@ -137,7 +137,7 @@ def test_transformers_gguf_loader_and_ringsched_agree(made, name, monkeypatch, t
     from test_model_reference import hf_greedy
 
     from ringsched.engine import Engine
-    from ringsched.sampling import SamplingParams
+    from ringsched.sampling.params import SamplingParams
 
     _, hf, path, _ = made(name)
     load = transformers.AutoModelForCausalLM.from_pretrained
@@ -229,7 +229,7 @@ def test_an_unsupported_architecture_or_tokenizer_is_refused_by_name(tmp_path, m
 
 
 def test_a_gguf_file_converts_once_into_the_cache(made, tmp_path, monkeypatch):
-    import ringsched.models.fetch as fetch
+    import ringsched.weights.fetch as fetch
 
     monkeypatch.setenv("RINGSCHED_CACHE", str(tmp_path / "cache"))
     path = tmp_path / "tiny-qwen3.gguf"

@@ -1,5 +1,5 @@
 """GGUF files whose tensors are quantized, served with their blocks kept (`--quantization gguf`, the default for
-`--model FILE.gguf`: `models/gguf_weights.py`, `gguf_linear.py`). The test quantizer (`gguf_quant.py`) writes
+`--model FILE.gguf`: `weights/gguf_weights.py`, `gguf_linear.py`). The test quantizer (`gguf_quant.py`) writes
 ggml's own layouts, checked against the `gguf` package's dequantization; tiny transformers Llamas are written as
 GGUF in a few of llama.cpp's type mixes; loaded in-process, a stage's linear layers hold the file's blocks of the
 file's types in about the file's bytes; (slow) the engine's greedy tokens equal transformers' own GGUF loader's
@@ -21,8 +21,9 @@ transformers = pytest.importorskip("transformers")
 from gguf_quant import quantize  # noqa: E402
 from gguf_writer import Case, write_gguf  # noqa: E402
 
+from ringsched.kernels.gguf_linear import TYPES  # noqa: E402
 from ringsched.layout.rank import StageInfo  # noqa: E402
-from ringsched.models.gguf_linear import TYPES, GGUFWeights  # noqa: E402
+from ringsched.weights.gguf_kept import GGUFWeights  # noqa: E402
 
 # ---- the test quantizer: ggml's block layouts -------------------------------------------------------------------
 
@@ -115,7 +116,7 @@ def made(tmp_path_factory):
 def imported(path: Path, cache: Path) -> Path:
     """The model directory `--model FILE.gguf` converts `path` into, in cache `cache` (only the conversion: the
     native kernels stay built in the usual cache, not rebuilt per test)."""
-    from ringsched.models.fetch import import_gguf
+    from ringsched.weights.fetch import import_gguf
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RINGSCHED_CACHE", str(cache))
@@ -128,8 +129,8 @@ def file_types(path: Path) -> dict[str, str]:
 
 @pytest.mark.parametrize("name", sorted(MIXES))
 def test_a_stage_holds_the_files_blocks_in_about_the_files_bytes(made, name, tmp_path):
-    from ringsched.models.config import ModelConfig
     from ringsched.models.loader import load_stage_model, weights_bytes
+    from ringsched.weights.model_config import ModelConfig
 
     _, path = made(name)
     model_dir = imported(path, tmp_path / "cache")
@@ -157,9 +158,9 @@ def test_gguf_quantization_needs_a_gguf_model_and_whole_blocks_per_rank(made, tm
     """A Hugging Face checkpoint's directory is refused by the flag's name; a TP size that would cut a block of a
     row-parallel weight is refused naming the sizes that do not (q4_k_m's o_proj: 8 heads x 64 inputs in Q4_K
     blocks of 256: TP=4 gives each rank 128)."""
-    from ringsched.models.config import ModelConfig
-    from ringsched.models.gguf_weights import check_kept
     from ringsched.models.loader import load_stage_model
+    from ringsched.weights.gguf_weights import check_kept
+    from ringsched.weights.model_config import ModelConfig
 
     hf_dir, path = made("q4_k_m")
     with pytest.raises(ValueError, match="--quantization gguf"):
@@ -182,7 +183,7 @@ def served(made, tmp_path_factory, fresh_cache):
     """Per (mix, layout), lazily: the engine's greedy tokens for `PROMPTS` (`--model FILE.gguf`, so
     `--quantization gguf`)."""
     from ringsched.engine import Engine
-    from ringsched.sampling import SamplingParams
+    from ringsched.sampling.params import SamplingParams
 
     cache: dict[tuple, list[list[int]]] = {}
     ringsched_cache = fresh_cache(tmp_path_factory.mktemp("served") / "cache")  # the conversions apart, not the kernels

@@ -1,4 +1,4 @@
-"""GGUF quantized weights kept as blocks (`models/gguf_linear.py`, `gguf_linear.c`): for every type, blocks of
+"""GGUF quantized weights kept as blocks (`kernels/gguf_linear.py`, `gguf_linear.c`): for every type, blocks of
 random bits with sane scales dequantize to what the `gguf` package's reference gives, and the kernel multiplies
 them as `x @ dequantized.T` does, at decode and prefill row counts, float32 and bfloat16."""
 
@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from ringsched.models import gguf_linear, native_build
-from ringsched.models.gguf_linear import TYPES, column_bytes, dequantize, gguf_matmul, keep, row_bytes
-from ringsched.models.small_linear import NATIVE, TORCH, Linear
+from ringsched.kernels import gguf_linear, native_build
+from ringsched.kernels.gguf_linear import TYPES, column_bytes, dequantize, gguf_matmul, row_bytes
+from ringsched.kernels.small_linear import NATIVE, TORCH, Linear
+from ringsched.weights import gguf_kept
+from ringsched.weights.gguf_kept import keep
 
 # where each type keeps its float16 fields: (byte offset, low, high)
 HALVES = {2: [(0, 0.002, 0.02)], 3: [(0, 0.002, 0.02), (2, -0.1, 0.1)], 6: [(0, 0.002, 0.02)],
@@ -143,7 +145,7 @@ def test_the_tiles_write_bfloat16_and_column_slices_as_float32_rounded():
     want = gguf_matmul(x.float(), raw, 2, None)
     assert torch.equal(gguf_matmul(x, raw, 2, None), want.to(torch.bfloat16))
     parts = [keep(Linear(256, n, bias=True), random_blocks(t, n, 256, seed=t), t) for t, n in ((3, 20), (8, 17))]
-    fused = gguf_linear.fuse_kept(parts)
+    fused = gguf_kept.fuse_kept(parts)
     got = fused.run(x.float(), NATIVE)
     assert torch.equal(got, torch.cat([gguf_matmul(x.float(), p.weight, p.qtype, p.bias.float()) for p in parts], 1))
 
@@ -206,8 +208,8 @@ def test_projections_of_different_types_run_side_by_side_as_one_layer(exact):
     """q/k/v kept in three types (llama.cpp's Q4_K_M gives v more bits): one layer whose outputs are the parts'
     side by side, from their own blocks, at a decode's rows and a prefill's."""
     parts = [keep(Linear(256, n, bias=True), random_blocks(t, n, 256, seed=t), t) for t, n in ((6, 8), (7, 4), (8, 4))]
-    fused = gguf_linear.fuse_kept(parts)
-    assert isinstance(fused, gguf_linear.GGUFParts) and fused.out_features == 16
+    fused = gguf_kept.fuse_kept(parts)
+    assert isinstance(fused, gguf_kept.GGUFParts) and fused.out_features == 16
     x = torch.randn(40, 256)
     want = torch.cat([x @ reference(p.weight, p.qtype).T + p.bias for p in parts], dim=1)
     for rows, path in ((1, NATIVE), (40, TORCH)):
@@ -218,7 +220,7 @@ def test_projections_of_different_types_run_side_by_side_as_one_layer(exact):
 def test_kept_layers_are_tuned_by_timing_their_own_paths(tmp_path):
     """`--linear-tuning auto` times a kept layer's kernel and its dequantization at every bucket, keyed by its
     GGUF type, and the layer takes what the timings chose."""
-    from ringsched.models import linear_tuning
+    from ringsched.kernels import linear_tuning
 
     layers = [keep(Linear(256, 64, bias=False), random_blocks(2, 64, 256, seed=s), 2) for s in range(2)]
     for lin in layers:

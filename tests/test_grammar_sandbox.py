@@ -12,9 +12,9 @@ import signal
 import pytest
 from fuzz_cases import ref_chain, right_recursive_rules
 
+from ringsched.sampling.structured import GrammarError
 from ringsched.server.grammar_limits import GrammarLimits, check_form
 from ringsched.server.grammar_pool import GrammarPool, PoolConfig
-from ringsched.structured import GrammarError
 
 LIMITS = GrammarLimits()
 UNBOUNDED = GrammarLimits(max_ref_depth=10**6, max_rules=10**6, max_repetition=10**9, max_nesting=10**6,

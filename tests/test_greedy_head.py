@@ -5,9 +5,9 @@ needed whole."""
 import torch
 
 from ringsched.layout.rank import StageInfo
-from ringsched.models.config import ModelConfig
 from ringsched.models.llama import StageModel
 from ringsched.models.vocab import HEAD_VOCAB_CHUNK
+from ringsched.weights.model_config import ModelConfig
 
 
 def _head_model(vocab: int) -> StageModel:
@@ -48,7 +48,7 @@ def test_ties_go_to_the_first_index_across_chunks():
 
 def test_only_plain_greedy_batches_take_the_chunked_head():
     from ringsched.comm.messages import BatchPlan, NewRequest, PlanEntry
-    from ringsched.sampling import SamplingParams
+    from ringsched.sampling.params import SamplingParams
     from ringsched.stage.sampler_state import SamplerState
 
     kinds = {

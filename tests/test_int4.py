@@ -1,4 +1,4 @@
-"""`--quantization int4`: group-wise int4 weights (`models/quantize.py`) through the native kernel's int4 tile
+"""`--quantization int4`: group-wise int4 weights (`kernels/quantize.py`) through the native kernel's int4 tile
 (`small_linear_int4.h`) for decode rows and a dequantized copy through torch beyond; the lm_head and the embedding
 int8 (one tensor where tied)."""
 
@@ -8,12 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ringsched.attention.paged import ForwardBatch
 from ringsched.config import ConfigError, EngineConfig
+from ringsched.kernels import small_linear
+from ringsched.kernels.quantize import quantize_int4_weight
 from ringsched.layout.rank import StageInfo
-from ringsched.models import small_linear
-from ringsched.models.attention import ForwardBatch
 from ringsched.models.loader import load_stage_model, weights_bytes
-from ringsched.models.quantize import quantize_int4_weight
 from ringsched.models.random_model import random_config, write_random_model
 
 needs_kernel = pytest.mark.skipif(small_linear.library() is None, reason="no native kernel (no C compiler)")

@@ -10,12 +10,12 @@ import torch
 import torch.nn.functional as F
 
 from ringsched.config import ConfigError, EngineConfig
+from ringsched.kernels import linear_timing, linear_tuning, small_linear
+from ringsched.kernels.linear_tuning import BUCKETS, PathTable, Shape
+from ringsched.kernels.small_linear import NATIVE, TORCH, FixedPaths
 from ringsched.layout.rank import StageInfo
-from ringsched.models import linear_timing, linear_tuning, small_linear
-from ringsched.models.linear_tuning import BUCKETS, PathTable, Shape
 from ringsched.models.loader import load_stage_model
 from ringsched.models.random_model import random_config, write_random_model
-from ringsched.models.small_linear import NATIVE, TORCH, FixedPaths
 
 needs_kernel = pytest.mark.skipif(small_linear.library() is None, reason="no C compiler: the kernel is no candidate")
 CPU = ("Test CPU", "fpu avx2")

@@ -23,13 +23,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from ringsched.attention.paged import ForwardBatch
 from ringsched.layout.partition import get_pp_indices
 from ringsched.layout.rank import StageInfo
-from ringsched.models.attention import ForwardBatch
-from ringsched.models.config import ModelConfig
 from ringsched.models.llama import StageModel
 from ringsched.models.loader import LoadStats, load_stage_model, weights_bytes
 from ringsched.models.random_model import random_config, write_random_model
+from ringsched.weights.model_config import ModelConfig
 
 pytestmark = pytest.mark.slow  # real model or several processes: the full suite's
 
@@ -139,7 +139,7 @@ import psutil
 import torch
 import ringsched.models.loader as loader
 from ringsched.stage.times import peak_rss_bytes
-from ringsched.models.config import ModelConfig
+from ringsched.weights.model_config import ModelConfig
 from ringsched.layout.partition import get_pp_indices
 from ringsched.layout.rank import StageInfo
 

@@ -87,7 +87,7 @@ def test_logprobs_equal_transformers_at_pp1(reference):
 
 def test_offline_engine_returns_logprobs(reference):
     from ringsched.engine import Engine
-    from ringsched.sampling import SamplingParams
+    from ringsched.sampling.params import SamplingParams
 
     gen, lp = reference["completion"]
     with Engine(MODEL, pp_size=2, threads_per_stage=1, kv_cache_memory="64M", log_level="warning") as llm:

@@ -9,7 +9,7 @@ import torch
 from ring_utils import abort_with_chunks_in_flight, stage_kv_usage
 
 from ringsched.engine import Engine
-from ringsched.sampling import SamplingParams
+from ringsched.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

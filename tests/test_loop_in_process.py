@@ -18,13 +18,13 @@ from ringsched.config import EngineConfig
 from ringsched.kv.cache import BlockTable, KVPool, blocks_for_memory
 from ringsched.layout.partition import stage_ranges
 from ringsched.layout.rank import StageInfo
-from ringsched.models.config import ModelConfig
 from ringsched.models.loader import load_stage_model
-from ringsched.sampling import SamplingParams
+from ringsched.sampling.params import SamplingParams
 from ringsched.scheduler.planner import Planner
-from ringsched.scheduler.speculation import Speculator
+from ringsched.scheduler.speculation import NO_DRAFTS, Speculator
 from ringsched.speculative.config import SpeculativeConfig
 from ringsched.stage.loop import StageIO, StageLoop
+from ringsched.weights.model_config import ModelConfig
 
 TIMEOUT_S = 60.0
 
@@ -88,7 +88,7 @@ def run_ring(model_dir, requests: list[tuple[list[int], SamplingParams]], pp_siz
         blocks = BlockTable(num_blocks, cfg.block_size, follower=not stage.is_first)
         planner = None
         if stage.is_first:
-            speculator = None
+            speculator = NO_DRAFTS
             if cfg.speculative_config:
                 speculator = Speculator(SpeculativeConfig.parse(cfg.speculative_config), blocks, 2048)
             planner = Planner(blocks, cfg.micro_batch_size, cfg.max_running_requests, cfg.chunked_prefill_size,

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ringsched.models.checkpoint_check import expected_shapes
-from ringsched.models.config import ModelConfig
+from ringsched.weights.model_config import ModelConfig
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "make_checkpoint.py"
 _spec = importlib.util.spec_from_file_location("make_checkpoint", SCRIPT)
@@ -61,6 +61,6 @@ def test_a_written_checkpoint_is_sharded_and_loads(tmp_path, monkeypatch):
 
 
 def model_batch(n: int):
-    from ringsched.models.attention import ForwardBatch
+    from ringsched.attention.paged import ForwardBatch
 
     return ForwardBatch.no_cache(n)

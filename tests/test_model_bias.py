@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from ringsched.engine import Engine
-from ringsched.models.config import ModelConfig
 from ringsched.models.random_model import random_config, write_random_model
-from ringsched.sampling import SamplingParams
+from ringsched.sampling.params import SamplingParams
+from ringsched.weights.model_config import ModelConfig
 
 pytestmark = pytest.mark.slow  # several processes per case: the full suite's
 

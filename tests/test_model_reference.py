@@ -3,13 +3,13 @@
 import pytest
 import torch
 
+from ringsched.attention.batch import build_forward_batch
+from ringsched.attention.paged import ForwardBatch
 from ringsched.comm.messages import BatchPlan, PlanEntry
 from ringsched.kv.cache import BlockTable, KVPool
 from ringsched.layout.rank import StageInfo
-from ringsched.models.attention import ForwardBatch
-from ringsched.models.batch import build_forward_batch
-from ringsched.models.config import ModelConfig
 from ringsched.models.loader import load_stage_model
+from ringsched.weights.model_config import ModelConfig
 
 pytestmark = pytest.mark.slow  # real model or several processes: the full suite's
 
@@ -217,8 +217,8 @@ def test_rope_scaling_matches_transformers(kind, written_as, tmp_path):
     ],
 )
 def test_what_the_model_code_does_not_run_is_refused_by_name(change, message):
-    from ringsched.models.config import UnsupportedModelError
     from ringsched.models.random_model import random_config
+    from ringsched.weights.model_config import UnsupportedModelError
 
     cfg = {**random_config("llama", 2, 64, 4, 2, 96, 300, tie=True), **change}
     with pytest.raises(UnsupportedModelError, match=message):
@@ -226,7 +226,7 @@ def test_what_the_model_code_does_not_run_is_refused_by_name(change, message):
 
 
 def test_unsupported_architecture_is_refused():
-    from ringsched.models.config import UnsupportedModelError
+    from ringsched.weights.model_config import UnsupportedModelError
 
     with pytest.raises(UnsupportedModelError, match="LlamaForCausalLM"):
         ModelConfig.from_dict(
@@ -245,8 +245,8 @@ def test_unsupported_architecture_is_refused():
 def smol_one_path(smollm2_dir, request):
     """SmolLM2 with every linear call on one path at every row count: the two extremes `--linear-tuning auto`
     can choose between in float32 (the tests otherwise run the fixed thresholds, `tests/conftest.py`)."""
-    from ringsched.models import small_linear
-    from ringsched.models.linear_tuning import BUCKETS, PathTable
+    from ringsched.kernels import small_linear
+    from ringsched.kernels.linear_tuning import BUCKETS, PathTable
 
     if request.param == small_linear.NATIVE and small_linear.library() is None:
         pytest.skip("no C compiler: no kernel")

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from ringsched.attention.paged import ForwardBatch
 from ringsched.layout.partition import resolve_partition, stage_ranges
 from ringsched.layout.rank import StageInfo
-from ringsched.models.attention import ForwardBatch
 from ringsched.models.decoder_layer import MissingLayer
 from ringsched.models.loader import load_stage_model
 

@@ -11,12 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from ringsched.attention.paged import ForwardBatch
 from ringsched.layout.rank import StageInfo
-from ringsched.models.attention import ForwardBatch
-from ringsched.models.config import ModelConfig
-from ringsched.models.fetch import KNOWN_MODELS, FetchError, resolve_model
 from ringsched.models.loader import load_stage_model
 from ringsched.tokenizer import Tokenizer
+from ringsched.weights.fetch import KNOWN_MODELS, FetchError, resolve_model
+from ringsched.weights.model_config import ModelConfig
 
 pytestmark = pytest.mark.slow  # real model or several processes: the full suite's
 

@@ -15,11 +15,12 @@ from safetensors.torch import load_file, save_file
 
 from ringsched.config import EngineConfig
 from ringsched.layout.partition import HEAD_SHARE, head_layers
-from ringsched.models.config import ModelConfig, UnsupportedModelError, layer_matmul_params, layer_weight_params
 from ringsched.models.moe import SparseMoE
 from ringsched.models.parallel_linear import read_slices
-from ringsched.models.tp import SoloGroup, TPGroup, TPLayoutError, TPShard, check_tp
+from ringsched.models.tp import SoloGroup, TPGroup
 from ringsched.spec import ModelSpec
+from ringsched.weights.model_config import ModelConfig, UnsupportedModelError, layer_matmul_params, layer_weight_params
+from ringsched.weights.tp_shard import TPLayoutError, TPShard, check_tp
 
 transformers = pytest.importorskip("transformers")
 
@@ -205,7 +206,7 @@ def test_a_mixture_of_experts_matches_transformers(tiny_moe, family, pp, tp):
     from test_model_reference import hf_greedy
 
     from ringsched.engine import Engine
-    from ringsched.sampling import SamplingParams
+    from ringsched.sampling.params import SamplingParams
 
     model_dir, hf = tiny_moe(family)
     prompts = [list(range(40, 90)), torch.randint(3, 320, (47,), generator=torch.Generator().manual_seed(1)).tolist()]

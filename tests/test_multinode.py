@@ -48,7 +48,7 @@ COMMON = [
 def reference(smollm2_dir) -> dict[str, str]:
     """Greedy texts from a single-node PP=2 run (the offline engine) for the prompts the tests send."""
     from ringsched.engine import Engine
-    from ringsched.sampling import SamplingParams
+    from ringsched.sampling.params import SamplingParams
 
     with Engine(MODEL, pp_size=2, threads_per_stage=1, kv_cache_memory="64M") as llm:
         chat_ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": CHAT}])

@@ -1,4 +1,4 @@
-"""The CPU decode-attention kernel (models/native.py): same numbers as attending to each request's keys and
+"""The CPU decode-attention kernel (kernels/native.py): same numbers as attending to each request's keys and
 values laid out contiguously, on one and two threads, over float32 and bfloat16 caches; SmolLM2 in bfloat16
 decoding through it; the torch path where it is off or cannot be built."""
 
@@ -10,15 +10,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ringsched.attention.batch import build_forward_batch
+from ringsched.attention.paged import paged_attention
 from ringsched.comm.messages import BatchPlan, PlanEntry
+from ringsched.kernels import native
 from ringsched.kv.cache import BlockTable, KVPool
 from ringsched.layout.rank import StageInfo
-from ringsched.models import native
-from ringsched.models.attention import paged_attention
-from ringsched.models.batch import build_forward_batch
-from ringsched.models.config import ModelConfig
 from ringsched.models.loader import load_stage_model
 from ringsched.tokenizer import Tokenizer
+from ringsched.weights.model_config import ModelConfig
 
 HAS_CC = bool(shutil.which("cc") or shutil.which("gcc"))
 
@@ -126,7 +126,7 @@ def test_switched_off_or_unbuildable_means_the_torch_path(monkeypatch, tmp_path,
     monkeypatch.setenv(native.ENV_SWITCH, "1")
     monkeypatch.setenv("RINGSCHED_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
-    with caplog.at_level("WARNING", logger="ringsched.models.native"):
+    with caplog.at_level("WARNING", logger="ringsched.kernels.native"):
         assert not native.usable_for(torch.float32, "cpu")
     assert "using the torch path" in caplog.text
     assert not list((tmp_path / "native").glob("*.so"))  # nothing half-built left as the cached kernel
@@ -137,7 +137,7 @@ def test_loading_the_kernel_keeps_denormals(tmp_path):
     # Built with -ffast-math but linked without it: gcc < 13 would otherwise link crtfastmath.o, whose
     # constructor turns on flush-to-zero in the whole process, and torch's float32 results would change.
     code = (
-        "import torch; from ringsched.models import native\n"
+        "import torch; from ringsched.kernels import native\n"
         "assert native.usable_for(torch.float32, 'cpu')\n"
         "x = torch.tensor([1e-38]) / 1000\n"
         "print(x.item() != 0.0)\n"

@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from ringsched.models import native_build
+from ringsched.kernels import native_build
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
 

@@ -14,11 +14,10 @@ from test_tp_shard import ThreadTP, _Threads
 from torch import nn
 
 from ringsched.layout.rank import StageInfo
-from ringsched.models.config import ModelConfig
 from ringsched.models.llama import StageModel
 from ringsched.models.parallel_linear import ColumnParallelLinear, RowParallelLinear, read_slices
 from ringsched.models.random_model import random_config
-from ringsched.models.tp import SoloGroup, TPShard
+from ringsched.models.tp import SoloGroup
 from ringsched.models.vocab import (
     Embedding,
     LMHead,
@@ -27,6 +26,8 @@ from ringsched.models.vocab import (
     lm_head,
     vocab_embedding,
 )
+from ringsched.weights.model_config import ModelConfig
+from ringsched.weights.tp_shard import TPShard
 
 
 def _on_ranks(size: int, fn) -> list:

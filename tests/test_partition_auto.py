@@ -13,8 +13,8 @@ import torch
 
 from ringsched.config import ConfigError, EngineConfig
 from ringsched.layout.partition import ENV_OVERRIDE
-from ringsched.models.config import ModelConfig
 from ringsched.process.partition_auto import BatchShape, StageCosts, balance_loss, best_partition, choose_partition
+from ringsched.weights.model_config import ModelConfig
 
 pytestmark = pytest.mark.slow  # real model or several processes: the full suite's
 
@@ -151,7 +151,7 @@ def test_other_nodes_take_node_0s_decision(tiny_llama_dir):
 def test_engine_with_auto_runs_the_measured_split(tiny_llama_dir, caplog):
     """End to end: the launcher measures, the stages load the split it chose, and the tokens are PP=1's."""
     from ringsched.engine import Engine
-    from ringsched.sampling import SamplingParams
+    from ringsched.sampling.params import SamplingParams
 
     prompts = [[5 + i, 17, 99, 3 * i + 1] for i in range(6)]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

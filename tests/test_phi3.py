@@ -18,14 +18,15 @@ from safetensors.torch import load_file, save_file
 from ringsched.config import EngineConfig
 from ringsched.engine import Engine
 from ringsched.layout.rank import StageInfo
-from ringsched.models.checkpoint_check import check_config
-from ringsched.models.config import ModelConfig, UnsupportedModelError
 from ringsched.models.loader import LoadStats, load_stage_model
 from ringsched.models.random_model import random_config
 from ringsched.models.rope import Rotary
-from ringsched.models.tp import TPGroup, TPShard
-from ringsched.sampling import SamplingParams
+from ringsched.models.tp import TPGroup
+from ringsched.sampling.params import SamplingParams
 from ringsched.spec import ModelSpec
+from ringsched.weights.config_check import check_config
+from ringsched.weights.model_config import ModelConfig, UnsupportedModelError
+from ringsched.weights.tp_shard import TPShard
 
 transformers = pytest.importorskip("transformers")
 

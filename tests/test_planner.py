@@ -3,7 +3,7 @@ in-flight micro-batches (a decode in at most one), preemption, aborts and frees.
 
 from ringsched.comm.messages import NewRequest
 from ringsched.kv.cache import BlockTable
-from ringsched.sampling import SamplingParams
+from ringsched.sampling.params import SamplingParams
 from ringsched.scheduler.chunking import ChunkCost, ChunkSizer
 from ringsched.scheduler.planner import Planner
 

@@ -5,7 +5,8 @@ import random
 
 from ringsched.comm.messages import NewRequest
 from ringsched.kv.cache import BlockTable, block_hashes
-from ringsched.sampling import SamplingParams
+from ringsched.layout.rank import Layout, rank_infos
+from ringsched.sampling.params import SamplingParams
 from ringsched.scheduler.planner import Planner
 from ringsched.stage.plans import FollowPlans
 from ringsched.stage.sampler_state import SamplerState
@@ -159,7 +160,7 @@ def test_preemption_keeps_what_is_cached():
 
 
 def follow(blocks):
-    return FollowPlans(None, None, blocks, None, None, None, None)
+    return FollowPlans(rank_infos(Layout(2), [1, 1])[1], None, blocks, None, None, None, None)
 
 
 def test_a_follower_given_the_same_plans_holds_identical_tables_through_aborts_and_preemption():

@@ -10,8 +10,8 @@ from ring_utils import run_staggered, stage_kv_usage
 
 from ringsched.engine import Engine
 from ringsched.kv.cache import kv_bytes_per_token
-from ringsched.models.config import ModelConfig
-from ringsched.sampling import SamplingParams
+from ringsched.sampling.params import SamplingParams
+from ringsched.weights.model_config import ModelConfig
 
 pytestmark = pytest.mark.slow  # real model or several processes: the full suite's
 

@@ -18,7 +18,7 @@ from ring_utils import children_of
 from ringsched.bench.server_process import ServerProcess
 from ringsched.engine import Engine
 from ringsched.process.supervisor import StageFailure
-from ringsched.sampling import SamplingParams
+from ringsched.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.slow  # several processes each
 

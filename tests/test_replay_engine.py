@@ -9,10 +9,10 @@ import dataclasses
 
 import pytest
 
-from ringsched import structured
 from ringsched.comm.messages import AbortRequest, NewRequest, TokenOutput
 from ringsched.engine import Engine
-from ringsched.sampling import SamplingParams
+from ringsched.sampling import structured
+from ringsched.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.slow  # several processes
 

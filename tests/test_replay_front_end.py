@@ -13,7 +13,7 @@ from fake_ring import FakeRing, FakeSupervisor
 from ringsched.comm.messages import NewRequest, TokenOutput
 from ringsched.config import EngineConfig
 from ringsched.replay import OpenRequests
-from ringsched.sampling import SamplingParams
+from ringsched.sampling.params import SamplingParams
 from ringsched.server.engine_client import EngineClient
 
 

@@ -9,7 +9,7 @@ from concurrent.futures import Future
 import torch
 
 from ringsched.comm.messages import BatchPlan, NewRequest, PlanEntry
-from ringsched.sampling import SamplingParams
+from ringsched.sampling.params import SamplingParams
 from ringsched.stage.sampler_state import FAILED, SamplerState
 
 PROMPT, VOCAB = [5, 6, 7], 16

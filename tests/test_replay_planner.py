@@ -4,7 +4,7 @@ delivered as its outputs, it prefills prompt + outputs, samples the next token, 
 
 from ringsched.comm.messages import NewRequest
 from ringsched.kv.cache import BlockTable
-from ringsched.sampling import SamplingParams
+from ringsched.sampling.params import SamplingParams
 from ringsched.scheduler.planner import Planner
 
 PROMPT = list(range(10, 30))  # 20 tokens

@@ -12,8 +12,8 @@ from ring_utils import children_of, mixed_workload, run_staggered, stage_kv_usag
 
 from ringsched.engine import Engine
 from ringsched.layout.partition import default_partition, head_layers
-from ringsched.models.config import ModelConfig
-from ringsched.sampling import SamplingParams
+from ringsched.sampling.params import SamplingParams
+from ringsched.weights.model_config import ModelConfig
 
 pytestmark = pytest.mark.slow  # real model or several processes: the full suite's
 

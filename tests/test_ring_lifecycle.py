@@ -9,7 +9,7 @@ from ring_utils import children_of, run_staggered, stage_kv_usage
 
 from ringsched.engine import Engine
 from ringsched.process.supervisor import StageFailure
-from ringsched.sampling import SamplingParams
+from ringsched.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.slow  # real model or several processes: the full suite's
 

@@ -4,8 +4,8 @@ import msgpack
 import pytest
 import torch
 
-from ringsched.sampler import apply_repetition_penalty, sample, uniform
-from ringsched.sampling import SamplingParams
+from ringsched.sampling.params import SamplingParams
+from ringsched.sampling.sampler import apply_repetition_penalty, sample, uniform
 
 RANDOM = SamplingParams(temperature=1.0)
 
@@ -247,7 +247,7 @@ def _reference_penalised(row, p, history, prompt_len):
 
 
 def test_penalties_and_bias_match_the_formulas():
-    from ringsched.sampler import apply_logit_bias, apply_openai_penalties, apply_repetition_penalty
+    from ringsched.sampling.sampler import apply_logit_bias, apply_openai_penalties, apply_repetition_penalty
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(5, 50, generator=g) * 3
@@ -298,7 +298,7 @@ def test_penalty_and_bias_bounds(kw, message):
 
 # -- counter-based draws: a token's uniform is a function of (seed, index), nothing else -------------------------
 def test_uniform_is_a_pure_function_of_seed_and_index():
-    from ringsched.sampler import _mix64
+    from ringsched.sampling.sampler import _mix64
 
     # splitmix64 itself: the first output of the reference generator seeded with 0.
     assert _mix64(0x9E3779B97F4A7C15) == 0xE220A8397B1DCDAF

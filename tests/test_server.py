@@ -31,7 +31,7 @@ GREEDY = {"temperature": 0, "max_tokens": 24}
 def reference(smollm2_dir) -> dict[str, str]:
     """Greedy texts from the offline engine (same model, pp_size 2) for the prompts the tests send."""
     from ringsched.engine import Engine
-    from ringsched.sampling import SamplingParams
+    from ringsched.sampling.params import SamplingParams
 
     with Engine(MODEL, pp_size=2, threads_per_stage=1, kv_cache_memory="64M") as llm:
         chat_ids = llm.tokenizer.apply_chat_template(CHAT)
@@ -384,8 +384,8 @@ def test_malformed_json_and_context_messages(server, reference, client):
     r = httpx.post(server.url + CMPL, json={"prompt": [1000] * 2040, "max_tokens": 10}, headers=server.headers)
     assert r.json()["error"]["message"] == _context_message(2040, 10, "prompt")
 
-    from ringsched.models.fetch import resolve_model
     from ringsched.tokenizer import Tokenizer
+    from ringsched.weights.fetch import resolve_model
 
     long_chat = [{"role": "user", "content": "word " * 2100}]
     p = len(Tokenizer(resolve_model(MODEL)).apply_chat_template(long_chat))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ringsched.server.detokenizer import IncrementalDetokenizer, StopMatcher, TextStream
+from ringsched.detokenizer import IncrementalDetokenizer, StopMatcher, TextStream
 from ringsched.server.protocol import APIError, Limits, parse_chat, parse_completion, parse_generate
 from ringsched.tokenizer import Tokenizer
 

@@ -9,16 +9,16 @@ import random
 import pytest
 import torch
 
+from ringsched.attention.batch import build_forward_batch
+from ringsched.attention.paged import paged_attention
+from ringsched.attention.window import WindowedAttention
 from ringsched.comm.messages import BatchPlan, PlanEntry
 from ringsched.config import EngineConfig
+from ringsched.kernels import native
 from ringsched.kv.cache import BlockTable, KVPool
-from ringsched.kv.ring import RingTable, ring_size, split_budget
-from ringsched.models import native
-from ringsched.models.attention import paged_attention
-from ringsched.models.batch import build_forward_batch
-from ringsched.models.config import ModelConfig
-from ringsched.models.window_attention import WindowedAttention
+from ringsched.kv.ring import RingTable, SlidingBlockTable, ring_size, split_budget
 from ringsched.stage.setup import ring_of
+from ringsched.weights.model_config import ModelConfig
 
 CFG = ModelConfig("MistralForCausalLM", 4, 32, 64, 4, 2, 8, 100, 1e-6, 1e4, 512, False,
                   layer_types=("sliding", "full", "sliding", "sliding"), sliding_window=8)  # fmt: skip
@@ -58,14 +58,13 @@ def test_block_tables_repeat_the_ring_per_absolute_block():
 
 
 def test_the_block_table_grows_a_ring_with_the_main_blocks_up_to_its_size_and_frees_it_with_them():
-    lead = BlockTable(16, 4, ring=RingTable(5, 4, 3, 8))
-    follow = BlockTable(16, 4, follower=True, ring=RingTable(5, 4, 3, 8, follower=True))
+    lead = SlidingBlockTable(16, 4, RingTable(5, 4, 3, 8))
+    follow = SlidingBlockTable(16, 4, RingTable(5, 4, 3, 8, follower=True), follower=True)
     for tokens, new_ring in ((5, 2), (9, 1), (30, 0)):  # 2, 3, then 8 main blocks: the ring stops at 3
         grown = lead.grow("a", tokens)
         assert len(grown.get("ring_blocks", [])) == new_ring
-        follow.assign("a", grown["new_blocks"])
-        if new_ring:
-            follow.ring.assign("a", grown["ring_blocks"])
+        follow.follow(PlanEntry("a", 0, [], False, new_blocks=grown["new_blocks"],
+                                ring_blocks=grown.get("ring_blocks", [])))  # as a plan carries them
     assert follow.ring.table.tables == lead.ring.table.tables and len(lead.ring.table.tables["a"]) == 3
     lead.grow("b", 3)  # a short request holds one ring block
     assert lead.can_hold("c", 4) and not lead.can_hold("c", 5)  # main blocks are free, the sliding pool has 1
@@ -75,8 +74,8 @@ def test_the_block_table_grows_a_ring_with_the_main_blocks_up_to_its_size_and_fr
 
 
 def test_a_sliding_pool_smaller_than_a_ring_bounds_the_longest_request():
-    assert BlockTable(16, 4, ring=RingTable(2, 4, 3, 8)).capacity_tokens == 8
-    assert BlockTable(16, 4, ring=RingTable(3, 4, 3, 8)).capacity_tokens == 64
+    assert SlidingBlockTable(16, 4, RingTable(2, 4, 3, 8)).capacity_tokens == 8
+    assert SlidingBlockTable(16, 4, RingTable(3, 4, 3, 8)).capacity_tokens == 64
 
 
 def test_sliding_layers_tensors_are_sized_by_the_rings():
@@ -108,7 +107,7 @@ def test_a_sliding_layer_reads_the_same_from_its_ring_as_from_the_whole_pool(use
         pytest.skip("no native decode kernel here")
     window, chunk, bs, kvh, heads, d = 8, 5, 4, 2, 4, 8
     ring = ring_size(window, chunk, bs)
-    whole, ringed = BlockTable(64, bs), BlockTable(64, bs, ring=RingTable(2 * ring, bs, ring, window))
+    whole, ringed = BlockTable(64, bs), SlidingBlockTable(64, bs, RingTable(2 * ring, bs, ring, window))
     caches = {"whole": [torch.zeros(64 * bs, kvh, d) for _ in range(2)],
               "ring": [torch.zeros(2 * ring * bs, kvh, d) for _ in range(2)]}  # fmt: skip
     attend, torch_rng = WindowedAttention(window, 0.0), torch.Generator().manual_seed(0)

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ringsched.models import layer_ops, small_linear
+from ringsched.kernels import layer_ops, small_linear
+from ringsched.kernels.quantize import quantize_int8_weight
 from ringsched.models.fused_linear import cpu_layout
-from ringsched.models.quantize import quantize_int8_weight
 from ringsched.models.rmsnorm import RMSNorm
 from ringsched.models.rope import Rotary
 
@@ -131,8 +131,8 @@ def test_layer_ops_match_the_torch_operators(dtype):
 def test_an_int8_model_computes_with_its_dequantized_weights(tmp_path):
     """`--quantization int8`: every projection and the lm_head hold int8 rows and scales; a forward (the kernel
     for few rows, torch beyond) equals a float32 model given the dequantized weights."""
+    from ringsched.attention.paged import ForwardBatch
     from ringsched.layout.rank import StageInfo
-    from ringsched.models.attention import ForwardBatch
     from ringsched.models.loader import load_stage_model
     from ringsched.models.random_model import random_config, write_random_model
 
@@ -163,7 +163,7 @@ def test_switched_off_the_torch_path_runs_every_dtype(monkeypatch):
     monkeypatch.setenv(small_linear.ENV_SWITCH, "0")
     assert small_linear.library() is None and not layer_ops.usable(torch.float32, torch.device("cpu"))
     lin = small_linear.Linear(64, 32)
-    from ringsched.models.quantize import quantize_linear
+    from ringsched.kernels.quantize import quantize_linear
 
     quantize_linear(lin)
     lin.prepare()

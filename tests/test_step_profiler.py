@@ -53,7 +53,7 @@ def test_a_ring_writes_each_stage_table_and_keeps_serving(tiny_llama_dir, tmp_pa
     serving: the ring outlives the window and answers the same as before it. (The abort that keeping the
     profiler object avoids showed with SmolLM2's 128-row micro-batches, not with this tiny model.)"""
     from ringsched.engine import Engine
-    from ringsched.sampling import SamplingParams
+    from ringsched.sampling.params import SamplingParams
 
     monkeypatch.setenv(ENV_DIR, str(tmp_path / "prof"))
     monkeypatch.setenv(ENV_STEPS, "2:3")

@@ -11,9 +11,9 @@ import jsonschema
 import openai
 import pytest
 
-from ringsched import structured
 from ringsched.engine import Engine
-from ringsched.sampling import SamplingParams
+from ringsched.sampling import structured
+from ringsched.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

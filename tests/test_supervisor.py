@@ -58,7 +58,7 @@ def test_a_silent_stage_is_hung_idle_or_busy(sup):
 
 
 def test_a_stage_that_never_beat_after_ready_is_hung(sup):
-    sup._ready_at[0] -= 11.0
+    sup.ready_at[0] -= 11.0
     sup._take_status([_beat(1, 0.1)])
     with pytest.raises(StageFailure, match="stage 0 .* is hung"):
         sup.check()

@@ -171,7 +171,7 @@ def test_a_chat_whose_template_writes_bos_gets_one_bos(tmp_path):
     """With `add_bos_token` (SentencePiece GGUF files, Llama, Gemma) a completion prompt starts with BOS once, and a
     chat whose template writes `{{ bos_token }}` too (not twice, as transformers' `apply_chat_template` gives)."""
     from ringsched.models.random_model import byte_tokenizer
-    from ringsched.models.tokenizer_build import write_tokenizer_files
+    from ringsched.weights.tokenizer_build import write_tokenizer_files
 
     tok, tokens = byte_tokenizer(300)
     template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"

@@ -13,10 +13,10 @@ from test_model_reference import hf_greedy, prompt_ids
 from ringsched.engine import Engine
 from ringsched.layout.partition import head_layers, resolve_partition, stage_ranges
 from ringsched.layout.rank import StageInfo
-from ringsched.models.config import ModelConfig
 from ringsched.models.llama import StageModel
 from ringsched.models.random_model import random_config, write_random_model
-from ringsched.sampling import SamplingParams
+from ringsched.sampling.params import SamplingParams
+from ringsched.weights.model_config import ModelConfig
 
 pytestmark = pytest.mark.slow  # several processes and real weights
 

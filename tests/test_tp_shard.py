@@ -9,13 +9,14 @@ import threading
 import pytest
 import torch
 
+from ringsched.attention.paged import ForwardBatch
 from ringsched.config import ConfigError, EngineConfig
 from ringsched.layout.rank import StageInfo, rank_infos
-from ringsched.models.attention import ForwardBatch
-from ringsched.models.config import ModelConfig
 from ringsched.models.loader import load_stage_model, weights_bytes
 from ringsched.models.random_model import random_config, write_random_model
-from ringsched.models.tp import TPGroup, TPLayoutError, TPShard, check_tp
+from ringsched.models.tp import TPGroup
+from ringsched.weights.model_config import ModelConfig
+from ringsched.weights.tp_shard import TPLayoutError, TPShard, check_tp
 
 
 def _cfg(heads: int, kv: int, hidden: int = 64, inter: int = 96, vocab: int = 300, arch: str = "llama"):

@@ -1,4 +1,4 @@
-"""The Triton attention kernels (`models/triton_attention.py`) against dense softmax attention over each
+"""The Triton attention kernels (`kernels/triton_attention.py`) against dense softmax attention over each
 sequence's gathered keys; and the `triton` backend against `torch` through a tiny random model. On a machine
 without CUDA the kernels run under Triton's interpreter; with CUDA, compiled on the GPU.
 
@@ -20,15 +20,15 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
+from ringsched.attention.backend import check_backend, select_backend  # noqa: E402
+from ringsched.attention.ring import merge_all  # noqa: E402
 from ringsched.comm.messages import BatchPlan, PlanEntry  # noqa: E402
+from ringsched.kernels import triton_attention as ta  # noqa: E402
 from ringsched.kv.cache import BlockTable, KVPool  # noqa: E402
 from ringsched.layout.rank import StageInfo  # noqa: E402
-from ringsched.models import triton_attention as ta  # noqa: E402
-from ringsched.models.attention_backend import check_backend, select_backend  # noqa: E402
-from ringsched.models.config import ModelConfig  # noqa: E402
 from ringsched.models.llama import StageModel  # noqa: E402
 from ringsched.models.random_model import random_config  # noqa: E402
-from ringsched.models.ring_attention import merge_all  # noqa: E402
+from ringsched.weights.model_config import ModelConfig  # noqa: E402
 
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 

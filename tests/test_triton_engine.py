@@ -5,7 +5,7 @@ import pytest
 from test_model_reference import hf_greedy
 
 from ringsched import Engine
-from ringsched.sampling import SamplingParams
+from ringsched.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("triton")

@@ -8,8 +8,8 @@ import random
 
 import torch
 
-from ringsched.sampler import sample
-from ringsched.sampling import SamplingParams
+from ringsched.sampling.params import SamplingParams
+from ringsched.sampling.sampler import sample
 from ringsched.speculative.ngram import NgramIndex
 from ringsched.speculative.verify import accept, verify
 

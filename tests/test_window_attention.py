@@ -1,4 +1,4 @@
-"""A sliding or soft-capped layer's attention (`models/window_attention.py`): the decodes through the CPU kernel
+"""A sliding or soft-capped layer's attention (`attention/window.py`): the decodes through the CPU kernel
 equal the torch path over the gathered window, and both equal a dense reference over each whole context with the
 band and the cap applied as transformers applies them."""
 
@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ringsched.attention.batch import build_forward_batch
+from ringsched.attention.window import WindowedAttention
 from ringsched.comm.messages import BatchPlan, PlanEntry
+from ringsched.kernels import native
 from ringsched.kv.cache import BlockTable
-from ringsched.models import native
-from ringsched.models.batch import build_forward_batch
-from ringsched.models.window_attention import WindowedAttention
 
 H, KVH, D, BS = 4, 2, 16, 4
 LENGTHS = {"a": 3, "b": 13, "c": 30}  # shorter than, near and past the window

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ringsched.models.config import ModelConfig, layer_matmul_params
 from ringsched.stage.affinity import restored_threads_and_cpus
+from ringsched.weights.model_config import ModelConfig, layer_matmul_params
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,8 @@ import time
 from typing import TYPE_CHECKING
 
 from ringsched.bench.offline import _prompts
-from ringsched.models.fetch import DEFAULT_MODEL, resolve_model
+from ringsched.config import DEFAULT_MODEL
+from ringsched.weights.fetch import resolve_model
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -25,7 +25,7 @@ def _ids(n: int, vocab: int, rng: random.Random) -> list[int]:
 def time_long_prompts(llm, length: int, repeat: int, vocab: int, rng: random.Random, output_len: int = 1) -> dict:
     """TTFT of `repeat` single `length`-token prompts, one after another; with `output_len > 1` also the time
     per output token after the first (decodes at a context of `length` tokens)."""
-    from ringsched.sampling import SamplingParams
+    from ringsched.sampling.params import SamplingParams
 
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     ttfts, tpots = [], []
@@ -56,7 +56,7 @@ def time_long_prompts(llm, length: int, repeat: int, vocab: int, rng: random.Ran
 def decodes_beside_a_long_prompt(llm, length: int, streams: int, input_len: int, vocab: int,
                                  rng: random.Random) -> dict:  # fmt: skip
     """Median TPOT of `streams` decoding requests before and while a `length`-token prompt prefills."""
-    from ringsched.sampling import SamplingParams
+    from ringsched.sampling.params import SamplingParams
 
     endless = SamplingParams(max_tokens=1_000_000, temperature=0.0, ignore_eos=True)
     rids = [llm.submit(_ids(input_len, vocab, rng), endless) for _ in range(streams)]

@@ -130,8 +130,8 @@ def offline_config(args: argparse.Namespace) -> EngineConfig:
 def run_offline(args: argparse.Namespace) -> dict:
     cfg = offline_config(args)
     from ringsched.engine import Engine
-    from ringsched.models.config import ModelConfig
-    from ringsched.sampling import SamplingParams
+    from ringsched.sampling.params import SamplingParams
+    from ringsched.weights.model_config import ModelConfig
 
     mcfg = ModelConfig.from_dir(cfg.model)
     rng = random.Random(cfg.seed)

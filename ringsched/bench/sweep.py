@@ -37,7 +37,8 @@ from ringsched.bench.server_process import ServerProcess
 from ringsched.bench.stage_metrics import scrape_stages, settled, stage_deltas
 from ringsched.bench.sweep_plan import RateLadder, ServerConfig, SweepConfigError, parse_rates
 from ringsched.bench.sweep_report import load_sweep, save_json, write_report
-from ringsched.models.fetch import DEFAULT_MODEL, FetchError
+from ringsched.config import DEFAULT_MODEL
+from ringsched.weights.fetch import FetchError
 
 # Stages report their times every 0.5 s (an idle stage too), so two equal reads this far apart mean the
 # stages have reported since the rung ended; a fixed wait undercounted when a loaded host delayed a report.
@@ -119,8 +120,8 @@ def _split_server_args(text: str) -> tuple[str, ...]:
 
 def _vocab_size(model: str) -> int:
     """The model's vocabulary size: random prompt ids must stay below it or the server refuses them."""
-    from ringsched.models.config import ModelConfig
-    from ringsched.models.fetch import resolve_model
+    from ringsched.weights.fetch import resolve_model
+    from ringsched.weights.model_config import ModelConfig
 
     return ModelConfig.from_dir(resolve_model(model, quiet=True)).vocab_size
 

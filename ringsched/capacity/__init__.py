@@ -6,9 +6,9 @@ link they cross), `estimate` (one row per layout), `derivation` (the design docu
 `recommend` and `report`.
 """
 
+from ringsched.capacity.cluster import ClusterSpec
 from ringsched.capacity.derivation import Derivation, derive
 from ringsched.capacity.estimate import (
-    ClusterSpec,
     LayoutRow,
     bubble_fraction,
     candidate_layouts,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ringsched.capacity import memory, traffic
-from ringsched.capacity.estimate import ClusterSpec
+from ringsched.capacity.cluster import ClusterSpec
 from ringsched.capacity.presets import GIB, ModelSpec
 
 

@@ -14,7 +14,7 @@ import shlex
 
 from ringsched.capacity.memory import kv_bytes_per_token_per_layer, layer_params_per_rank
 from ringsched.capacity.presets import CapacityError, ModelSpec
-from ringsched.config_checks import ConfigError, parse_memory
+from ringsched.config import ConfigError, parse_memory
 from ringsched.layout.node_split import NodeSpec, SplitError, StageBytes, describe, split_over_nodes
 from ringsched.layout.partition import head_layers
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ringsched.capacity import traffic
-from ringsched.capacity.estimate import ClusterSpec, LayoutRow
+from ringsched.capacity.cluster import ClusterSpec
+from ringsched.capacity.estimate import LayoutRow
 
 NEAR_BEST = 0.95  # layouts with at least this share of the best concurrency count as equal on capacity
 

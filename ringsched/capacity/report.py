@@ -9,8 +9,9 @@ from __future__ import annotations
 import dataclasses
 from itertools import groupby
 
+from ringsched.capacity.cluster import ClusterSpec
 from ringsched.capacity.derivation import Derivation
-from ringsched.capacity.estimate import ClusterSpec, LayoutRow, bubble_fraction
+from ringsched.capacity.estimate import LayoutRow, bubble_fraction
 from ringsched.capacity.presets import ModelSpec
 from ringsched.capacity.recommend import Recommendation
 

@@ -4,13 +4,10 @@ take: the traffic columns of a `LayoutRow`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from ringsched.capacity import memory, traffic
+from ringsched.capacity.cluster import ClusterSpec
 from ringsched.capacity.presets import ModelSpec
-
-if TYPE_CHECKING:
-    from ringsched.capacity.estimate import ClusterSpec
 
 
 @dataclass(frozen=True)

@@ -14,15 +14,16 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
 if TYPE_CHECKING:
     from ringsched.comm.messages import PlanEntry
-    from ringsched.kv.ring import RingTable
-    from ringsched.models.config import ModelConfig
+    from ringsched.weights.model_config import ModelConfig
+
+T = TypeVar("T")
 
 
 def block_hashes(ids: Sequence[int], block_size: int, have: list[bytes]) -> list[bytes]:
@@ -77,8 +78,7 @@ class BlockTable:
     block: still free capacity, taken back by a request with the same prefix, or evicted when the pool has no
     never-used block left."""
 
-    def __init__(self, num_blocks: int, block_size: int, follower: bool = False, prefix_caching: bool = False,
-                 ring: RingTable | None = None) -> None:  # fmt: skip
+    def __init__(self, num_blocks: int, block_size: int, follower: bool = False, prefix_caching: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError("the KV pool holds no block; raise --kv-cache-memory")
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -90,13 +90,11 @@ class BlockTable:
         self._free = list(range(num_blocks - 1, -1, -1))
         self.tables: dict[str, list[int]] = {}
         self._cached: dict[str, int] = {}  # leading blocks of each request already indexed in the cache
-        self.ring = ring  # the sliding layers' rings (`kv/ring.py`): taken, followed and freed with the main blocks
 
     @property
     def capacity_tokens(self) -> int:
-        """The most tokens one request can hold (a sliding pool smaller than a ring bounds it too)."""
-        longest = self.ring.longest_blocks if self.ring is not None else None
-        return min(self.num_blocks, longest or self.num_blocks) * self.block_size
+        """The most tokens one request can hold."""
+        return self.num_blocks * self.block_size
 
     @property
     def free_blocks(self) -> int:
@@ -124,8 +122,7 @@ class BlockTable:
         have = len(self.tables.get(rid, ())) + len(shared)
         need = max(-(-num_tokens // self.block_size) - have, 0)
         taken_idle = sum(1 for b in shared if self._refs[b] == 0)  # idle now, held once shared
-        rings = self.ring is None or self.ring.can_grow(rid, have + need)
-        return need + taken_idle <= self.free_blocks and rings
+        return need + taken_idle <= self.free_blocks
 
     def _hold(self, b: int) -> None:
         if self._refs[b] == 0:
@@ -152,10 +149,7 @@ class BlockTable:
         before = len(self.tables.get(rid, ()))
         if not self.ensure(rid, num_tokens):
             raise RuntimeError(f"request {rid}: the pool cannot hold {num_tokens} tokens (caller checks first)")
-        out = {"new_blocks": self.tables[rid][before:]}
-        if self.ring is not None and (ring := self.ring.grow(rid, len(self.tables[rid]))):
-            out["ring_blocks"] = ring
-        return out
+        return {"new_blocks": self.tables[rid][before:]}
 
     def can_extend(self, e: PlanEntry, end: int) -> bool:
         """Whether entry `e` (its request's last) can grow to end at position `end` (drafts after its token)."""
@@ -193,6 +187,15 @@ class BlockTable:
                 pc.hash_of[b] = hashes[i]
         self._cached[rid] = max(self._cached.get(rid, 0), len(hashes))
 
+    def follow(self, e: PlanEntry, cp_rank: int = 0) -> None:
+        """Follow stage 0's allocation for plan entry `e` (the other ranks): a cached prefix first, then what the
+        entry computes; under `--cp-size`, this CP rank's own blocks (assigned even when none, so the request is
+        known)."""
+        if e.cp_counts:
+            self.assign(e.rid, e.cp_blocks[cp_rank])
+        elif e.cached_blocks or e.new_blocks:
+            self.assign(e.rid, e.cached_blocks + e.new_blocks)
+
     def assign(self, rid: str, blocks: list[int]) -> None:
         """Follow stage 0's allocation (non-first stages)."""
         self.tables.setdefault(rid, []).extend(blocks)
@@ -203,8 +206,6 @@ class BlockTable:
         """`rid` lets go of its blocks; one no one else holds becomes free, or idle if it is cached. The last
         block goes first: a request's tail is evicted before the prefix other requests are likelier to share."""
         self._cached.pop(rid, None)
-        if self.ring is not None:
-            self.ring.free(rid)
         for b in reversed(self.tables.pop(rid, [])):
             self._refs[b] -= 1
             if self._refs[b]:
@@ -222,6 +223,11 @@ class BlockTable:
         table = torch.tensor(self.tables[rid], dtype=torch.long)
         pos = torch.arange(start, end)
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def sliding_view(self, make: Callable[..., T]) -> T | None:
+        """What `make` builds of the sliding layers' rings, where this pool has them (`SlidingBlockTable`); None:
+        every layer reads the main blocks."""
+        return None
 
     def padded_blocks(self, rids: list[str], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """`[B, nblk]` blocks holding positions `0..len-1` per request (padding points at block 0) and the

@@ -5,7 +5,7 @@ KV pool (`CPBlocks`), and the positions each rank stores, which every rank rebui
 The placement rule (stage 0 decides it; the plan entry carries its outcome as `cp_counts`, the tokens each CP
 rank computes and stores, and `cp_blocks`, each rank's new KV blocks):
 
-- a chunk of `n >= 2 x cp_size` tokens is split zigzag over every rank (`cp.zigzag_pieces`): each rank takes
+- a chunk of `n >= 2 x cp_size` tokens is split zigzag over every rank (`cp_split.zigzag_pieces`): each rank takes
   `n // cp_size` tokens, and the `n % cp_size` left over go to the ranks holding the fewest of the request's
   tokens (ties: the lower rank);
 - a shorter chunk, and every decode token, goes whole to the rank holding the fewest (ties: the lower rank).

@@ -13,9 +13,12 @@ one. Stage 0 takes the new ring blocks when it grows the request's main table (`
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 
-from ringsched.kv.cache import BlockTable
+from ringsched.comm.messages import PlanEntry
+from ringsched.kv.cache import BlockTable, T
 
 
 def ring_size(window: int, max_chunk: int, block_size: int) -> int:
@@ -81,6 +84,44 @@ class RingTable:
             ring = torch.tensor(self.table.tables[rid], dtype=torch.long)
             tables[i] = ring[(torch.arange(nblk) % self.ring).clamp(max=len(ring) - 1)]  # past its length: padding
         return tables
+
+
+class SlidingBlockTable(BlockTable):
+    """The KV blocks of a stage with sliding layers: the main table, and the rings of the sliding pool taken, followed
+    and freed with it (the plan entry's `ring_blocks` beside its `new_blocks`)."""
+
+    def __init__(self, num_blocks: int, block_size: int, ring: RingTable, follower: bool = False) -> None:
+        # No prefix caching: a cached prefix would have no KV in the sliding layers' rings.
+        super().__init__(num_blocks, block_size, follower=follower)
+        self.ring = ring
+
+    @property
+    def capacity_tokens(self) -> int:
+        """The most tokens one request can hold (a sliding pool smaller than a ring bounds it too)."""
+        return min(self.num_blocks, self.ring.longest_blocks or self.num_blocks) * self.block_size
+
+    def can_hold(self, rid: str, num_tokens: int, shared: Sequence[int] = ()) -> bool:
+        have = len(self.tables.get(rid, ())) + len(shared)
+        need = max(-(-num_tokens // self.block_size) - have, 0)
+        return super().can_hold(rid, num_tokens, shared) and self.ring.can_grow(rid, have + need)
+
+    def grow(self, rid: str, num_tokens: int) -> dict:
+        out = super().grow(rid, num_tokens)
+        if ring := self.ring.grow(rid, len(self.tables[rid])):
+            out["ring_blocks"] = ring
+        return out
+
+    def follow(self, e: PlanEntry, cp_rank: int = 0) -> None:
+        super().follow(e, cp_rank)
+        if e.ring_blocks:  # its ring grows with its main blocks
+            self.ring.assign(e.rid, e.ring_blocks)
+
+    def free(self, rid: str) -> None:
+        self.ring.free(rid)
+        super().free(rid)
+
+    def sliding_view(self, make: Callable[..., T]) -> T:
+        return make(self.ring)
 
 
 def split_budget(budget: int, block_bytes: int, full_layers: int, sliding_layers: int, ring: int,

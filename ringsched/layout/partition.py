@@ -42,13 +42,13 @@ def head_layers(model: object) -> float:
     """The head's weight in decoder layers for the default split: `HEAD_SHARE` x the lm_head's matmul weights
     (vocab x hidden) over a layer's (q, k, v, o, gate, up, down; with experts, `moe`, the router and the `top_k`
     experts a token runs through, averaged over the layers). `model` is any object with the config's shape fields
-    (`models.config.ModelConfig`, the planner's `capacity.presets.ModelSpec`). SmolLM2-135M: 4.0; Llama-3-8B: 1.2;
-    Llama-3-70B: 0.61."""
+    (`weights.model_config.ModelConfig`, the planner's `capacity.presets.ModelSpec`). SmolLM2-135M: 4.0;
+    Llama-3-8B: 1.2; Llama-3-70B: 0.61."""
     hidden = model.hidden_size
     q_out, kv_out = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
     mlp = 3 * hidden * model.intermediate_size
     moe = getattr(model, "moe", None)
-    if moe is not None:  # as `models.config.layer_matmul_params` prices it (this package sits below `models`)
+    if moe is not None:  # as `weights.model_config.layer_matmul_params` prices it (this package sits below `weights`)
         sparse = hidden * (moe.num_experts + 3 * moe.top_k * moe.intermediate)
         mlp += (sparse - mlp) * len(moe.layers) / model.num_layers
     layer = hidden * (2 * q_out + 2 * kv_out) + mlp

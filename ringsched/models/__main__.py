@@ -6,8 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from ringsched.models.fetch import KNOWN_MODELS, FetchError, fetch_model
 from ringsched.models.random_model import ARCHS, random_config, write_random_model
+from ringsched.weights.fetch import KNOWN_MODELS, FetchError, fetch_model
 
 
 def main(argv: list[str] | None = None) -> int:

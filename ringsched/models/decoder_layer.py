@@ -13,15 +13,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ringsched.models import gguf_linear, layer_ops, window_attention
-from ringsched.models.attention import ForwardBatch, paged_attention
-from ringsched.models.config import ModelConfig
+from ringsched.attention import window as window_attention
+from ringsched.attention.paged import ForwardBatch, paged_attention
+from ringsched.kernels import layer_ops
+from ringsched.kernels.quantize import quantize_projection
+from ringsched.kernels.small_linear import Linear
 from ringsched.models.fused_linear import fuse_linears, share_rows
 from ringsched.models.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from ringsched.models.rmsnorm import RMSNorm
 from ringsched.models.rope import Rotary
-from ringsched.models.small_linear import Linear
 from ringsched.models.tp import SoloGroup, TPGroup
+from ringsched.weights import gguf_kept
+from ringsched.weights.model_config import ModelConfig
 
 
 class Attention(nn.Module):
@@ -184,7 +187,7 @@ class DecoderLayer(nn.Module):
 
     def prepare_linears(self, quantization: str = "none") -> None:
         """After the weights are in: fuse q/k/v and gate/up, quantise the projections (`int8`:
-        `models/quantize.py`), let each linear layer pick its kernel, and decide `small_ops`."""
+        `kernels/quantize.py`), let each linear layer pick its kernel, and decide `small_ops`."""
         self.self_attn.prepare_linears(quantization)
         self.ffn.prepare_linears(quantization)
         w = self.input_layernorm.weight
@@ -194,7 +197,7 @@ class DecoderLayer(nn.Module):
         self.small_ops = plain and same and layer_ops.usable(w.dtype, w.device)
 
     def forward(self, hidden, residual, batch: ForwardBatch, kv):
-        small = self.small_ops and kv is not None and hidden.shape[0] <= self.small_rows and batch.cp is None
+        small = self.small_ops and kv is not None and hidden.shape[0] <= self.small_rows
         if small and hidden.is_contiguous() and (residual is None or residual.is_contiguous()):
             return self._small_step(hidden, residual, batch, kv)
         h, residual = self.input_layernorm.add_forward(hidden, residual)
@@ -218,11 +221,9 @@ class DecoderLayer(nn.Module):
 def prepare_fused(parts: list[nn.Linear], quantization: str) -> Linear | None:
     """`parts` fused into one linear layer (`fuse_linears`), quantised (`int8`, `int4`) with the parts' rows
     sharing its weight and scales, its kernel picked. Kept GGUF weights of different types cannot share one weight:
-    side by side (`gguf_linear.fuse_kept`)."""
-    from ringsched.models.quantize import quantize_projection  # quantize imports small_linear, as this does
-
-    if not gguf_linear.same_type(parts):
-        return gguf_linear.fuse_kept(parts)
+    side by side (`gguf_kept.fuse_kept`)."""
+    if not gguf_kept.same_type(parts):
+        return gguf_kept.fuse_kept(parts)
     fused = fuse_linears(parts)
     if quantization != "none":
         quantize_projection(fused, quantization)
@@ -234,7 +235,7 @@ def prepare_fused(parts: list[nn.Linear], quantization: str) -> Linear | None:
 def prepare_single(lin: Linear, quantization: str, down: bool = False) -> None:
     """`lin` quantised and its kernel picked; `down`: an MLP's (or expert's) down projection, which stays int8 under
     int4 (`quantize.py`: the layer int4 costs most accuracy in)."""
-    from ringsched.models.quantize import quantize_projection
+    from ringsched.kernels.quantize import quantize_projection
 
     quantize_projection(lin, "int8" if down and quantization == "int4" else quantization)
     lin.prepare()

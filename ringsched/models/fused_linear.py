@@ -8,8 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ringsched.models.gguf_linear import GGUFWeights, keep
-from ringsched.models.small_linear import Linear
+from ringsched.kernels.small_linear import Linear
 
 
 def cpu_layout(name: str, weight: torch.Tensor) -> torch.Tensor:
@@ -38,8 +37,7 @@ def fuse_linears(parts: list[nn.Linear]) -> Linear:
         w = _kn_storage(torch.cat([p.weight.detach() for p in parts]))
     fused = Linear(parts[0].in_features, w.shape[0], bias=parts[0].bias is not None, device="meta")
     fused.weight = nn.Parameter(w, requires_grad=False)
-    if isinstance(parts[0], GGUFWeights):  # rows of one GGUF type: the fused rows are its blocks too
-        keep(fused, w, parts[0].qtype)
+    parts[0].give_format(fused)  # rows of one GGUF type: the fused rows are its blocks too
     if parts[0].bias is not None:
         b = _joined([p.bias for p in parts])
         b = b if b is not None else torch.cat([p.bias.detach() for p in parts])

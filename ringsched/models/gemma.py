@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import torch
 
-from ringsched.models.attention import ForwardBatch
-from ringsched.models.config import ModelConfig
+from ringsched.attention.paged import ForwardBatch
 from ringsched.models.decoder_layer import MLP, Attention, DecoderLayer
 from ringsched.models.rmsnorm import RMSNorm
 from ringsched.models.rope import Rotary
 from ringsched.models.tp import SoloGroup, TPGroup
+from ringsched.weights.model_config import ModelConfig
 
 
 class GemmaRMSNorm(RMSNorm):

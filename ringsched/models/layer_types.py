@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from torch import nn
 
-from ringsched.models.config import ModelConfig
 from ringsched.models.decoder_layer import DecoderLayer
 from ringsched.models.gemma import GemmaDecoderLayer, GemmaRMSNorm
 from ringsched.models.rmsnorm import RMSNorm
 from ringsched.models.rope import Rotary
 from ringsched.models.tp import TPGroup
+from ringsched.weights.model_config import ModelConfig
 
 LAYER_TYPES: dict[str, type[DecoderLayer]] = {"llama": DecoderLayer, "gemma": GemmaDecoderLayer}
 NORMS: dict[str, type[RMSNorm]] = {"llama": RMSNorm, "gemma": GemmaRMSNorm}

@@ -1,4 +1,4 @@
-"""One decoder model class for every stage and every family (`models/families.py`); each layer is built by its
+"""One decoder model class for every stage and every family (`weights/families.py`); each layer is built by its
 family's layer type (`models/layer_types.py`).
 
 The layer list is always full length; layers the stage does not own are `MissingLayer` placeholders, so
@@ -17,16 +17,16 @@ import sys
 import torch
 from torch import nn
 
+from ringsched.attention.paged import ForwardBatch
+from ringsched.kernels.decode_layers import DecodeLayers
+from ringsched.kernels.small_linear import Linear
 from ringsched.layout.rank import StageInfo
-from ringsched.models.attention import ForwardBatch
-from ringsched.models.config import ModelConfig
-from ringsched.models.decode_layers import DecodeLayers
 from ringsched.models.decoder_layer import DecoderLayer, MissingLayer
 from ringsched.models.fused_linear import cpu_layout
 from ringsched.models.layer_types import Rotaries, build_layer, final_norm
-from ringsched.models.small_linear import Linear
 from ringsched.models.tp import SoloGroup, TPGroup
 from ringsched.models.vocab import lm_head, vocab_embedding
+from ringsched.weights.model_config import ModelConfig
 
 
 class StageModel(nn.Module):
@@ -82,10 +82,10 @@ class StageModel(nn.Module):
         # Only the rows that sample need the final norm and the lm_head.
         rows = batch.logit_rows
         out, _ = self.model.norm.add_forward(hidden[rows], residual[rows])
-        return out
+        return batch.gather_samples(out)
 
     def one_call(self, batch: ForwardBatch) -> bool:
-        """Whether a step of `batch` can run its layers in one native call (`models/decode_layers.py`)."""
+        """Whether a step of `batch` can run its layers in one native call (`kernels/decode_layers.py`)."""
         whole = self.__dict__.get("decode_layers")
         return whole is not None and whole.takes(batch)
 
@@ -105,9 +105,9 @@ class StageModel(nn.Module):
 
     def prepare_linears(self, quantization: str = "none") -> StageModel:
         """After the weights are in: fuse each layer's q/k/v and gate/up projections, quantise the projections and
-        the lm_head (`int8`, `int4`: `models/quantize.py`; `int4` the embedding too), and let every linear layer
+        the lm_head (`int8`, `int4`: `kernels/quantize.py`; `int4` the embedding too), and let every linear layer
         pick its kernel."""
-        from ringsched.models.quantize import quantize_int8_weight, quantize_linear  # it imports small_linear
+        from ringsched.kernels.quantize import quantize_int8_weight, quantize_linear  # it imports small_linear
 
         tied = self.stage.is_first and self.stage.is_last and self.model.embed_tokens.weight is self.lm_head.weight
         for layer in self.model.layers:
@@ -142,7 +142,7 @@ class StageModel(nn.Module):
         return left
 
     def paths_chosen(self) -> None:
-        """Once every linear layer has its paths (`Linear.prepare`, or `models/linear_tuning.py` after it): the
+        """Once every linear layer has its paths (`Linear.prepare`, or `kernels/linear_tuning.py` after it): the
         one-call decode (`DecodeLayers`) takes the row counts whose every linear call is the kernel's."""
         self.__dict__["decode_layers"] = DecodeLayers(self)
 

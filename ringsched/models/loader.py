@@ -10,7 +10,6 @@ rows of the fused tensor (`checkpoint_names`), under tensor parallelism only the
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,15 +18,15 @@ import torch
 from safetensors import safe_open
 
 from ringsched.layout.rank import StageInfo
-from ringsched.models.checkpoint_names import Source, fused_parts, source
-from ringsched.models.config import ModelConfig
 from ringsched.models.fused_linear import cpu_layout
-from ringsched.models.gguf_linear import keep
-from ringsched.models.gguf_weights import GGUFCheckpoint, gguf_file
 from ringsched.models.llama import StageModel
 from ringsched.models.parallel_linear import read_slices
 from ringsched.models.tp import TPGroup
 from ringsched.models.vocab import Embedding
+from ringsched.weights.checkpoint_names import Source, fused_parts, source, weight_index
+from ringsched.weights.gguf_kept import keep
+from ringsched.weights.gguf_weights import GGUFCheckpoint, gguf_file
+from ringsched.weights.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -36,19 +35,6 @@ logger = logging.getLogger(__name__)
 class LoadStats:
     tensors_read: list[str] = field(default_factory=list)
     bytes_read: int = 0
-
-
-def weight_index(model_dir: Path) -> dict[str, Path]:
-    """Tensor name -> file, for one `model.safetensors` or a sharded index."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        mapping = json.loads(index.read_text())["weight_map"]
-        return {name: model_dir / fname for name, fname in mapping.items()}
-    single = model_dir / "model.safetensors"
-    if not single.exists():
-        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
-    with safe_open(single, framework="pt") as f:
-        return {name: single for name in f.keys()}
 
 
 def load_stage_model(

@@ -18,11 +18,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ringsched.models.config import ModelConfig
+from ringsched.kernels.small_linear import Linear
 from ringsched.models.decoder_layer import ACTIVATIONS, prepare_fused, prepare_single
 from ringsched.models.parallel_linear import ColumnParallelLinear, RowParallelLinear
-from ringsched.models.small_linear import Linear
 from ringsched.models.tp import SoloGroup, TPGroup
+from ringsched.weights.model_config import ModelConfig
 
 
 class Expert(nn.Module):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ringsched.models.small_linear import Linear
+from ringsched.kernels.small_linear import Linear
 from ringsched.models.tp import TPGroup
 
 Part = tuple[int, int]  # (first, count) of the whole layer's features along the split dimension

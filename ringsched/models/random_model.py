@@ -11,9 +11,9 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from tokenizers.pre_tokenizers import ByteLevel
 
 from ringsched.layout.rank import StageInfo
-from ringsched.models.config import ModelConfig
 from ringsched.models.llama import StageModel
-from ringsched.models.tokenizer_build import write_tokenizer_files
+from ringsched.weights.model_config import ModelConfig
+from ringsched.weights.tokenizer_build import write_tokenizer_files
 
 ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

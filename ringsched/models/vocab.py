@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ringsched.models import gguf_linear
-from ringsched.models.config import ModelConfig
+from ringsched.kernels import gguf_linear
+from ringsched.kernels.small_linear import NATIVE, Linear
 from ringsched.models.parallel_linear import Sharded
-from ringsched.models.small_linear import NATIVE, Linear
 from ringsched.models.tp import TPGroup
+from ringsched.weights.model_config import ModelConfig
 
 # Vocabulary rows of the lm_head per step of `LMHead.logits` / `LMHead.greedy` on CPU. Measured (one thread, a
 # process per setting, AMD EPYC Zen 4): 1024 words against 8192 took SmolLM2's greedy head from 81 to 65 ms at
@@ -108,6 +108,7 @@ class LMHead(Linear):
     greedy path skips it."""
 
     softcap = 0.0
+    vocab_chunk = HEAD_VOCAB_CHUNK
 
     def __init__(self, hidden: int, vocab: int) -> None:
         super().__init__(hidden, vocab, bias=False)

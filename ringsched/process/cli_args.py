@@ -8,9 +8,9 @@ import dataclasses
 import sys
 
 from ringsched.config import ConfigError, EngineConfig
-from ringsched.models.config import UnsupportedModelError
-from ringsched.models.fetch import FetchError
 from ringsched.spec import ModelSpec
+from ringsched.weights.fetch import FetchError
+from ringsched.weights.model_config import UnsupportedModelError
 
 
 class HelpFormatter(argparse.HelpFormatter):

@@ -5,24 +5,21 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import time
-from typing import TYPE_CHECKING
 
 from ringsched.comm.tensor_channel import without_source_paths
-
-if TYPE_CHECKING:
-    from ringsched.process.supervisor import Supervisor
+from ringsched.process.supervised import Supervised
 
 
-def liveness(self: Supervisor) -> tuple[int, str] | None:
+def liveness(self: Supervised) -> tuple[int, str] | None:
     """(rank, why) of a ready stage whose heartbeats stopped (hung), or whose loop sat in one micro-batch too long
     (stuck). Heartbeats carry the stage's monotonic clock (one clock per machine), so a supervisor that was slow to
     look does not mistake its own delay for the stage's silence."""
     now, cfg = time.monotonic(), self.cfg
     for rank, p in zip(self.ranks, self.procs, strict=True):
-        if rank not in self._ready_at:
+        if rank not in self.ready_at:
             continue  # still loading: start()'s deadline covers it
-        beat = self._beats.get(rank)
-        silent = now - (beat["sent_at"] if beat else self._ready_at[rank])
+        beat = self.beats.get(rank)
+        silent = now - (beat["sent_at"] if beat else self.ready_at[rank])
         if silent > cfg.heartbeat_timeout:
             return rank, (
                 f"{cfg.describe_rank(rank)} (pid {p.pid}) is hung: no heartbeat for {silent:.1f}s "
@@ -30,11 +27,11 @@ def liveness(self: Supervisor) -> tuple[int, str] | None:
                 "Python's GIL"
             )
         if beat is None or not beat["in_step"]:
-            self._stalled.pop(rank, None)
+            self.stalled.pop(rank, None)
             continue
-        steps, since = self._stalled.get(rank, (None, beat["sent_at"]))
+        steps, since = self.stalled.get(rank, (None, beat["sent_at"]))
         if steps != beat["steps"]:
-            self._stalled[rank] = (beat["steps"], beat["sent_at"])
+            self.stalled[rank] = (beat["steps"], beat["sent_at"])
         elif beat["sent_at"] - since > cfg.stage_timeout:
             return rank, (
                 f"{cfg.describe_rank(rank)} (pid {p.pid}) is stuck: one micro-batch has taken "
@@ -43,7 +40,7 @@ def liveness(self: Supervisor) -> tuple[int, str] | None:
     return None
 
 
-def describe(self: Supervisor, errors: dict[int, str], dead: list[tuple[int, mp.Process]]) -> str:
+def describe(self: Supervised, errors: dict[int, str], dead: list[tuple[int, mp.Process]]) -> str:
     """The root cause first: a stage that died without a word, else the first error that is not a stage
     losing its neighbour (which is what the others report once the failed one is gone). `errors` is in the
     order the reports arrived."""
@@ -64,7 +61,7 @@ def describe(self: Supervisor, errors: dict[int, str], dead: list[tuple[int, mp.
     return f"{self.cfg.describe_rank(r)} failed: {without_source_paths(first)}{after}\n{details}"
 
 
-def remote_cause(self: Supervisor, errors: dict[int, str], dead: list) -> str:
+def remote_cause(self: Supervised, errors: dict[int, str], dead: list) -> str:
     """When every rank here only lost a neighbour on another node, that node's own account (which of its
     ranks died, and how) comes first: `"node 1: rank 3 (...) was killed by signal 9; then here: "`."""
     if self.rendezvous is None or self.cfg.nnodes == 1 or any(r not in errors for r, _ in dead):

@@ -16,13 +16,12 @@ from pathlib import Path
 
 import torch
 
-from ringsched.config import EngineConfig
-from ringsched.config_checks import parse_memory
+from ringsched.config import EngineConfig, parse_memory
 from ringsched.layout.node_split import NodeSpec, StageBytes
-from ringsched.models.config import layer_weight_params
 from ringsched.process.partition_auto import BatchShape, StageCosts, measure_stages
 from ringsched.spec import ModelSpec
 from ringsched.stage.affinity import allowed_cpus, stage_cpus
+from ringsched.weights.model_config import layer_weight_params
 
 
 def available_memory(device: str) -> int:

@@ -31,14 +31,14 @@ from dataclasses import dataclass
 
 import torch
 
+from ringsched.attention.backend import select_backend
 from ringsched.comm.messages import BatchPlan, PlanEntry
 from ringsched.kv.cache import BlockTable, KVPool, kv_bytes_per_token
 from ringsched.layout.node_split import balance_loss, balanced_split
 from ringsched.layout.rank import StageInfo
-from ringsched.models.attention_backend import select_backend
-from ringsched.models.config import ModelConfig, layer_weight_params
 from ringsched.models.llama import StageModel
 from ringsched.stage.affinity import restored_threads_and_cpus
+from ringsched.weights.model_config import ModelConfig, layer_weight_params
 
 logger = logging.getLogger(__name__)
 

@@ -19,14 +19,11 @@ import os
 import signal
 import threading
 import time
-from typing import TYPE_CHECKING
 
 from ringsched.comm.messages import StageStatus
 from ringsched.process.ring_nodes import READY_TIMEOUT_S, NodesFailed
+from ringsched.process.supervised import Supervised
 from ringsched.stage import rejoin
-
-if TYPE_CHECKING:
-    from ringsched.process.supervisor import Supervisor
 
 logger = logging.getLogger("ringsched.launch")
 
@@ -38,7 +35,7 @@ class RecoveryFailed(RuntimeError):
 
 
 class Recovery:
-    def __init__(self, sup: Supervisor) -> None:
+    def __init__(self, sup: Supervised) -> None:
         self.sup, self.cfg = sup, sup.cfg
         self.generation = 0  # of the ring; moves on when a recovery has every rank ready again
         self.replaced: dict[int, int] = {}  # rank -> times replaced (`ringsched:rank_restarts_total`)
@@ -208,7 +205,7 @@ class Recovery:
         return {}
 
 
-def note_status(sup: Supervisor, m: StageStatus) -> None:
+def note_status(sup: Supervised, m: StageStatus) -> None:
     """A `lost` report reaching the supervisor before it knew of any failure: remembered, so a recovery does not
     wait for it again."""
     if m.state == "lost":

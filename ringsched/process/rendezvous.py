@@ -19,13 +19,13 @@ from dataclasses import replace
 
 from torch.distributed import PrefixStore
 
-from ringsched import __version__
 from ringsched.comm.store import RendezvousError, connect_store, route_ip, split_addr
 from ringsched.config import EngineConfig
 from ringsched.layout.partition import head_layers, log_partition, partition_source
 from ringsched.process.node_exchange import settle_split, split_mode, why_measure
 from ringsched.process.node_measure import hardware
 from ringsched.spec import ModelSpec
+from ringsched.version import __version__
 
 logger = logging.getLogger("ringsched.launch")
 

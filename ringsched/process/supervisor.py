@@ -32,8 +32,9 @@ from ringsched.process.rendezvous import Rendezvous, meet
 from ringsched.process.ring_nodes import mark_started, nodes_for, ring_started
 from ringsched.process.spawn import stop_resource_tracker, without_main_module
 from ringsched.spec import ModelSpec
+from ringsched.stage.channels import StageAddrs
 from ringsched.stage.heap import stage_allocator_env
-from ringsched.stage.worker import StageAddrs, process_name, stage_main
+from ringsched.stage.worker import process_name, stage_main
 
 logger = logging.getLogger("ringsched.launch")
 
@@ -72,9 +73,9 @@ class Supervisor:
         self.info: dict[int, dict] = {}
         self.stats: dict[int, dict] = {}
         self.failure: str | None = None
-        self._ready_at: dict[int, float] = {}
-        self._beats: dict[int, dict] = {}  # rank -> its latest heartbeat (sent_at, steps, in_step)
-        self._stalled: dict[int, tuple[int, float]] = {}  # rank -> (steps, since) while inside one micro-batch
+        self.ready_at: dict[int, float] = {}
+        self.beats: dict[int, dict] = {}  # rank -> its latest heartbeat (sent_at, steps, in_step)
+        self.stalled: dict[int, tuple[int, float]] = {}  # rank -> (steps, since) while inside one micro-batch
         self.nodes = None  # this node's part in a recovery (`process/ring_nodes.py`), once the store is there
         self.lost: set[int] = set()  # ranks that left their generation of the ring (`stage/rejoin.py`)
         self.recovery = Recovery(self)
@@ -200,9 +201,9 @@ class Supervisor:
             note_status(self, m)
             if m.state == "ready":
                 self.info[m.rank] = m.info
-                self._ready_at[m.rank] = time.monotonic()
+                self.ready_at[m.rank] = time.monotonic()
             elif m.state == "heartbeat":
-                self._beats[m.rank] = m.info
+                self.beats[m.rank] = m.info
             elif m.state == "stats":
                 self.stats[m.rank] = m.info
             elif m.state == "error":
@@ -232,7 +233,7 @@ class Supervisor:
         pid_signal(self._proc(rank).pid, sig)
 
     def forget_ready(self) -> None:
-        self.info, self._ready_at, self._beats, self._stalled = {}, {}, {}, {}
+        self.info, self.ready_at, self.beats, self.stalled = {}, {}, {}, {}
         self.lost.clear()
 
     def respawn(self, rank: int, generation: int) -> None:

@@ -35,13 +35,13 @@ from collections import OrderedDict, deque
 from ringsched.comm.messages import BatchPlan, NewRequest, PlanEntry, TokenOutput
 from ringsched.kv.cache import BlockTable
 from ringsched.kv.cp_blocks import CPBlocks
-from ringsched.sampling import SamplingParams
+from ringsched.sampling.params import SamplingParams
 from ringsched.scheduler.chunking import ChunkSizer
 from ringsched.scheduler.prefix import PrefixIndex
 from ringsched.scheduler.refusals import refusal
 from ringsched.scheduler.request import Request, Status
 from ringsched.scheduler.returns import split, take
-from ringsched.scheduler.speculation import Speculator
+from ringsched.scheduler.speculation import NO_DRAFTS, NoDrafts, Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class Planner:
     def __init__(self, blocks: BlockTable | CPBlocks, micro_batch_size: int, max_running: int, token_budget: int,
                  eos_ids: tuple[int, ...], max_len: int, rng: random.Random | None = None,
                  vocab_size: int | None = None, flexible_cut: bool = False,
-                 chunker: ChunkSizer | None = None, speculator: Speculator | None = None) -> None:  # fmt: skip
+                 chunker: ChunkSizer | None = None, speculator: Speculator | NoDrafts = NO_DRAFTS) -> None:  # fmt: skip
         self.blocks = blocks
         self.micro_batch_size, self.max_running, self.token_budget = micro_batch_size, max_running, token_budget
         self.eos_ids, self.max_len, self.vocab_size = eos_ids, max_len, vocab_size
@@ -118,8 +118,7 @@ class Planner:
         self._decoding = self._count_decoding() if self.chunker is not None else 0
         budget = self._plan_running(plan, seq, self.token_budget)
         self._admit_waiting(plan, seq, budget)
-        if self.speculator is not None:
-            self.speculator.extend(plan, self.requests)
+        self.speculator.extend(plan, self.requests)
         if plan.entries:
             self.flight[seq] = plan.entries
         if self._prefix.cache is not None and not self.flexible_cut:
@@ -249,7 +248,7 @@ class Planner:
                 continue
             if e.samples:
                 tokens, logprobs = sampled[i]
-                if self.speculator is not None and tokens[0] >= 0:
+                if tokens[0] >= 0:
                     self.speculator.kept(r.rid, e.drafts, len(tokens))
                 outs.append(take(r, e, tokens, logprobs, self.eos_ids, self.max_len))
                 if e.drafts:
@@ -262,15 +261,13 @@ class Planner:
         r.status = Status.FINISHED
         self.running.pop(r.rid, None)
         self.requests.pop(r.rid, None)
-        if self.speculator is not None:
-            self.speculator.forget(r.rid)
+        self.speculator.forget(r.rid)
         if free_now:
             self._frees.append((r.rid, r.announced))
 
     def step_took(self, rows: int, seconds: float) -> None:
         """Stage 0 computed a micro-batch of `rows` rows in `seconds` (what drafting weighs a draft's row by)."""
-        if self.speculator is not None:
-            self.speculator.step_took(rows, seconds)
+        self.speculator.step_took(rows, seconds)
 
     # -- state -----------------------------------------------------------------------------------------
     @property
@@ -292,5 +289,5 @@ class Planner:
             # the most in-flight micro-batches one request is in now (> 1: its prefill chunks fill the ring)
             "request_in_flight_max": max((len(r.in_flight) for r in self.requests.values()), default=0),
             "pipelined_chunks": self.pipelined_chunks,  # chunks planned while the request's one before was in flight
-            **(self.speculator.stats() if self.speculator else {}),
+            **self.speculator.stats(),
         }

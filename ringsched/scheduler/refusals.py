@@ -4,7 +4,7 @@ stage down, whatever is wrong with it (the front end checks the same, but stage 
 from __future__ import annotations
 
 from ringsched.comm.messages import NewRequest
-from ringsched.sampling import SamplingParams
+from ringsched.sampling.params import SamplingParams
 
 
 def refusal(new: NewRequest, params: SamplingParams, *, max_len: int, capacity_tokens: int,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from ringsched.sampling import SamplingParams
+from ringsched.sampling.params import SamplingParams
 
 
 class Status(enum.Enum):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ringsched.comm.messages import PlanEntry, TokenOutput
-from ringsched.sampler import Logprobs, logprob_width, unpack_logprobs
+from ringsched.sampling.sampler import Logprobs, logprob_width, unpack_logprobs
 from ringsched.scheduler.request import Request
 from ringsched.speculative.verify import unpadded
 

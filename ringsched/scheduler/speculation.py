@@ -23,7 +23,31 @@ from ringsched.speculative.ngram import NgramIndex
 from ringsched.speculative.suffix import SuffixDrafter
 
 
+class NoDrafts:
+    """The speculator of a planner without `--speculative-config`: it drafts nothing and learns nothing."""
+
+    def extend(self, plan: BatchPlan, requests: dict[str, Request]) -> None:
+        pass
+
+    def kept(self, rid: str, drafts: int, kept: int) -> None:
+        pass
+
+    def step_took(self, rows: int, seconds: float) -> None:
+        pass
+
+    def forget(self, rid: str) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {}
+
+
+NO_DRAFTS = NoDrafts()
+
+
 class Speculator:
+    """Stage 0's drafts, with `--speculative-config` (the module's docstring)."""
+
     def __init__(self, config: SpeculativeConfig, blocks: BlockTable, max_len: int) -> None:
         self.config, self.blocks, self.max_len = config, blocks, max_len
         self.costs = StepCosts()

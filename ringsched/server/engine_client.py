@@ -30,7 +30,7 @@ from ringsched.config import EngineConfig
 from ringsched.link import RingLink
 from ringsched.process.supervisor import StageFailure, Supervisor
 from ringsched.replay import FollowRecovery, OpenRequests
-from ringsched.sampling import SamplingParams
+from ringsched.sampling.params import SamplingParams
 from ringsched.spec import ModelSpec
 
 logger = logging.getLogger("ringsched.server")

@@ -18,7 +18,7 @@ import resource
 import signal
 import sys
 
-from ringsched.structured import GrammarError, Grammars, check, grammar_for
+from ringsched.sampling.structured import GrammarError, Grammars, check, grammar_for
 
 _PR_SET_PDEATHSIG = 1
 

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ringsched.structured import GrammarError
+from ringsched.sampling.structured import GrammarError
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,8 @@ import logging
 import sys
 from dataclasses import dataclass
 
+from ringsched.sampling.structured import GrammarError
 from ringsched.server.grammar_limits import GrammarLimits, check_form
-from ringsched.structured import GrammarError
 
 logger = logging.getLogger("ringsched.server")
 

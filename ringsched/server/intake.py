@@ -15,13 +15,13 @@ from dataclasses import replace
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
+from ringsched.sampling.structured import GrammarError
 from ringsched.server.errors import APIError
 from ringsched.server.grammar_pool import GrammarBusy
 from ringsched.server.grammar_request import Asked
 from ringsched.server.json_body import load_json
 from ringsched.server.protocol import Prepared
 from ringsched.server.serving import ServerContext
-from ringsched.structured import GrammarError
 
 # A refused body is read on (and dropped) up to this many times the limit, so that a client still sending it
 # gets to read the 413 instead of a reset connection; past that the connection is closed.

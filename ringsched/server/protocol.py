@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from ringsched.sampling import SamplingParams
+from ringsched.sampling.params import SamplingParams
 from ringsched.server.errors import APIError, shown
 from ringsched.server.grammar_request import Asked, asked_grammar
 from ringsched.server.request_bodies import (

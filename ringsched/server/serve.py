@@ -23,8 +23,7 @@ from pathlib import Path
 import uvicorn
 import uvloop
 
-from ringsched.config import EngineConfig
-from ringsched.models.fetch import DEFAULT_MODEL
+from ringsched.config import DEFAULT_MODEL, EngineConfig
 from ringsched.server.app import create_app
 from ringsched.server.engine_client import EngineClient
 from ringsched.server.grammar_pool import GrammarPool, PoolConfig

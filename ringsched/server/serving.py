@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from ringsched.server.detokenizer import TextStream
+from ringsched.detokenizer import TextStream
 from ringsched.server.engine_client import EngineClient, EngineError
 from ringsched.server.grammar_pool import GrammarPool
 from ringsched.server.http_limits import HttpLimits

@@ -20,8 +20,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ringsched.sampler import DrawKey, sample
-from ringsched.sampling import SamplingParams
+from ringsched.sampling.params import SamplingParams
+from ringsched.sampling.sampler import DrawKey, sample
 
 Rows = tuple[list[SamplingParams], list[list[int]], list[DrawKey | None]]
 

@@ -4,7 +4,7 @@ launcher's ipc addresses; across nodes the receiver binds a tcp port and publish
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from torch.distributed import PrefixStore
 
@@ -12,8 +12,15 @@ from ringsched.comm.zmq_io import Fanout, Puller, Pusher
 from ringsched.config import EngineConfig
 from ringsched.layout.rank import RankInfo, StageInfo
 
-if TYPE_CHECKING:
-    from ringsched.stage.worker import StageAddrs
+
+@dataclass(frozen=True)
+class StageAddrs:
+    ctl: str  # stage -> launcher status
+    front_in: str  # front end -> stage 0
+    front_out: str  # stage 0 -> front end
+    plans: tuple[str, ...]  # one node: plans[k] is stage k-1 -> stage k (index 0 unused); several: empty
+    progress: str = ""  # one node: stage 1 -> stage 0 (--pp-flex-policy ready); several: empty
+    group_plans: tuple[str, ...] = ()  # per global rank: its stage's first rank -> it (--tp-size > 1; local ipc)
 
 
 def plan_channels(cfg: EngineConfig, where: RankInfo, addrs: StageAddrs, ctx, store) -> tuple:

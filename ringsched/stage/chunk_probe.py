@@ -23,10 +23,10 @@ def probe(mcfg, dtype: torch.dtype, device: torch.device, first: int, max_len: i
     """Time one randomly initialised layer of the model on a `first`-token chunk at context 0 and at a long
     context (eight first chunks, within the context length), and on decode steps of 1 and 16 requests, on this
     process's threads; fit `ChunkCost` and `DecodeCost`."""
+    from ringsched.attention.backend import select_backend
     from ringsched.comm.messages import BatchPlan, PlanEntry
     from ringsched.kv.cache import BlockTable, KVPool
     from ringsched.layout.rank import StageInfo
-    from ringsched.models.attention_backend import select_backend
     from ringsched.models.llama import StageModel
 
     first = max(1, min(first, max_len - 1))

@@ -15,8 +15,9 @@ from ringsched.comm.shm_group import SHM_DIR, ShmCollectives, shm_usable
 from ringsched.comm.store import connect_store, interface_of
 from ringsched.config import EngineConfig
 from ringsched.layout.rank import RankInfo
-from ringsched.models.tp import TPGroup, TPShard
+from ringsched.models.tp import TPGroup
 from ringsched.stage import rejoin
+from ringsched.weights.tp_shard import TPShard
 
 
 def process_groups(cfg: EngineConfig, where: RankInfo, generation: int = 0) -> tuple:

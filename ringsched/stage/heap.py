@@ -23,7 +23,7 @@ shrank, to 357-503 MiB above weights + KV. Stages cap both caches at 16 entries:
 layer's five weight shapes, so two micro-batches of different sizes keep theirs (at 8 they evict each other
 every step: measured, matmuls ~15% slower than at 16 or 32 with two alternating row counts). At 32 a bfloat16
 ring's stages were 289-329 MiB above weights + KV (357-526 without a cap), and 307 on an AMX host; at 16 on
-that host 285-301, at the same throughput (docs/performance.md, "Memory per stage"). float32 (MKL) does not
+that host 285-301, at the same throughput (docs/performance.md). float32 (MKL) does not
 use these caches.
 """
 

@@ -26,19 +26,17 @@ from dataclasses import dataclass
 
 import torch
 
-from ringsched.comm.cp_group import CPGroup
+from ringsched.attention.backend import AttentionBackend, select_backend
 from ringsched.comm.messages import BatchPlan, OutputBatch
 from ringsched.comm.tensor_channel import SequenceMismatch, TensorChannel, without_source_paths
 from ringsched.comm.zmq_io import Fanout, Puller, Pusher
 from ringsched.config import EngineConfig
 from ringsched.kv.cache import BlockTable, KVPool
-from ringsched.kv.cp_blocks import CPPlacement
 from ringsched.layout.flex import FlexBoundary
 from ringsched.layout.rank import Layout, RankInfo, StageInfo, rank_infos
-from ringsched.models.attention_backend import select_backend
-from ringsched.models.cp_attention import build_cp_batch
 from ringsched.models.llama import StageModel
 from ringsched.models.tp import TPGroup
+from ringsched.sampling.structured import Grammars
 from ringsched.scheduler.planner import Planner
 from ringsched.stage.flex_ring import FixedCut, FlexRing
 from ringsched.stage.gc_policy import GcPolicy
@@ -48,7 +46,6 @@ from ringsched.stage.profiler import ProfileWindow, StepProfiler
 from ringsched.stage.sampler_state import SamplerState
 from ringsched.stage.seams import Embed, HoldTokens, PassOn, ReceiveProxy, SamplingHead, SendProxy
 from ringsched.stage.times import StageTimes, peak_rss_bytes
-from ringsched.structured import Grammars
 
 logger = logging.getLogger(__name__)
 
@@ -92,17 +89,16 @@ class StageLoop:
         flex: FlexBoundary | None = None,
         where: RankInfo | None = None,
         tp: TPGroup | None = None,
-        cp: CPGroup | None = None,
+        attention: AttentionBackend | None = None,
     ) -> None:
         self.cfg, self.stage, self.model, self.blocks, self.pool, self.io = cfg, stage, model, blocks, pool, io
         self.where = where or rank_infos(Layout(stage.size), [1] * stage.size)[stage.rank]
-        self.tp, self.cp = tp, cp
-        self.placement = CPPlacement(cp.size) if cp else None  # where each request's tokens are, per CP rank
+        self.tp = tp
         self.planner, self.device = planner, device
-        # The attention kernels, chosen once (`--attention-backend`; auto: the CPU decode kernel where it applies,
-        # Triton on CUDA).
+        # How the layers attend, chosen once: `--attention-backend` (auto: the CPU decode kernel where it applies,
+        # Triton on CUDA), or the stage's context-parallel attention (`attention/cp_backend.py`).
         kv_dtype = pool.caches[0][0].dtype if pool.caches else torch.float32
-        self.attention = select_backend(cfg.attention_backend, device, kv_dtype)
+        self.attention = attention or select_backend(cfg.attention_backend, device, kv_dtype)
         self.times = StageTimes(cuda=torch.device(device).type == "cuda")
         self.gc = GcPolicy()
         window = ProfileWindow.from_env()  # RINGSCHED_TORCH_PROFILER_DIR: a debugging aid, off by default
@@ -133,8 +129,8 @@ class StageLoop:
         if stage.is_last:
             # Under CP the group's first rank samples every row (the others send it theirs).
             grammars = Grammars(cfg.model, self.model.cfg.vocab_size, eos_ids)
-            self.head = SamplingHead(self.model, SamplerState(self.device, eos_ids, grammars), times, self.cut,
-                                     active=self.cp is None or self.cp.leads)  # fmt: skip
+            sampler = SamplerState(self.device, eos_ids, grammars)
+            self.head = SamplingHead(self.model, sampler, times, self.cut, active=self.attention.samples_here)
             self.outbound = HoldTokens(self.cut, self.outputs, times)
         else:
             self.head, self.outbound = PassOn(), SendProxy(next_, io.chan, times, self.peer, self.tp)
@@ -181,8 +177,7 @@ class StageLoop:
     def apply(self, plan: BatchPlan) -> None:
         with self.times.measure("sched"):
             self.plans.apply(plan)
-            if self.placement is not None:
-                self.placement.apply(plan)
+            self.attention.apply(plan)
             self.head.apply(plan)
 
     def peer(self, peer: int, fn, *args):
@@ -202,18 +197,12 @@ class StageLoop:
         if not plan.entries:
             return self.head.empty()
         with self.times.measure("compute") as took:
-            if self.cp is not None:  # this rank's rows only
-                batch, ids = build_cp_batch(plan, self.placement, self.blocks, self.cp, self.device,
-                                            self.attention.native_decode)  # fmt: skip
-            else:
-                batch, ids = self.attention.forward_batch(plan, self.blocks, self.device)
+            batch, ids = self.attention.forward_batch(plan, self.blocks, self.device)
             self.cut.before_layers(plan, proxy, batch.slot_mapping)
             out = self.model(
                 batch, input_ids=ids if proxy is None else None, proxy=proxy, kv_caches=self.pool.caches,
                 layers=self.cut.layers(plan, self.model.one_call(batch)),  # policy ready: may set plan.cut as it runs
             )  # fmt: skip
-            if batch.cp is not None and self.stage.is_last:
-                out = batch.cp.gather_samples(out)
             rows = self.cut.after_layers(plan, batch.slot_mapping)
             out = self.head(plan, out, rows)
         self.cut.computed(plan, took.seconds, batch.slot_mapping, rows)
@@ -237,7 +226,7 @@ class StageLoop:
             **self.io.chan.stats(),
             "seam_tokens_sent": getattr(self.outbound, "tokens", 0),
             **(self.tp.stats() if self.tp else {}),
-            **(self.cp.stats() if self.cp else {}),
+            **self.attention.stats(),
         }
 
     def maybe_report(self, period: float = 0.5) -> None:

@@ -106,12 +106,7 @@ class FollowPlans:
         for rid in plan.frees:
             self.blocks.free(rid)
         for e in plan.entries:
-            if e.cp_counts:  # --cp-size: this rank's own blocks (assigned even when none, so the request is known)
-                self.blocks.assign(e.rid, e.cp_blocks[self.where.cp])
-            elif e.cached_blocks or e.new_blocks:  # a cached prefix first, then what this entry computes
-                self.blocks.assign(e.rid, e.cached_blocks + e.new_blocks)
-            if e.ring_blocks:  # a sliding model's request: its ring grows with its main blocks
-                self.blocks.ring.assign(e.rid, e.ring_blocks)
+            self.blocks.follow(e, self.where.cp)
 
     def computed(self, plan: BatchPlan, seconds: float) -> None:
         pass

@@ -18,10 +18,10 @@ from typing import NamedTuple
 import torch
 
 from ringsched.comm.messages import BatchPlan
-from ringsched.sampler import DrawKey, logprob_values, sample
-from ringsched.sampling import SamplingParams
+from ringsched.sampling.params import SamplingParams
+from ringsched.sampling.sampler import DrawKey, logprob_values, sample
+from ringsched.sampling.structured import Constraint, GrammarError, Grammars
 from ringsched.speculative.verify import accept, expand, padded
-from ringsched.structured import Constraint, GrammarError, Grammars
 
 logger = logging.getLogger("ringsched.layout.rank")
 

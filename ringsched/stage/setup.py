@@ -17,21 +17,22 @@ import random
 
 import torch
 
+from ringsched.attention.backend import AttentionBackend, select_backend
+from ringsched.attention.cp_backend import CPBackend
 from ringsched.comm.messages import StageStatus
 from ringsched.comm.tensor_channel import TensorChannel
 from ringsched.comm.zmq_io import Puller, Pusher
 from ringsched.config import EngineConfig, parse_memory
 from ringsched.device import activation_reserve, set_matmul_precision
+from ringsched.kernels import linear_tuning
 from ringsched.kv.cache import BlockTable, KVPool
 from ringsched.kv.cp_blocks import CPBlocks, request_capacity
-from ringsched.kv.ring import RingTable, ring_size, split_budget
+from ringsched.kv.ring import RingTable, SlidingBlockTable, ring_size, split_budget
 from ringsched.layout.rank import RankInfo, StageInfo
-from ringsched.models import linear_tuning
-from ringsched.models.config import ModelConfig
 from ringsched.models.loader import load_stage_model, weights_bytes
 from ringsched.scheduler import chunking
 from ringsched.scheduler.planner import Planner
-from ringsched.scheduler.speculation import Speculator
+from ringsched.scheduler.speculation import NO_DRAFTS, Speculator
 from ringsched.spec import ModelSpec
 from ringsched.speculative.config import SpeculativeConfig
 from ringsched.stage import chunk_probe, rejoin
@@ -40,6 +41,7 @@ from ringsched.stage.channels import generation_store, plan_channels, progress_c
 from ringsched.stage.groups import process_groups
 from ringsched.stage.heap import keep_heap
 from ringsched.stage.loop import StageIO, StageLoop
+from ringsched.weights.model_config import ModelConfig
 
 logger = logging.getLogger("ringsched.layout.rank")
 
@@ -84,18 +86,14 @@ class RankSetup:
         if self.pool is None:
             self.pool = KVPool(local, self.stage.num_layers, num_blocks, cfg.block_size, cfg.torch_dtype, self.device,
                                sliding=_sliding_layers(local, self.stage), ring_blocks=ring_blocks)  # fmt: skip
-        rings = RingTable(ring_blocks, cfg.block_size, ring, local.sliding_window, follower=not where.decides
-                          ) if ring else None  # fmt: skip
-        caching = cfg.enable_prefix_caching and rings is None
-        if cfg.enable_prefix_caching and not caching and where.decides and generation == 0:
+        blocks = _block_table(cfg, local, num_blocks, ring_blocks, ring, follower=not where.decides)
+        if cfg.enable_prefix_caching and ring and where.decides and generation == 0:
             logger.info("prefix caching off: a cached prefix would have no KV in the sliding layers' rings")
-        blocks = BlockTable(num_blocks, cfg.block_size, follower=not where.decides, prefix_caching=caching,
-                            ring=rings)  # fmt: skip
         planner = _planner(cfg, self.spec, local, blocks, self.device, cp=cp is not None,
                            flex=self.flex is not None) if where.decides else None  # fmt: skip
         self.loop = StageLoop(cfg, self.stage, self.model, blocks, self.pool, self._io(generation), planner,
                               self.device, self.spec.eos_ids, self.flex, where=where, tp=self.tp,
-                              cp=self.cp)  # fmt: skip
+                              attention=self._attention())  # fmt: skip
         info = _ready_info(cfg, where, self.stage, self.spec.partition[self.stage.rank], self.model, self.pool, blocks)
         return self.loop, {**info, "generation": generation}
 
@@ -116,6 +114,12 @@ class RankSetup:
                         f" but in {', '.join(left)} (torch's path, not batch-invariant)" if left else "")  # fmt: skip
         else:
             linear_tuning.tune_stage(self.model, cfg.linear_tuning, cfg.torch_dtype)  # its threads, weights: after both
+
+    def _attention(self) -> AttentionBackend:
+        """How the stage's layers attend, chosen once: the backend `--attention-backend` names for its KV dtype, or
+        under `--cp-size` the context-parallel group's attention (which keeps the backend's CPU decode kernel)."""
+        backend = select_backend(self.cfg.attention_backend, self.device, self.pool.caches[0][0].dtype)
+        return CPBackend(self.cp, backend.native_decode) if self.cp else backend
 
     def _kv_blocks(self, local: ModelConfig, generation: int) -> tuple[int, int]:
         """(main, sliding) pool blocks. The first generation agrees on the smallest pools of any rank (and records
@@ -177,7 +181,7 @@ def _planner(cfg: EngineConfig, spec: ModelSpec, local: ModelConfig, blocks: Blo
         cost, decode = chunk_probe.probe(local, cfg.torch_dtype, device, cfg.chunked_prefill_size, spec.context_len,
                                          attention_backend=cfg.attention_backend)
         chunker = chunking.ChunkSizer(cost, cfg.chunked_prefill_size, decode=decode)
-    speculator = None
+    speculator = NO_DRAFTS
     if cfg.speculative_config:  # drafting is stage 0's alone; drafts are placed like the planner's tokens
         speculator = Speculator(SpeculativeConfig.parse(cfg.speculative_config), allocator, spec.context_len)
     return Planner(allocator, cfg.micro_batch_size, cfg.max_running_requests, cfg.chunked_prefill_size, spec.eos_ids,
@@ -245,6 +249,15 @@ def kv_budget_bytes(cfg: EngineConfig, device: torch.device, free: int | None = 
     if device.type != "cuda":
         free //= cfg.ranks_per_node
     return max(int(free * budget), 0)
+
+
+def _block_table(cfg: EngineConfig, mcfg: ModelConfig, main: int, sliding: int, ring: int, follower: bool
+                 ) -> BlockTable:  # fmt: skip
+    """The stage's KV blocks: with sliding layers, the main table and the rings of the sliding pool."""
+    if ring:
+        rings = RingTable(sliding, cfg.block_size, ring, mcfg.sliding_window, follower=follower)
+        return SlidingBlockTable(main, cfg.block_size, rings, follower=follower)
+    return BlockTable(main, cfg.block_size, follower=follower, prefix_caching=cfg.enable_prefix_caching)
 
 
 def ring_of(cfg: EngineConfig, mcfg: ModelConfig) -> int:

@@ -14,7 +14,6 @@ import signal
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 
 import zmq
 
@@ -24,20 +23,11 @@ from ringsched.config import EngineConfig
 from ringsched.layout.rank import RankInfo
 from ringsched.spec import ModelSpec
 from ringsched.stage import rejoin
+from ringsched.stage.channels import StageAddrs
 from ringsched.stage.loop import PeerLost
 from ringsched.stage.setup import ParentGone, RankSetup, kv_budget_bytes  # noqa: F401  (kv_budget_bytes: re-export)
 
 logger = logging.getLogger("ringsched.layout.rank")
-
-
-@dataclass(frozen=True)
-class StageAddrs:
-    ctl: str  # stage -> launcher status
-    front_in: str  # front end -> stage 0
-    front_out: str  # stage 0 -> front end
-    plans: tuple[str, ...]  # one node: plans[k] is stage k-1 -> stage k (index 0 unused); several: empty
-    progress: str = ""  # one node: stage 1 -> stage 0 (--pp-flex-policy ready); several: empty
-    group_plans: tuple[str, ...] = ()  # per global rank: its stage's first rank -> it (--tp-size > 1; local ipc)
 
 
 def stage_main(cfg: EngineConfig, spec: ModelSpec, where: RankInfo, addrs: StageAddrs, generation: int = 0) -> None:
