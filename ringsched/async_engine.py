@@ -52,8 +52,9 @@ class AsyncEngine:
             raise RuntimeError("use the engine inside `async with AsyncEngine(...) as llm:`")
         return await self.client.replay_open()
 
-    async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:  # fmt: skip
+    async def generate(
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
         """The request's output after each new token; the last one has `finish_reason` set ("error", with
         `error`, when the engine refused or failed it)."""
         if self.client is None:

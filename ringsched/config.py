@@ -83,8 +83,9 @@ class EngineConfig(ConfigChecks):
     kv_cache_memory: str | int | float = _flag("1G", "KV pool per stage: bytes (2G, 512MiB) or a fraction of free "
                                                "memory (0.3: of the GPU's, or on CPU of the node's shared by its "
                                                "stages)")  # fmt: skip
-    node_memory: str | int | float | None = _flag(None, "this node's memory for weights and KV in a layer split over "
-                                                  "nodes: bytes (16G) or a fraction (default: all available)", type=str)
+    node_memory: str | int | float | None = _flag(None, "this node's memory for weights and KV in a layer split "
+                                                  "over nodes: bytes (16G) or a fraction (default: all available)",
+                                                  type=str)  # fmt: skip
     max_model_len: int | None = _flag(None, "context length (default: the model's)", type=int)
     dtype: str = _flag("auto", "weights and activations; auto: the checkpoint's torch_dtype on GPU (bfloat16 if it "
                        "names none); on CPU bfloat16 for a bfloat16 checkpoint where the CPU has AVX512-BF16 or AMX, "
@@ -297,4 +298,3 @@ class EngineConfig(ConfigChecks):
                 f"--max-model-len {self.max_model_len} exceeds the model's {model_max} positions; use <= {model_max}"
             )
         return self.max_model_len
-

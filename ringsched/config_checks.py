@@ -85,8 +85,7 @@ def check_pipeline(cfg: ConfigChecks) -> None:
     """--pp-async-batch-depth and the flexible cut (--pp-flex-layers, --pp-flex-policy)."""
     _require(
         cfg.pp_async_batch_depth >= 0,
-        f"--pp-async-batch-depth must be >= 0 (0 = exactly pp_size micro-batches), got "
-        f"{cfg.pp_async_batch_depth}",
+        f"--pp-async-batch-depth must be >= 0 (0 = exactly pp_size micro-batches), got {cfg.pp_async_batch_depth}",
     )
     _require(cfg.pp_flex_layers >= 0, f"--pp-flex-layers must be >= 0 (0 = a fixed cut), got {cfg.pp_flex_layers}")
     _refuse("flex+pp", cfg.pp_flex_layers > 0 and cfg.pp_size != 2, pp=cfg.pp_size)
@@ -218,5 +217,15 @@ class ConfigChecks:
             check(self)
 
 
-CHECKS = (check_parallel_sizes, check_prefix_caching, check_speculative, check_pipeline, check_batching,
-          check_device, check_auto_partition, check_timeouts, check_nodes, check_kv_cache)  # fmt: skip
+CHECKS = (
+    check_parallel_sizes,
+    check_prefix_caching,
+    check_speculative,
+    check_pipeline,
+    check_batching,
+    check_device,
+    check_auto_partition,
+    check_timeouts,
+    check_nodes,
+    check_kv_cache,
+)

@@ -51,8 +51,10 @@ def dtype_note(chosen: str, device: str, checkpoint: dict) -> str | None:
     why = f"{named} has no fast path here"
     if named == "bfloat16":
         why = "this CPU has no native bfloat16 (AVX512-BF16 or AMX)"
-    return (f"--dtype auto: the checkpoint is {named}, running {chosen} on {device} ({why}); --dtype {named} runs it "
-            "as it is")
+    return (
+        f"--dtype auto: the checkpoint is {named}, running {chosen} on {device} ({why}); --dtype {named} runs it "
+        "as it is"
+    )
 
 
 # Held back from a fractional --kv-cache-memory on a GPU before the fraction is taken: the allocator's slack,

@@ -72,9 +72,7 @@ class Engine:
         self.shutdown()
 
     # -- requests ------------------------------------------------------------------------------------------
-    def submit(
-        self, prompt: str | Sequence[int], params: SamplingParams | None = None, rid: str | None = None
-    ) -> str:
+    def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None, rid: str | None = None) -> str:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         params = (params or SamplingParams()).seeded(self._seeds)
         rid = rid or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
@@ -150,9 +148,7 @@ class Engine:
     def _run(self, prompts, params, results: dict[int, RequestOutput]) -> Iterator[StreamEvent]:
         plist = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
         if len(plist) != len(prompts):
-            raise ValueError(
-                f"got {len(plist)} SamplingParams for {len(prompts)} prompts; give one or one each"
-            )
+            raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts; give one or one each")
         index: dict[str, int] = {}
         texts: dict[str, TextStream | None] = {}  # stop strings are matched on the text, as the server does
         for i, (p, sp) in enumerate(zip(prompts, plist, strict=True)):

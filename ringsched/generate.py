@@ -9,8 +9,9 @@ from ringsched.process.cli_args import HelpFormatter, add_engine_args, config_fr
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ringsched.generate", description=__doc__.splitlines()[0],
-                                formatter_class=HelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m ringsched.generate", description=__doc__.splitlines()[0], formatter_class=HelpFormatter
+    )
     p.add_argument("prompts", nargs="+", help="prompt texts")
     add_engine_args(p)
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt at most")
@@ -26,8 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     from ringsched.sampling.params import SamplingParams
 
     try:
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k)
+        params = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k
+        )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

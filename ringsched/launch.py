@@ -17,8 +17,9 @@ from ringsched.server.options import SERVER_FLAGS, ServerOptions
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ringsched.launch", description=__doc__.splitlines()[0],
-                                formatter_class=HelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m ringsched.launch", description=__doc__.splitlines()[0], formatter_class=HelpFormatter
+    )
     add_engine_args(p)
     add_flags(p, list(dataclasses.fields(ServerOptions)))
     return p

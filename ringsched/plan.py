@@ -53,10 +53,43 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu", help=f"a preset: {', '.join(GPU_PRESETS)} (required without --node)")
     p.add_argument("--gpus", type=int, help="GPUs in all (N = TP x PP; required without --node)")
     p.add_argument("--gpus-per-node", type=int, help="GPUs in one node, one NVLink domain (required without --node)")
-    p.add_argument("--node", action="append", metavar="speed=S|layer_ms=T[,memory=16G][,stages=K]",
-                   help="nodes that are not alike, one --node each in node order: the layer split their speeds and "
-                        "memory call for (as --pp-layer-partition auto measures it) and each node's launch line, "
-                        "instead of the GPU layouts")  # fmt: skip
+    p.add_argument(
+        "--node",
+        action="append",
+        metavar="speed=S|layer_ms=T[,memory=16G][,stages=K]",
+        help="nodes that are not alike, one --node each in node order: the layer split their speeds and "
+        "memory call for (as --pp-layer-partition auto measures it) and each node's launch line, "
+        "instead of the GPU layouts",
+    )
+    _add_cluster_args(p)
+    p.add_argument("--tp", type=int, nargs="+", help="plan only these TP sizes (paired with --pp if given)")
+    p.add_argument("--pp", type=int, nargs="+", help="plan only these PP sizes (paired with --tp if given)")
+    p.add_argument(
+        "--cp",
+        type=int,
+        nargs="+",
+        help="context-parallel sizes to plan as well (TP x PP x CP = --gpus; default 1): each stage's "
+        "ranks replicate its weights and split every sequence's KV",
+    )
+    p.add_argument("--pp-layer-partition", help="layers per stage, e.g. 48,32 (as the server's flag)")
+    p.add_argument("--json", action="store_true", help="print the rows as a JSON list")
+    p.add_argument(
+        "--print-launch",
+        action="store_true",
+        help="also print the ringsched.launch command for each node of the recommended layout",
+    )
+    p.add_argument(
+        "--dist-init-addr",
+        default="$HEAD_ADDR:29500",
+        help="HOST:PORT the printed commands rendezvous at (node 0's address)",
+    )
+
+    _add_overrides(p)
+    return p
+
+
+def _add_cluster_args(p: argparse.ArgumentParser) -> None:
+    """The cluster's links and the serving parameters (`ClusterSpec`'s fields beyond its GPUs)."""
     p.add_argument(
         "--inter-node-gbps",
         type=float,
@@ -68,20 +101,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=8192, help="tokens per sequence, for concurrency")
     p.add_argument("--batch-tokens", type=int, default=64, help="T: tokens per decode step")
     p.add_argument("--in-flight", type=int, default=None, help="M micro-batches in flight (default: PP)")
-    p.add_argument("--tp", type=int, nargs="+", help="plan only these TP sizes (paired with --pp if given)")
-    p.add_argument("--pp", type=int, nargs="+", help="plan only these PP sizes (paired with --tp if given)")
-    p.add_argument("--cp", type=int, nargs="+",
-                   help="context-parallel sizes to plan as well (TP x PP x CP = --gpus; default 1): each stage's "
-                        "ranks replicate its weights and split every sequence's KV")  # fmt: skip
-    p.add_argument("--pp-layer-partition", help="layers per stage, e.g. 48,32 (as the server's flag)")
-    p.add_argument("--json", action="store_true", help="print the rows as a JSON list")
-    p.add_argument("--print-launch", action="store_true",
-                   help="also print the ringsched.launch command for each node of the recommended layout")
-    p.add_argument("--dist-init-addr", default="$HEAD_ADDR:29500",
-                   help="HOST:PORT the printed commands rendezvous at (node 0's address)")  # fmt: skip
-
-    _add_overrides(p)
-    return p
 
 
 def _add_overrides(p: argparse.ArgumentParser) -> None:
@@ -126,48 +145,54 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model = dataclasses.replace(load_model(args.model), **_overrides(args, _MODEL_FLAGS))
         gpu = dataclasses.replace(load_gpu(args.gpu), **_overrides(args, _GPU_FLAGS))
-        cluster = ClusterSpec(
-            gpu=gpu,
-            gpus=args.gpus,
-            gpus_per_node=args.gpus_per_node,
-            inter_node_gbps=args.inter_node_gbps,
-            mem_fraction=args.mem_fraction,
-            reserve_gib=args.reserve_gib,
-            max_model_len=args.max_model_len,
-            batch_tokens=args.batch_tokens,
-            in_flight=args.in_flight,
-        )
+        cluster = ClusterSpec(gpu, args.gpus, args.gpus_per_node, **{f: getattr(args, f) for f in _CLUSTER_FLAGS})
         plan = make_layouts(model, cluster, args.tp, args.pp, args.pp_layer_partition, args.cp)
-        launch = []
-        if args.print_launch and plan.recommendation.row is not None:
-            # A preset's name is not a model the launcher can load: the commands name a path to fill in.
-            model_arg = args.model if os.path.isdir(args.model) else f"/path/to/{args.model}"
-            launch = launch_commands(plan.recommendation.row, model_arg, args.gpus_per_node, model.dtype_bytes,
-                                     args.max_model_len, args.dist_init_addr, head_layers(model))  # fmt: skip
+        launch = _launch_lines(args, model, plan) if args.print_launch else []
     except CapacityError as err:
         print(f"ringsched.plan: error: {err}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(json_rows(plan.rows), indent=2))
     else:
-        print(
-            text_report(
-                model, cluster, plan.derivation, plan.rows, plan.skipped, plan.baseline, plan.recommendation
-            )
-        )
+        print(text_report(model, cluster, plan.derivation, plan.rows, plan.skipped, plan.baseline, plan.recommendation))
     if launch:
-        if not os.path.isdir(args.model):
-            launch.insert(0, f"# --model: replace /path/to/{args.model} by the model's directory on each node "
-                             f"({args.model} is a planning preset)")
         print("\n" + "\n".join(launch), file=sys.stderr if args.json else sys.stdout)
     return 0
+
+
+_CLUSTER_FLAGS = ("inter_node_gbps", "mem_fraction", "reserve_gib", "max_model_len", "batch_tokens", "in_flight")
+
+
+def _launch_lines(args: argparse.Namespace, model, plan) -> list[str]:
+    """`--print-launch`: the recommended layout's command per node. A preset's name is not a model the launcher can
+    load: the commands then name a path to fill in, and say so."""
+    if plan.recommendation.row is None:
+        return []
+    preset = not os.path.isdir(args.model)
+    lines = launch_commands(
+        plan.recommendation.row,
+        f"/path/to/{args.model}" if preset else args.model,
+        args.gpus_per_node,
+        model.dtype_bytes,
+        args.max_model_len,
+        args.dist_init_addr,
+        head_layers(model),
+    )
+    note = f"# --model: replace /path/to/{args.model} by the model's directory on each node "
+    note += f"({args.model} is a planning preset)"
+    return [note, *lines] if preset and lines else lines
 
 
 def _plan_nodes(args: argparse.Namespace) -> int:
     try:
         model = dataclasses.replace(load_model(args.model), **_overrides(args, _MODEL_FLAGS))
-        lines = plan_nodes(model, args.model if os.path.isdir(args.model) else f"/path/to/{args.model}", args.node,
-                           args.max_model_len, args.dist_init_addr)  # fmt: skip
+        lines = plan_nodes(
+            model,
+            args.model if os.path.isdir(args.model) else f"/path/to/{args.model}",
+            args.node,
+            args.max_model_len,
+            args.dist_init_addr,
+        )
     except CapacityError as err:
         print(f"ringsched.plan: error: {err}", file=sys.stderr)
         return 2

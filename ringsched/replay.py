@@ -49,8 +49,12 @@ class OpenRequests:
         now = time.monotonic()
         if req.replayed and (out.token_ids or out.finish_reason is not None):
             self.pauses.append(now - req.last_at)
-            logger.info("request %s resumed after a %.2fs pause (replayed with %d delivered token(s))", out.rid,
-                        self.pauses[-1], len(req.delivered))  # fmt: skip
+            logger.info(
+                "request %s resumed after a %.2fs pause (replayed with %d delivered token(s))",
+                out.rid,
+                self.pauses[-1],
+                len(req.delivered),
+            )
             req.replayed = False
         if out.token_ids:
             req.last_at = now

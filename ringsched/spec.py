@@ -53,8 +53,9 @@ class ModelSpec:
             raise ConfigError(REFUSALS["flex+sliding"].message(flex=cfg.pp_flex_layers, arch=mcfg.architecture))
         auto = cfg.auto_partition
         counts = default_partition(mcfg.num_layers, cfg.pp_size, head) if auto else cfg.partition(mcfg.num_layers, head)
-        return cls(model_dir, mcfg, cfg.context_len(mcfg.max_position_embeddings), _eos_ids(model_dir, mcfg),
-                   tuple(counts))  # fmt: skip
+        return cls(
+            model_dir, mcfg, cfg.context_len(mcfg.max_position_embeddings), _eos_ids(model_dir, mcfg), tuple(counts)
+        )
 
     def with_partition(self, counts: list[int] | tuple[int, ...]) -> ModelSpec:
         return dataclasses.replace(self, partition=tuple(counts))

@@ -112,8 +112,9 @@ def _raise_exception(message: str) -> None:
     raise ChatTemplateRaised(message)
 
 
-def _tojson(value: object, ensure_ascii: bool = False, indent: int | None = None, separators=None,
-            sort_keys: bool = False) -> str:  # fmt: skip
+def _tojson(
+    value: object, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False
+) -> str:
     # As transformers: non-ASCII stays as it is (jinja2's own tojson escapes it, and HTML-escapes too).
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 

@@ -98,7 +98,7 @@ def test_server_flag_errors_exit_2_with_the_flag():
 def test_a_fractional_kv_budget_shares_the_node_among_its_own_stages():
     import torch
 
-    from ringsched.stage.worker import kv_budget_bytes
+    from ringsched.stage.kv_setup import kv_budget_bytes
 
     cpu = torch.device("cpu")
     two_nodes = EngineConfig(pp_size=4, nnodes=2, dist_init_addr="h:1", kv_cache_memory="0.5")

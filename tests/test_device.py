@@ -93,7 +93,7 @@ def test_gpu_check_without_a_gpu_runs_nothing(tmp_path):
 def test_fractional_kv_budget_on_gpu_leaves_room_for_activations():
     from ringsched.config import EngineConfig
     from ringsched.models.random_model import random_config
-    from ringsched.stage.worker import kv_budget_bytes
+    from ringsched.stage.kv_setup import kv_budget_bytes
     from ringsched.weights.model_config import ModelConfig
 
     mcfg = ModelConfig.from_dict(random_config("llama", 30, 576, 9, 3, 1536, 49152, True))

@@ -23,8 +23,8 @@ from safetensors.torch import load_file
 
 from ringsched.models.random_model import CHAT_TEMPLATE
 from ringsched.weights.fetch import FetchError, resolve_model
-from ringsched.weights.gguf_families import Meta
 from ringsched.weights.gguf_import import convert_gguf
+from ringsched.weights.gguf_meta import Meta
 from ringsched.weights.gguf_tokenizer import write_gguf_tokenizer
 from ringsched.weights.model_config import ModelConfig, UnsupportedModelError
 

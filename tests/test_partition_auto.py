@@ -112,8 +112,8 @@ def test_auto_in_the_config_and_the_environment(monkeypatch):
 def test_other_nodes_take_node_0s_decision(tiny_llama_dir):
     """Node 0 publishes its measured split; node 1, started with `auto`, adopts it; an explicit different
     split on node 1 is still refused."""
+    from ringsched.process.ports import free_port
     from ringsched.process.rendezvous import Rendezvous, RendezvousError
-    from ringsched.process.supervisor import free_port
 
     def cfg(rank: int, port: int) -> EngineConfig:
         return EngineConfig(

@@ -17,7 +17,7 @@ from ringsched.config import EngineConfig
 from ringsched.kernels import native
 from ringsched.kv.cache import BlockTable, KVPool
 from ringsched.kv.ring import RingTable, SlidingBlockTable, ring_size, split_budget
-from ringsched.stage.setup import ring_of
+from ringsched.stage.kv_setup import ring_of
 from ringsched.weights.model_config import ModelConfig
 
 CFG = ModelConfig("MistralForCausalLM", 4, 32, 64, 4, 2, 8, 100, 1e-6, 1e4, 512, False,

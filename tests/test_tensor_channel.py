@@ -16,7 +16,7 @@ from ringsched.comm.tensor_channel import (
     pack_header,
     unpack_header,
 )
-from ringsched.process.supervisor import free_port
+from ringsched.process.ports import free_port
 
 pytestmark = pytest.mark.slow  # real model or several processes: the full suite's
 

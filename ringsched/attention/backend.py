@@ -55,15 +55,17 @@ class AttentionBackend:
     def stats(self) -> dict:
         return {}
 
-    def forward_batch(self, plan: BatchPlan, blocks: BlockTable, device: torch.device
-                      ) -> tuple[ForwardBatch, torch.Tensor]:  # fmt: skip
+    def forward_batch(
+        self, plan: BatchPlan, blocks: BlockTable, device: torch.device
+    ) -> tuple[ForwardBatch, torch.Tensor]:
         """The micro-batch's description and its input ids `[T]`, attending with this backend."""
         return build_forward_batch(plan, blocks, device, self.native_decode)
 
 
 class TritonBackend(AttentionBackend):
-    def forward_batch(self, plan: BatchPlan, blocks: BlockTable, device: torch.device
-                      ) -> tuple[ForwardBatch, torch.Tensor]:  # fmt: skip
+    def forward_batch(
+        self, plan: BatchPlan, blocks: BlockTable, device: torch.device
+    ) -> tuple[ForwardBatch, torch.Tensor]:
         batch, ids = build_paged_batch(plan, blocks, device)
         batch.attend = triton_attend
         return batch, ids
@@ -78,8 +80,10 @@ def select_backend(name: str, device: torch.device | str, kv_dtype: torch.dtype)
         else:
             name = "native" if native.usable_for(kv_dtype, device) else "torch"
     if name == "native" and not native.usable_for(kv_dtype, device):
-        raise ValueError(f"--attention-backend native needs a CPU stage with float32 or bfloat16 KV and a C "
-                         f"compiler (here: {device.type}, {kv_dtype}); use auto or torch")  # fmt: skip
+        raise ValueError(
+            f"--attention-backend native needs a CPU stage with float32 or bfloat16 KV and a C "
+            f"compiler (here: {device.type}, {kv_dtype}); use auto or torch"
+        )
     if name == "triton":
         if not triton_available():
             raise ValueError("--attention-backend triton needs the triton package (pip install triton, Linux only)")
@@ -97,19 +101,32 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def triton_attend(q: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  scale: float) -> torch.Tensor:  # fmt: skip
+def triton_attend(
+    q: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+) -> torch.Tensor:
     """`ForwardBatch.attend` for the Triton backend: `[T, H, D]`, the decodes and the chunks in one call each."""
     dec, ext, bs = batch.paged_decodes, batch.paged_extends, batch.block_size
     if dec is not None and dec.all_rows:
-        return triton_attention.paged_decode(q, k_cache, v_cache, dec.tables, dec.kv_lens, bs, scale,
-                                             dec.max_kv_len)[0]  # fmt: skip
+        return triton_attention.paged_decode(q, k_cache, v_cache, dec.tables, dec.kv_lens, bs, scale, dec.max_kv_len)[0]
     out = torch.empty_like(q)
     if dec is not None:
-        o, _ = triton_attention.paged_decode(q.index_select(0, dec.rows), k_cache, v_cache, dec.tables, dec.kv_lens,
-                                             bs, scale, dec.max_kv_len)  # fmt: skip
+        o, _ = triton_attention.paged_decode(
+            q.index_select(0, dec.rows), k_cache, v_cache, dec.tables, dec.kv_lens, bs, scale, dec.max_kv_len
+        )
         out.index_copy_(0, dec.rows, o)
     if ext is not None:
-        triton_attention.paged_extend(q, k_cache, v_cache, ext.tables, ext.kv_lens, ext.rows, ext.q_lens,
-                                      batch.positions, bs, scale, ext.max_q_len, out=out)  # fmt: skip
+        triton_attention.paged_extend(
+            q,
+            k_cache,
+            v_cache,
+            ext.tables,
+            ext.kv_lens,
+            ext.rows,
+            ext.q_lens,
+            batch.positions,
+            bs,
+            scale,
+            ext.max_q_len,
+            out=out,
+        )
     return out

@@ -22,8 +22,9 @@ GROUP_SHARE = 0.6
 CPU_GROUP_ROWS = 32
 
 
-def on_device(data: list[int] | torch.Tensor, device: torch.device | str, dtype: torch.dtype | None = None
-              ) -> torch.Tensor:  # fmt: skip
+def on_device(
+    data: list[int] | torch.Tensor, device: torch.device | str, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """Host data (a list or a CPU tensor) as a tensor on `device`. To a GPU it goes through pinned memory as a
     non-blocking copy: queued on the stream behind the work already there instead of holding the host until the
     GPU is idle, so the next micro-batch's metadata is built while this one runs (torch's pinned allocator keeps
@@ -47,9 +48,14 @@ def build_forward_batch(
         rows, rids, lens = (list(x) for x in zip(*decs, strict=True))
         if native:
             tables, _ = blocks.padded_blocks(rids, lens)
-            batch.native_decode = NativeDecode(torch.tensor(rows, dtype=torch.long), tables.contiguous(),
-                                               torch.tensor(lens), blocks.block_size, max(lens),
-                                               all_rows=len(rows) == batch.num_tokens)  # fmt: skip
+            batch.native_decode = NativeDecode(
+                torch.tensor(rows, dtype=torch.long),
+                tables.contiguous(),
+                torch.tensor(lens),
+                blocks.block_size,
+                max(lens),
+                all_rows=len(rows) == batch.num_tokens,
+            )
         else:
             batch.decodes = _decode_groups(rows, rids, lens, blocks, device)
     batch.sliding = blocks.sliding_view(lambda ring: _sliding(batch, plan, ring, decs, chunks, device, native))
@@ -65,8 +71,9 @@ def build_paged_batch(plan: BatchPlan, blocks: BlockTable, device: torch.device)
         batch.paged_decodes = _paged([d[0] for d in decs], [d[1] for d in decs], [d[2] for d in decs], blocks, device)
         batch.paged_decodes.all_rows = len(decs) == batch.num_tokens
     if chunks:
-        batch.paged_extends = _paged([x[0] for x in chunks], [x[1] for x in chunks], [x[2] for x in chunks], blocks,
-                                     device)  # fmt: skip
+        batch.paged_extends = _paged(
+            [x[0] for x in chunks], [x[1] for x in chunks], [x[2] for x in chunks], blocks, device
+        )
         batch.paged_extends.q_lens = on_device([x[3] for x in chunks], device, torch.int32)
         batch.paged_extends.max_q_len = max(x[3] for x in chunks)
     # sliding layers attend per sequence (`WindowedAttention`), over their rings
@@ -74,19 +81,33 @@ def build_paged_batch(plan: BatchPlan, blocks: BlockTable, device: torch.device)
     return batch, ids
 
 
-def _sliding(batch: ForwardBatch, plan: BatchPlan, ring: RingTable, decs: list, chunks: list, device, native: bool
-             ) -> ForwardBatch:  # fmt: skip
+def _sliding(
+    batch: ForwardBatch, plan: BatchPlan, ring: RingTable, decs: list, chunks: list, device, native: bool
+) -> ForwardBatch:
     """`batch` as the sliding layers read it (`ForwardBatch.sliding`): new tokens' slots, contexts (their windows)
     and CPU-kernel decodes in the requests' rings."""
     slots = torch.cat([ring.slots(e.rid, e.start, e.start + len(e.token_ids)) for e in plan.entries])
-    view = dataclasses.replace(batch, slot_mapping=on_device(slots, device), decodes=[], native_decode=None,
-                               prefills=[], paged_decodes=None, paged_extends=None, sliding=None)  # fmt: skip
+    view = dataclasses.replace(
+        batch,
+        slot_mapping=on_device(slots, device),
+        decodes=[],
+        native_decode=None,
+        prefills=[],
+        paged_decodes=None,
+        paged_extends=None,
+        sliding=None,
+    )
     view.contexts = _contexts(decs, chunks, ring.window_slots, device)
     if native and decs:
         rows, rids, lens = (list(x) for x in zip(*decs, strict=True))
-        view.native_decode = NativeDecode(torch.tensor(rows, dtype=torch.long), ring.block_tables(rids, lens),
-                                          torch.tensor(lens), ring.block_size, max(lens),
-                                          all_rows=len(rows) == batch.num_tokens)  # fmt: skip
+        view.native_decode = NativeDecode(
+            torch.tensor(rows, dtype=torch.long),
+            ring.block_tables(rids, lens),
+            torch.tensor(lens),
+            ring.block_size,
+            max(lens),
+            all_rows=len(rows) == batch.num_tokens,
+        )
     return view
 
 
@@ -113,9 +134,11 @@ def _flatten(plan: BatchPlan, blocks: BlockTable, device) -> tuple[ForwardBatch,
         if e.samples:  # its last token's row, and with drafts those of the tokens before them too
             logit_rows.extend(range(row + n - 1 - e.drafts, row + n))
         row += n
-    batch = ForwardBatch(positions=on_device(positions, device, torch.long),
-                         logit_rows=on_device(logit_rows, device, torch.long),
-                         slot_mapping=on_device(torch.cat(slot_parts), device))  # fmt: skip
+    batch = ForwardBatch(
+        positions=on_device(positions, device, torch.long),
+        logit_rows=on_device(logit_rows, device, torch.long),
+        slot_mapping=on_device(torch.cat(slot_parts), device),
+    )
     batch.contexts = _contexts(decs, chunks, lambda rid, ctx, n: blocks.slots(rid, 0, ctx), device)
     return batch, on_device(ids, device, torch.long), decs, chunks
 

@@ -55,9 +55,15 @@ class Visibility:
         return cls(mask=mask, dead=dead if bool(dead.any()) else None)
 
 
-def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-                      k_pos: torch.Tensor, scale: float, vis: Visibility | None = None,
-                      ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def partial_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    scale: float,
+    vis: Visibility | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of `q` `[n, H, D]` at `q_pos` over keys `[m, KVH, D]` at `k_pos`: the output over these
     keys alone `[n, H, D]` and each row's LSE `[n, H]` (float32; -inf, with output 0, where no key is visible).
     `vis`: their `Visibility`, when the caller keeps it between layers."""
@@ -90,8 +96,10 @@ def _attend_in_key_chunks(q, k, v, q_pos, k_pos, scale: float) -> tuple[torch.Te
     """Off the CPU: `cp.attend_block` over at most `KEY_CHUNK` keys at a time, merged by LSE."""
     if k.shape[0] == 0:
         return q.new_zeros(q.shape), torch.full(q.shape[:2], float("-inf"), device=q.device)
-    parts = [attend_block(q, k[i : i + KEY_CHUNK], v[i : i + KEY_CHUNK], q_pos, k_pos[i : i + KEY_CHUNK], scale)
-             for i in range(0, k.shape[0], KEY_CHUNK)]  # fmt: skip
+    parts = [
+        attend_block(q, k[i : i + KEY_CHUNK], v[i : i + KEY_CHUNK], q_pos, k_pos[i : i + KEY_CHUNK], scale)
+        for i in range(0, k.shape[0], KEY_CHUNK)
+    ]
     return parts[0] if len(parts) == 1 else merge_all([o for o, _ in parts], [lse for _, lse in parts])
 
 
@@ -110,8 +118,10 @@ class RingEntry:
         if src not in self.seen:
             kpos = self.k_pos[src]
             past = kpos.numel() - self.new[src]
-            self.seen[src] = (Visibility.of(self.q_pos, kpos[:past], group, dtype),
-                              Visibility.of(self.q_pos, kpos[past:], group, dtype))  # fmt: skip
+            self.seen[src] = (
+                Visibility.of(self.q_pos, kpos[:past], group, dtype),
+                Visibility.of(self.q_pos, kpos[past:], group, dtype),
+            )
         return self.seen[src]
 
 
@@ -138,8 +148,9 @@ class CPForward:
     num_samples: int = 0  # sampling rows of the whole micro-batch
     sample_index: list[int] = field(default_factory=list)  # each local sampling row's index among them
 
-    def attend(self, q: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               scale: float) -> torch.Tensor:  # fmt: skip
+    def attend(
+        self, q: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+    ) -> torch.Tensor:
         """`ForwardBatch.attend` of a CP batch: this rank's attention output `[T_local, H, D]` over the group's K/V
         (this rank's new K/V already in its cache)."""
         out = torch.empty_like(q)
@@ -165,8 +176,9 @@ class CPForward:
         for e in self.travel:
             if e.by_kernel:
                 continue
-            o[e.glob], lse[e.glob] = partial_attention(everyone[e.glob], k_cache[e.own_slots], v_cache[e.own_slots],
-                                                       e.q_pos, e.own_pos, scale)  # fmt: skip
+            o[e.glob], lse[e.glob] = partial_attention(
+                everyone[e.glob], k_cache[e.own_slots], v_cache[e.own_slots], e.q_pos, e.own_pos, scale
+            )
         outs, lses = self.group.all_gather(o), self.group.all_gather(lse)
         merged, _ = merge_all(list(outs.unbind(0)), list(lses.unbind(0)))
         for e in self.travel:
@@ -192,8 +204,9 @@ class CPForward:
                 k, v, kpos = held[0][at : at + m], held[1][at : at + m], e.k_pos[src]
                 at += m
                 past = m - e.new[src]  # earlier chunks' keys come first, then this chunk's
-                for sl, vis in zip((slice(0, past), slice(past, m)), e.visibility(src, heads_per_kv, q.dtype),
-                                   strict=True):  # fmt: skip
+                for sl, vis in zip(
+                    (slice(0, past), slice(past, m)), e.visibility(src, heads_per_kv, q.dtype), strict=True
+                ):
                     if not vis.none:
                         acc.append(partial_attention(q[e.rows], k[sl], v[sl], e.q_pos, kpos[sl], scale, vis))
             if pending is not None:

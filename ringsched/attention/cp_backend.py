@@ -15,7 +15,7 @@ from ringsched.attention.backend import AttentionBackend
 from ringsched.attention.cp import CPForward, RingEntry, TravelEntry
 from ringsched.attention.paged import ForwardBatch
 from ringsched.comm.cp_group import CPGroup
-from ringsched.comm.messages import BatchPlan
+from ringsched.comm.messages import BatchPlan, PlanEntry
 from ringsched.kernels.native import NativeDecode
 from ringsched.kv.cache import BlockTable
 from ringsched.kv.cp_blocks import CPPlacement, is_split
@@ -37,29 +37,34 @@ class CPBackend(AttentionBackend):
     def apply(self, plan: BatchPlan) -> None:
         self.placement.apply(plan)
 
-    def forward_batch(self, plan: BatchPlan, blocks: BlockTable, device: torch.device
-                      ) -> tuple[ForwardBatch, torch.Tensor]:  # fmt: skip
+    def forward_batch(
+        self, plan: BatchPlan, blocks: BlockTable, device: torch.device
+    ) -> tuple[ForwardBatch, torch.Tensor]:
         return build_cp_batch(plan, self.placement, blocks, self.group, device, self.native_decode)
 
     def stats(self) -> dict:
         return self.group.stats()
 
 
-def build_cp_batch(plan: BatchPlan, placement: CPPlacement, blocks: BlockTable, group: CPGroup,
-                   device: torch.device, use_kernel: bool = False) -> tuple[ForwardBatch, torch.Tensor]:  # fmt: skip
-    """This rank's `ForwardBatch` (its rows only; `cp` set) and input ids for `plan`, the placement already
-    applied. `use_kernel`: decodes attend through the CPU decode kernel (`kernels/native.py`)."""
-    r, size, cp = group.rank, group.size, CPForward(group)
+def build_cp_batch(
+    plan: BatchPlan,
+    placement: CPPlacement,
+    blocks: BlockTable,
+    group: CPGroup,
+    device: torch.device,
+    use_kernel: bool = False,
+) -> tuple[ForwardBatch, torch.Tensor]:
+    """This rank's `ForwardBatch` (its rows only, attending through `CPForward`) and input ids for `plan`, the
+    placement already applied. `use_kernel`: decodes attend through the CPU decode kernel (`kernels/native.py`)."""
+    r, cp = group.rank, CPForward(group)
     ids: list[int] = []
     positions, slot_parts, logit_rows, ring_slots = [], [], [], []
     kernel_rows: list[tuple[int, str, int]] = []  # (buffer row, request, tokens this rank holds) per decode
     row = 0
     for e in plan.entries:
         n = len(e.token_ids)
-        pieces = zigzag_pieces(e.cp_counts)
-        mine = pieces[r]
-        k = int(mine.numel())
-        have = placement.count(e.rid, r)
+        mine = zigzag_pieces(e.cp_counts)[r]
+        k, have = int(mine.numel()), placement.count(e.rid, r)
         if k:
             ids += [e.token_ids[i] for i in mine.tolist()]
             positions.append(mine + e.start)
@@ -67,18 +72,12 @@ def build_cp_batch(plan: BatchPlan, placement: CPPlacement, blocks: BlockTable, 
         by_kernel = use_kernel and n == 1 and not is_split(e.cp_counts)  # a decode: read in place by the kernel
         own_slots = blocks.slots(e.rid, 0, have) if have and not by_kernel else torch.empty(0, dtype=torch.long)
         if is_split(e.cp_counts):
-            cp.ring.append(RingEntry(slice(row, row + k), (mine + e.start).to(device),
-                                     [placement.positions(e.rid, j).to(device) for j in range(size)],
-                                     list(e.cp_counts)))  # fmt: skip
+            cp.ring.append(_ring_entry(e, slice(row, row + k), mine, placement, device))
             ring_slots.append(own_slots)
         else:
-            # (every key a rank holds of a decoding request is visible to its query: the kernel needs no positions)
-            own_pos = torch.empty(0, dtype=torch.long) if by_kernel else placement.positions(e.rid, r)
-            cp.travel.append(TravelEntry(slice(cp.travel_rows, cp.travel_rows + n), slice(row, row + k) if k else None,
-                                         torch.arange(e.start, e.start + n, device=device), own_slots.to(device),
-                                         own_pos.to(device), by_kernel))  # fmt: skip
             if by_kernel and have:
                 kernel_rows.append((cp.travel_rows, e.rid, have))
+            cp.travel.append(_travel_entry(e, cp.travel_rows, row, k, own_slots, placement, r, by_kernel, device))
             cp.travel_rows += n
         if e.samples:  # its last offset, and a verified entry's `drafts` before it: each on the rank holding it
             logit_rows += cp.sampled(_held_samples(mine, n, e.drafts), row)
@@ -88,11 +87,46 @@ def build_cp_batch(plan: BatchPlan, placement: CPPlacement, blocks: BlockTable, 
     if kernel_rows:
         cp.decodes = _kernel_decodes(kernel_rows, blocks)
     empty = torch.empty(0, dtype=torch.long)
-    batch = ForwardBatch(positions=(torch.cat(positions) if positions else empty).to(device),
-                         logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=device),
-                         slot_mapping=(torch.cat(slot_parts) if slot_parts else empty).to(device),
-                         attend=cp.attend, gather_samples=cp.gather_samples)  # fmt: skip
+    batch = ForwardBatch(
+        positions=(torch.cat(positions) if positions else empty).to(device),
+        logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=device),
+        slot_mapping=(torch.cat(slot_parts) if slot_parts else empty).to(device),
+        attend=cp.attend,
+        gather_samples=cp.gather_samples,
+    )
     return batch, torch.tensor(ids, dtype=torch.long, device=device)
+
+
+def _ring_entry(e: PlanEntry, rows: slice, mine: torch.Tensor, placement: CPPlacement, device) -> RingEntry:
+    """An entry split over the group: its keys go round the ring."""
+    size = len(e.cp_counts)
+    k_pos = [placement.positions(e.rid, j).to(device) for j in range(size)]
+    return RingEntry(rows, (mine + e.start).to(device), k_pos, list(e.cp_counts))
+
+
+def _travel_entry(
+    e: PlanEntry,
+    first: int,
+    row: int,
+    k: int,
+    own_slots: torch.Tensor,
+    placement: CPPlacement,
+    rank: int,
+    by_kernel: bool,
+    device,
+) -> TravelEntry:
+    """An entry on one rank: its queries travel (buffer rows from `first`; this rank's `k` rows from `row`)."""
+    n = len(e.token_ids)
+    # (every key a rank holds of a decoding request is visible to its query: the kernel needs no positions)
+    own_pos = torch.empty(0, dtype=torch.long) if by_kernel else placement.positions(e.rid, rank)
+    return TravelEntry(
+        slice(first, first + n),
+        slice(row, row + k) if k else None,
+        torch.arange(e.start, e.start + n, device=device),
+        own_slots.to(device),
+        own_pos.to(device),
+        by_kernel,
+    )
 
 
 def _held_samples(mine: torch.Tensor, n: int, drafts: int) -> list[int]:

@@ -75,7 +75,8 @@ class ForwardBatch:
     # Every sequence as `(first row, new tokens, context length, the context's cache slots)`, built on first call
     # (`batch._flatten`): what a sliding or soft-capped layer attends over (`attention/window.py`).
     contexts: Callable[[], list[tuple[int, int, int, torch.Tensor]]] = field(
-        default_factory=lambda: lambda: [], repr=False)
+        default_factory=lambda: lambda: [], repr=False
+    )
     # A model with sliding layers: the same batch as those layers' caches address it (`kv/ring.py`): its own new
     # tokens' slots, contexts (each the slots of its window's positions at least, ending at the context's last)
     # and CPU-kernel decodes; None otherwise (every layer reads this batch)

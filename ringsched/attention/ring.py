@@ -15,8 +15,9 @@ from __future__ import annotations
 import torch
 
 
-def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
-                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def attend_block(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of queries at `q_pos` over one block of keys at `k_pos`: the block's softmax-normalised
     output and each row's LSE. Rows with no visible key give output 0 and LSE -inf."""
     heads, kv_heads = q.shape[1], k.shape[1]
@@ -31,8 +32,9 @@ def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch
     return out.to(q.dtype), lse.transpose(0, 1).contiguous()
 
 
-def merge(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor
-          ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def merge(
+    o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Two partial attentions of the same queries over disjoint keys, as one: LSE = log(e^LSE1 + e^LSE2),
     O = O1 e^(LSE1 - LSE) + O2 e^(LSE2 - LSE). A side with LSE -inf weighs 0; both -inf stay 0 and -inf."""
     return merge_all([o1, o2], [lse1, lse2])

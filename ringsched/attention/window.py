@@ -50,8 +50,9 @@ class WindowedAttention:
             mask &= kpos > qpos - self.window
         qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, heads, len, D]
         if not self.softcap:
-            out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale,
-                                                 enable_gqa=qt.shape[1] != kt.shape[1])  # fmt: skip
+            out = F.scaled_dot_product_attention(
+                qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=qt.shape[1] != kt.shape[1]
+            )
             return out.squeeze(0).transpose(0, 1)
         group = qt.shape[1] // kt.shape[1]
         kt, vt = kt.repeat_interleave(group, dim=1), vt.repeat_interleave(group, dim=1)

@@ -62,8 +62,10 @@ def run_cores(args: argparse.Namespace) -> dict:
         together.append(sum(measure(cpus, args.seconds)))
     a, t = statistics.median(alone), statistics.median(together)
     result = {"cpus": cpus, "gflops_one_alone": a, "gflops_all_together": t, "scaling": t / a}
-    print(f"one process alone: {a:.1f} GFLOP/s; {len(cpus)} at once: {t:.1f} GFLOP/s in total "
-          f"= {t / a:.2f}x (ideal {len(cpus)}x), medians of {args.repeat}")
+    print(
+        f"one process alone: {a:.1f} GFLOP/s; {len(cpus)} at once: {t:.1f} GFLOP/s in total "
+        f"= {t / a:.2f}x (ideal {len(cpus)}x), medians of {args.repeat}"
+    )
     if args.json:
         print(json.dumps(result))
     return result

@@ -23,10 +23,42 @@ SPECIAL_TOKEN_IDS = 1000
 DATASETS = ("random", "shared-prefix", "copy", "jsonl")
 # Where `copy` passages come from: the standard library's module docstrings (English prose, offline, fixed for a
 # Python version)
-PASSAGE_MODULES = ("argparse", "asyncio", "collections", "contextlib", "csv", "dataclasses", "decimal", "difflib",
-                   "doctest", "fractions", "functools", "heapq", "inspect", "json", "logging", "optparse", "pathlib",
-                   "pickle", "pydoc", "random", "re", "sched", "shutil", "statistics", "string", "subprocess",
-                   "tarfile", "textwrap", "threading", "tokenize", "typing", "unittest", "uuid", "zipfile")  # fmt: skip
+PASSAGE_MODULES = (
+    "argparse",
+    "asyncio",
+    "collections",
+    "contextlib",
+    "csv",
+    "dataclasses",
+    "decimal",
+    "difflib",
+    "doctest",
+    "fractions",
+    "functools",
+    "heapq",
+    "inspect",
+    "json",
+    "logging",
+    "optparse",
+    "pathlib",
+    "pickle",
+    "pydoc",
+    "random",
+    "re",
+    "sched",
+    "shutil",
+    "statistics",
+    "string",
+    "subprocess",
+    "tarfile",
+    "textwrap",
+    "threading",
+    "tokenize",
+    "typing",
+    "unittest",
+    "uuid",
+    "zipfile",
+)
 WORDS_PER_TOKEN = 0.75  # English prose, BPE tokenizers: about 4 tokens to 3 words
 
 

@@ -85,9 +85,17 @@ def matmul_gflops(
         for _ in range(5):  # warm the caches and the kernel choice
             torch.nn.functional.linear(x, w)
         windows = [_calls_per_s(x, w, seconds / 4, sync) * flop / 1e9 for _ in range(4)]
-    return {"rows": rows, "hidden": m.hidden_size, "intermediate": m.intermediate_size, "dtype": str(dtype),
-            "threads": threads, "cpus": cpus, "device": device, "gflops_per_s": max(windows),
-            "window_gflops_per_s": windows}  # fmt: skip
+    return {
+        "rows": rows,
+        "hidden": m.hidden_size,
+        "intermediate": m.intermediate_size,
+        "dtype": str(dtype),
+        "threads": threads,
+        "cpus": cpus,
+        "device": device,
+        "gflops_per_s": max(windows),
+        "window_gflops_per_s": windows,
+    }
 
 
 def _calls_per_s(x: torch.Tensor, w: torch.Tensor, seconds: float, sync: Callable[[], None]) -> float:
@@ -107,11 +115,18 @@ def stage_flops(deltas: list[dict], partition: list[int], flops: FlopModel, elap
     out = []
     for d, layers in zip(deltas, partition, strict=True):
         # With a flexible cut the layers differ per micro-batch: the stage counted tokens x layers it ran.
-        total = flops.stage_flops(d["layer_tokens"], 1, d["sample_rows"]) if d.get("layer_tokens") else (
-            flops.stage_flops(d["tokens"], layers, d["sample_rows"])
+        total = (
+            flops.stage_flops(d["layer_tokens"], 1, d["sample_rows"])
+            if d.get("layer_tokens")
+            else (flops.stage_flops(d["tokens"], layers, d["sample_rows"]))
         )
-        out.append({"model_gflop": total / 1e9, "gflops_per_s_wall": total / elapsed / 1e9,
-                    "gflops_per_s_compute": total / max(d["compute_s"], 1e-9) / 1e9})  # fmt: skip
+        out.append(
+            {
+                "model_gflop": total / 1e9,
+                "gflops_per_s_wall": total / elapsed / 1e9,
+                "gflops_per_s_compute": total / max(d["compute_s"], 1e-9) / 1e9,
+            }
+        )
     return out
 
 

@@ -38,12 +38,24 @@ def add_hf_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--seed", type=int, default=0, help="the prompts' seed, as `bench offline --seed`")
     p.add_argument("--batch-sizes", default="8,16,32,64", help="static batch sizes for `generate`, comma-separated")
-    p.add_argument("--warmup-prompts", type=int, default=8,
-                   help="drawn first, as in `bench offline`; a few of them run a short unmeasured generate (0: none)")
-    p.add_argument("--cb-max-batch-tokens", type=int, default=512,
-                   help="generate_batch tokens per step (default: ringsched's --chunked-prefill-size)")
-    p.add_argument("--generate-batch", action=argparse.BooleanOptionalAction, default=True,
-                   help="also measure generate_batch (continuous batching; on CPU the slowest mode by far)")
+    p.add_argument(
+        "--warmup-prompts",
+        type=int,
+        default=8,
+        help="drawn first, as in `bench offline`; a few of them run a short unmeasured generate (0: none)",
+    )
+    p.add_argument(
+        "--cb-max-batch-tokens",
+        type=int,
+        default=512,
+        help="generate_batch tokens per step (default: ringsched's --chunked-prefill-size)",
+    )
+    p.add_argument(
+        "--generate-batch",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also measure generate_batch (continuous batching; on CPU the slowest mode by far)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
 
@@ -76,8 +88,14 @@ def _generate_once(model: PreTrainedModel, prompts: list[list[int]], batch_size:
     for i in range(0, len(prompts), batch_size):
         ids = torch.tensor(prompts[i : i + batch_size])  # [B, input_len]; one length, so no padding
         # min_new_tokens suppresses EOS until out_len: every request produces exactly out_len tokens.
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=out_len,
-                             min_new_tokens=out_len, do_sample=False, pad_token_id=pad)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=out_len,
+            min_new_tokens=out_len,
+            do_sample=False,
+            pad_token_id=pad,
+        )
         new_tokens += out[:, ids.shape[1] :].tolist()  # [B, out_len]
     return new_tokens
 
@@ -92,8 +110,13 @@ def bench_generate(model: PreTrainedModel, prompts: list[list[int]], batch_sizes
         per_size[bs] = tokens[bs] / elapsed
         print(f"  generate batch {bs}: {per_size[bs]:.1f} output tok/s ({tokens[bs]} tokens in {elapsed:.1f}s)")
     best = max(per_size, key=per_size.get)
-    return {"per_batch_size": per_size, "output_tokens": tokens, "best_batch_size": best,
-            "best_output_tokens_per_s": per_size[best], "_new_tokens": last}  # fmt: skip
+    return {
+        "per_batch_size": per_size,
+        "output_tokens": tokens,
+        "best_batch_size": best,
+        "best_output_tokens_per_s": per_size[best],
+        "_new_tokens": last,
+    }
 
 
 def _cb_configs(n: int, in_len: int, out_len: int, max_batch_tokens: int):
@@ -122,8 +145,9 @@ def _run_generate_batch(model: PreTrainedModel, prompts: list[list[int]], out_le
     return [list(o.generated_tokens) for o in outs], elapsed, None
 
 
-def bench_generate_batch(model: PreTrainedModel, prompts: list[list[int]], out_len: int, max_batch_tokens: int,
-                         reference: list[list[int]]) -> dict:  # fmt: skip
+def bench_generate_batch(
+    model: PreTrainedModel, prompts: list[list[int]], out_len: int, max_batch_tokens: int, reference: list[list[int]]
+) -> dict:
     """`reference`: `generate`'s new tokens for the same prompts, to check both modes compute the same thing."""
     try:
         new_tokens, elapsed, error = _run_generate_batch(model, prompts, out_len, max_batch_tokens)
@@ -134,10 +158,17 @@ def bench_generate_batch(model: PreTrainedModel, prompts: list[list[int]], out_l
         return {"error": error}
     tokens = sum(len(t) for t in new_tokens)
     same = sum(a == b for a, b in zip(new_tokens, reference, strict=False)) if reference else None
-    print(f"  generate_batch: {tokens / elapsed:.1f} output tok/s ({tokens} tokens in {elapsed:.1f}s; "
-          f"{same} of {len(prompts)} requests token-identical to generate)")
-    return {"output_tokens_per_s": tokens / elapsed, "output_tokens": tokens, "elapsed_s": elapsed,
-            "max_batch_tokens": max_batch_tokens, "same_tokens_as_generate": same}  # fmt: skip
+    print(
+        f"  generate_batch: {tokens / elapsed:.1f} output tok/s ({tokens} tokens in {elapsed:.1f}s; "
+        f"{same} of {len(prompts)} requests token-identical to generate)"
+    )
+    return {
+        "output_tokens_per_s": tokens / elapsed,
+        "output_tokens": tokens,
+        "elapsed_s": elapsed,
+        "max_batch_tokens": max_batch_tokens,
+        "same_tokens_as_generate": same,
+    }
 
 
 def _warmup(model: PreTrainedModel, prompts: list[list[int]], max_batch_tokens: int, cb: bool) -> None:
@@ -170,8 +201,10 @@ def run_hf(args: argparse.Namespace) -> int:
     # Same draws as `bench offline`: its warmup prompts come first from the same generator.
     warm = _prompts(args.warmup_prompts, args.input_len, vocab, rng) if args.warmup_prompts else []
     prompts = _prompts(args.num_prompts, args.input_len, vocab, rng)
-    print(f"transformers {transformers.__version__}, {args.dtype}, {args.threads} threads: {args.num_prompts} "
-          f"prompts of {args.input_len} tokens, {args.output_len} new tokens each")
+    print(
+        f"transformers {transformers.__version__}, {args.dtype}, {args.threads} threads: {args.num_prompts} "
+        f"prompts of {args.input_len} tokens, {args.output_len} new tokens each"
+    )
     with torch.inference_mode():
         _warmup(model, warm, args.cb_max_batch_tokens, args.generate_batch)
         gen = bench_generate(model, prompts, sizes, args.output_len)
@@ -182,10 +215,16 @@ def run_hf(args: argparse.Namespace) -> int:
     best = max(gen["best_output_tokens_per_s"], (cb or {}).get("output_tokens_per_s", 0.0))
     print(f"  best: {best:.1f} output tok/s")
     result = {
-        "dtype": args.dtype, "threads": args.threads, "num_prompts": args.num_prompts, "input_len": args.input_len,
-        "output_len": args.output_len, "transformers": transformers.__version__, "generate": gen,
-        "generate_batch": cb, "best_output_tokens_per_s": best,
-    }  # fmt: skip
+        "dtype": args.dtype,
+        "threads": args.threads,
+        "num_prompts": args.num_prompts,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "transformers": transformers.__version__,
+        "generate": gen,
+        "generate_batch": cb,
+        "best_output_tokens_per_s": best,
+    }
     if args.json:
         print(json.dumps(result))
     return 0

@@ -53,8 +53,9 @@ def time_long_prompts(llm, length: int, repeat: int, vocab: int, rng: random.Ran
     return out
 
 
-def decodes_beside_a_long_prompt(llm, length: int, streams: int, input_len: int, vocab: int,
-                                 rng: random.Random) -> dict:  # fmt: skip
+def decodes_beside_a_long_prompt(
+    llm, length: int, streams: int, input_len: int, vocab: int, rng: random.Random
+) -> dict:
     """Median TPOT of `streams` decoding requests before and while a `length`-token prompt prefills."""
     from ringsched.sampling.params import SamplingParams
 
@@ -91,19 +92,28 @@ def decodes_beside_a_long_prompt(llm, length: int, streams: int, input_len: int,
             llm.abort(rid)
     tpot_before, tpot_during = statistics.median(before), statistics.median(during)
     return {
-        "long_prompt": length, "decoding_streams": streams, "ttft_s": ttft, "tpot_before_s": tpot_before,
-        "tpot_during_s": tpot_during, "tpot_ratio": tpot_during / tpot_before, "tpot_during_max_s": max(during),
-    }  # fmt: skip
+        "long_prompt": length,
+        "decoding_streams": streams,
+        "ttft_s": ttft,
+        "tpot_before_s": tpot_before,
+        "tpot_during_s": tpot_during,
+        "tpot_ratio": tpot_during / tpot_before,
+        "tpot_during_max_s": max(during),
+    }
 
 
 def print_long_prompt(r: dict, cfg) -> None:
-    head = (f"pp={cfg.pp_size} tp={cfg.tp_size} cp={cfg.cp_size} threads/rank={cfg.threads} "
-            f"chunk={cfg.chunked_prefill_size}"
-            f"{' dynamic' if cfg.enable_dynamic_chunking else ''}: a {r['long_prompt']}-token prompt")  # fmt: skip
+    head = (
+        f"pp={cfg.pp_size} tp={cfg.tp_size} cp={cfg.cp_size} threads/rank={cfg.threads} "
+        f"chunk={cfg.chunked_prefill_size}"
+        f"{' dynamic' if cfg.enable_dynamic_chunking else ''}: a {r['long_prompt']}-token prompt"
+    )
     if "decoding_streams" in r:
-        print(f"{head} beside {r['decoding_streams']} decoding streams: TTFT {r['ttft_s']:.2f}s; their median TPOT "
-              f"{r['tpot_before_s'] * 1e3:.1f} ms before, {r['tpot_during_s'] * 1e3:.1f} ms while it prefills "
-              f"({r['tpot_ratio']:.2f}x; longest gap {r['tpot_during_max_s'] * 1e3:.0f} ms)")  # fmt: skip
+        print(
+            f"{head} beside {r['decoding_streams']} decoding streams: TTFT {r['ttft_s']:.2f}s; their median TPOT "
+            f"{r['tpot_before_s'] * 1e3:.1f} ms before, {r['tpot_during_s'] * 1e3:.1f} ms while it prefills "
+            f"({r['tpot_ratio']:.2f}x; longest gap {r['tpot_during_max_s'] * 1e3:.0f} ms)"
+        )
     else:
         runs = ", ".join(f"{t:.2f}" for t in r["ttft_runs_s"])
         print(f"{head}: TTFT {r['ttft_s']:.2f}s (median of {len(r['ttft_runs_s'])}: {runs})")

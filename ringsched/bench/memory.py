@@ -16,13 +16,21 @@ def stage_memory(stats: dict, info: dict, budget: int = OVERHEAD_BUDGET_BYTES) -
     peak = int(stats["peak_device_bytes"] if on_device else stats["peak_rss_bytes"])
     weights, kv = int(info["weights_bytes"]), int(info["kv_bytes"])
     overhead = peak - weights - kv
-    return {"source": "device" if on_device else "rss", "peak_bytes": peak, "weights_bytes": weights,
-            "kv_bytes": kv, "overhead_bytes": overhead, "budget_overhead_bytes": budget,
-            "within_budget": overhead <= budget}  # fmt: skip
+    return {
+        "source": "device" if on_device else "rss",
+        "peak_bytes": peak,
+        "weights_bytes": weights,
+        "kv_bytes": kv,
+        "overhead_bytes": overhead,
+        "budget_overhead_bytes": budget,
+        "within_budget": overhead <= budget,
+    }
 
 
 def format_memory(m: dict) -> str:
     mib = 2**20
     over = "" if m["within_budget"] else f" (over the {m['budget_overhead_bytes'] / mib:.0f} MiB budget)"
-    return (f"peak {m['peak_bytes'] / mib:.0f} MiB = weights {m['weights_bytes'] / mib:.0f} + "
-            f"KV {m['kv_bytes'] / mib:.0f} + {m['overhead_bytes'] / mib:.0f} overhead{over}")  # fmt: skip
+    return (
+        f"peak {m['peak_bytes'] / mib:.0f} MiB = weights {m['weights_bytes'] / mib:.0f} + "
+        f"KV {m['kv_bytes'] / mib:.0f} + {m['overhead_bytes'] / mib:.0f} overhead{over}"
+    )

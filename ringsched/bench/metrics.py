@@ -114,9 +114,7 @@ def compute_metrics(results: list[RequestResult], duration: float) -> BenchmarkM
     )
 
 
-def format_metrics(
-    m: BenchmarkMetrics, max_concurrency: int | None = None, request_rate: float = float("inf")
-) -> str:
+def format_metrics(m: BenchmarkMetrics, max_concurrency: int | None = None, request_rate: float = float("inf")) -> str:
     """The summary block, formatted exactly as `vllm bench serve` formats it."""
     lines = [
         "{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=WIDTH, c="="),

@@ -32,16 +32,34 @@ def add_offline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--warmup-prompts", type=int, default=8, help="run first, not measured")
     p.add_argument("--repeat", type=int, default=1, help="measured runs in one engine; medians are reported")
-    p.add_argument("--efficiency", action=argparse.BooleanOptionalAction, default=True,
-                   help="after the run, time a plain matmul of the model's shapes to compare FLOP/s (~3 s)")
-    p.add_argument("--long-prompt", type=int, default=None, metavar="N",
-                   help="instead: time the first token of one N-token prompt (--repeat times, one at a time)")
-    p.add_argument("--long-output", type=int, default=1, metavar="M",
-                   help="with --long-prompt: generate M tokens after it and report their TPOT (decodes at that "
-                        "context)")
-    p.add_argument("--decoding-streams", type=int, default=0, metavar="K",
-                   help="with --long-prompt: K streams of --input-len tokens decode first; report their TPOT "
-                        "before and while the long prompt prefills")
+    p.add_argument(
+        "--efficiency",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="after the run, time a plain matmul of the model's shapes to compare FLOP/s (~3 s)",
+    )
+    p.add_argument(
+        "--long-prompt",
+        type=int,
+        default=None,
+        metavar="N",
+        help="instead: time the first token of one N-token prompt (--repeat times, one at a time)",
+    )
+    p.add_argument(
+        "--long-output",
+        type=int,
+        default=1,
+        metavar="M",
+        help="with --long-prompt: generate M tokens after it and report their TPOT (decodes at that context)",
+    )
+    p.add_argument(
+        "--decoding-streams",
+        type=int,
+        default=0,
+        metavar="K",
+        help="with --long-prompt: K streams of --input-len tokens decode first; report their TPOT "
+        "before and while the long prompt prefills",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--log-level", default="warning")
 
@@ -74,12 +92,16 @@ def wire_per_rank(deltas: list[dict], info: dict[int, dict]) -> list[dict]:
     the all-reduces per micro-batch and their bytes per token."""
     out = []
     for r, d in zip(sorted(info), deltas, strict=True):
-        out.append({
-            "rank": r, "stage": info[r].get("stage", r), "tp": info[r].get("tp", 0),
-            "seam_bytes_per_token": d["seam_bytes_sent"] / max(d["seam_tokens_sent"], 1),
-            "tp_all_reduces_per_batch": d["tp_all_reduces"] / max(d["batches"], 1),
-            "tp_all_reduce_bytes_per_token": d["tp_all_reduce_bytes"] / max(d["tokens"], 1),
-        })  # fmt: skip
+        out.append(
+            {
+                "rank": r,
+                "stage": info[r].get("stage", r),
+                "tp": info[r].get("tp", 0),
+                "seam_bytes_per_token": d["seam_bytes_sent"] / max(d["seam_tokens_sent"], 1),
+                "tp_all_reduces_per_batch": d["tp_all_reduces"] / max(d["batches"], 1),
+                "tp_all_reduce_bytes_per_token": d["tp_all_reduce_bytes"] / max(d["tokens"], 1),
+            }
+        )
     return out
 
 
@@ -94,16 +116,21 @@ def _one_run(llm, prompts, params, before: dict[int, dict]) -> tuple[dict, dict[
     # snapshots' edges are a noticeable share of it)
     fractions = [{k.removesuffix("_s"): d[k] / max(elapsed, d["wall_s"]) for k in TIME_KEYS} for d in deltas]
     tokens = sum(len(o.token_ids) for o in outs)
-    run = {"elapsed_s": elapsed, "output_tokens": tokens, "output_tokens_per_s": tokens / elapsed,
-           "requests_per_s": len(outs) / elapsed, "stage_busy_fraction": [f["compute"] for f in fractions],
-           "stage_time_fractions": fractions, "stage_deltas": deltas}  # fmt: skip
+    run = {
+        "elapsed_s": elapsed,
+        "output_tokens": tokens,
+        "output_tokens_per_s": tokens / elapsed,
+        "requests_per_s": len(outs) / elapsed,
+        "stage_busy_fraction": [f["compute"] for f in fractions],
+        "stage_time_fractions": fractions,
+        "stage_deltas": deltas,
+    }
     return run, after
 
 
 def _median_per_stage(per_run: list[list[dict]]) -> list[dict]:
     """Per stage and key, the median over runs."""
-    return [{k: statistics.median(run[i][k] for run in per_run) for k in per_run[0][i]}
-            for i in range(len(per_run[0]))]  # fmt: skip
+    return [{k: statistics.median(run[i][k] for run in per_run) for k in per_run[0][i]} for i in range(len(per_run[0]))]
 
 
 def _efficiency(cfg, mcfg, runs: list[dict], partition: list[int], input_len: int, output_len: int) -> dict:
@@ -114,8 +141,12 @@ def _efficiency(cfg, mcfg, runs: list[dict], partition: list[int], input_len: in
     rows = sum(d["tokens"] for d in first) / max(sum(d["batches"] for d in first), 1)
     device = "cuda:0" if cfg.resolved_device == "cuda" else "cpu"
     ref = matmul_gflops(round(rows), mcfg, cfg.torch_dtype, cfg.threads, device)
-    return {"flop_model": dataclasses.asdict(flops), "stage_flops": per_stage, "matmul_reference": ref,
-            "efficiency": efficiency(per_stage, ref["gflops_per_s"])}  # fmt: skip
+    return {
+        "flop_model": dataclasses.asdict(flops),
+        "stage_flops": per_stage,
+        "matmul_reference": ref,
+        "efficiency": efficiency(per_stage, ref["gflops_per_s"]),
+    }
 
 
 def offline_config(args: argparse.Namespace) -> EngineConfig:
@@ -143,27 +174,13 @@ def run_offline(args: argparse.Namespace) -> dict:
             llm.generate(_prompts(args.warmup_prompts, args.input_len, mcfg.vocab_size, rng), params)
         before, runs = _fresh_stats(llm), []
         for _ in range(args.repeat):
-            run, before = _one_run(llm, _prompts(args.num_prompts, args.input_len, mcfg.vocab_size, rng), params,
-                                   before)  # fmt: skip
+            run, before = _one_run(
+                llm, _prompts(args.num_prompts, args.input_len, mcfg.vocab_size, rng), params, before
+            )
             runs.append(run)
         info = {r: dict(i) for r, i in llm.supervisor.info.items()}
-    # Per stage: its first rank's figures (a stage's ranks run the same plans in step). As run (`auto` decided);
-    # with --pp-flex-layers, the partition the cut moves around, not the layers held.
-    firsts = [i for i, r in enumerate(sorted(info)) if info[r].get("tp", 0) == 0]
-    leaders = [sorted(info)[i] for i in firsts]
-    partition = [info[r].get("cut_layers", info[r]["layers"][1] - info[r]["layers"][0]) for r in leaders]
-    med = {k: statistics.median(r[k] for r in runs) for k in ("output_tokens_per_s", "requests_per_s", "elapsed_s")}
-    busy = [statistics.median(r["stage_busy_fraction"][i] for r in runs) for i in firsts]
-    fractions = _median_per_stage([r["stage_time_fractions"] for r in runs])
-    result = {
-        "pp_size": cfg.pp_size, "tp_size": cfg.tp_size, "threads_per_stage": cfg.threads,
-        "pp_async_batch_depth": cfg.pp_async_batch_depth, "partition": partition, "pp_flex_layers": cfg.pp_flex_layers,
-        "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len, "dtype": cfg.dtype,
-        **med, "stage_busy_fraction": busy, "stage_time_fractions": [fractions[i] for i in firsts],
-        "stage_memory": [stage_memory(before[r], info[r]) for r in leaders],
-        "rank_memory": [stage_memory(before[r], info[r]) for r in sorted(info)],
-        "rank_wire": wire_per_rank(_median_per_stage([r["stage_deltas"] for r in runs]), info), "runs": runs,
-    }  # fmt: skip
+    result = _summary(args, cfg, runs, before, info)
+    partition = result["partition"]
     if args.efficiency and cfg.tp_size > 1:
         print("  (model FLOP/s efficiency is computed per stage at --tp-size 1 only)")
     elif args.efficiency:
@@ -172,6 +189,37 @@ def run_offline(args: argparse.Namespace) -> dict:
     if args.json:
         print(json.dumps(result))
     return result
+
+
+def _summary(args: argparse.Namespace, cfg, runs: list[dict], before: dict, info: dict) -> dict:
+    """The runs' medians, per stage its first rank's figures (a stage's ranks run the same plans in step); the
+    partition as run (`auto` decided; with --pp-flex-layers, the partition the cut moves around, not the layers
+    held)."""
+    firsts = [i for i, r in enumerate(sorted(info)) if info[r].get("tp", 0) == 0]
+    leaders = [sorted(info)[i] for i in firsts]
+    partition = [info[r].get("cut_layers", info[r]["layers"][1] - info[r]["layers"][0]) for r in leaders]
+    med = {k: statistics.median(r[k] for r in runs) for k in ("output_tokens_per_s", "requests_per_s", "elapsed_s")}
+    busy = [statistics.median(r["stage_busy_fraction"][i] for r in runs) for i in firsts]
+    fractions = _median_per_stage([r["stage_time_fractions"] for r in runs])
+    return {
+        "pp_size": cfg.pp_size,
+        "tp_size": cfg.tp_size,
+        "threads_per_stage": cfg.threads,
+        "pp_async_batch_depth": cfg.pp_async_batch_depth,
+        "partition": partition,
+        "pp_flex_layers": cfg.pp_flex_layers,
+        "num_prompts": args.num_prompts,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "dtype": cfg.dtype,
+        **med,
+        "stage_busy_fraction": busy,
+        "stage_time_fractions": [fractions[i] for i in firsts],
+        "stage_memory": [stage_memory(before[r], info[r]) for r in leaders],
+        "rank_memory": [stage_memory(before[r], info[r]) for r in sorted(info)],
+        "rank_wire": wire_per_rank(_median_per_stage([r["stage_deltas"] for r in runs]), info),
+        "runs": runs,
+    }
 
 
 def _run_long_prompt(args, cfg, mcfg, rng: random.Random) -> dict:
@@ -187,11 +235,18 @@ def _run_long_prompt(args, cfg, mcfg, rng: random.Random) -> dict:
                 llm, args.long_prompt, args.decoding_streams, args.input_len, mcfg.vocab_size, rng
             )
         else:
-            result = long_prompt.time_long_prompts(llm, args.long_prompt, args.repeat, mcfg.vocab_size, rng,
-                                                   output_len=max(args.long_output, 1))  # fmt: skip
-    result |= {"pp_size": cfg.pp_size, "tp_size": cfg.tp_size, "cp_size": cfg.cp_size, "threads_per_stage": cfg.threads,
-               "chunked_prefill_size": cfg.chunked_prefill_size, "dynamic_chunking": cfg.enable_dynamic_chunking,
-               "dtype": cfg.dtype}  # fmt: skip
+            result = long_prompt.time_long_prompts(
+                llm, args.long_prompt, args.repeat, mcfg.vocab_size, rng, output_len=max(args.long_output, 1)
+            )
+    result |= {
+        "pp_size": cfg.pp_size,
+        "tp_size": cfg.tp_size,
+        "cp_size": cfg.cp_size,
+        "threads_per_stage": cfg.threads,
+        "chunked_prefill_size": cfg.chunked_prefill_size,
+        "dynamic_chunking": cfg.enable_dynamic_chunking,
+        "dtype": cfg.dtype,
+    }
     long_prompt.print_long_prompt(result, cfg)
     if args.json:
         print(json.dumps(result))
@@ -199,15 +254,21 @@ def _run_long_prompt(args, cfg, mcfg, rng: random.Random) -> dict:
 
 
 def _print_report(r: dict, n_runs: int) -> None:
-    print(f"pp={r['pp_size']} tp={r['tp_size']} threads/rank={r['threads_per_stage']} "
-          f"depth={r['pp_async_batch_depth']} partition={r['partition']}")  # fmt: skip
-    print(f"  output tokens/s: {r['output_tokens_per_s']:.1f}   requests/s: {r['requests_per_s']:.3f}   "
-          f"elapsed: {r['elapsed_s']:.1f}s (median of {n_runs})")
+    print(
+        f"pp={r['pp_size']} tp={r['tp_size']} threads/rank={r['threads_per_stage']} "
+        f"depth={r['pp_async_batch_depth']} partition={r['partition']}"
+    )
+    print(
+        f"  output tokens/s: {r['output_tokens_per_s']:.1f}   requests/s: {r['requests_per_s']:.3f}   "
+        f"elapsed: {r['elapsed_s']:.1f}s (median of {n_runs})"
+    )
     print("  stage busy fraction: " + ", ".join(f"stage {i}: {b:.1%}" for i, b in enumerate(r["stage_busy_fraction"])))
     if "matmul_reference" in r:
         ref = r["matmul_reference"]
-        print(f"  matmul reference: [{ref['rows']}, {ref['hidden']}] x [{ref['intermediate']}, {ref['hidden']}] "
-              f"{r['dtype']}, {ref['threads']} thread(s): {ref['gflops_per_s']:.1f} GFLOP/s")
+        print(
+            f"  matmul reference: [{ref['rows']}, {ref['hidden']}] x [{ref['intermediate']}, {ref['hidden']}] "
+            f"{r['dtype']}, {ref['threads']} thread(s): {ref['gflops_per_s']:.1f} GFLOP/s"
+        )
     for i, (f, mem) in enumerate(zip(r["stage_time_fractions"], r["stage_memory"], strict=True)):
         parts = [" ".join(f"{k} {v:.0%}" for k, v in f.items())]
         if "efficiency" in r:
@@ -217,6 +278,8 @@ def _print_report(r: dict, n_runs: int) -> None:
         print(f"  stage {i}: " + " | ".join(parts))
     for w, mem in zip(r["rank_wire"], r["rank_memory"], strict=True):
         if r["tp_size"] > 1 or r["pp_size"] > 1:
-            print(f"  rank {w['rank']} (stage {w['stage']}, tp {w['tp']}): seam "
-                  f"{w['seam_bytes_per_token']:.0f} B/token, {w['tp_all_reduces_per_batch']:.0f} all-reduces/batch = "
-                  f"{w['tp_all_reduce_bytes_per_token']:.0f} B/token | {format_memory(mem)}")  # fmt: skip
+            print(
+                f"  rank {w['rank']} (stage {w['stage']}, tp {w['tp']}): seam "
+                f"{w['seam_bytes_per_token']:.0f} B/token, {w['tp_all_reduces_per_batch']:.0f} all-reduces/batch = "
+                f"{w['tp_all_reduce_bytes_per_token']:.0f} B/token | {format_memory(mem)}"
+            )

@@ -29,9 +29,7 @@ try:
     import aiohttp
     from tqdm import tqdm
 except ImportError as e:  # the benchmark's dependencies are an optional extra
-    raise ImportError(
-        f"`ringsched.bench serve` needs aiohttp and tqdm ({e}); pip install 'ringsched[bench]'"
-    ) from e
+    raise ImportError(f"`ringsched.bench serve` needs aiohttp and tqdm ({e}); pip install 'ringsched[bench]'") from e
 
 from ringsched.bench.datasets import (
     SampleRequest,
@@ -46,6 +44,7 @@ from ringsched.bench.serve_config import add_serve_args as add_serve_args  # `py
 from ringsched.bench.stage_metrics import speculation, speculation_between
 
 logger = logging.getLogger(__name__)
+
 
 def load_requests(cfg: ServeConfig) -> list[SampleRequest]:
     if cfg.dataset == "jsonl":
@@ -62,8 +61,9 @@ def load_requests(cfg: ServeConfig) -> list[SampleRequest]:
         cfg.seed,
     )
     if cfg.dataset == "shared-prefix":
-        requests = shared_prefix_requests(requests, cfg.shared_prefix_len, cfg.shared_prefix_groups,
-                                          cfg.random_vocab_size, cfg.seed)  # fmt: skip
+        requests = shared_prefix_requests(
+            requests, cfg.shared_prefix_len, cfg.shared_prefix_groups, cfg.random_vocab_size, cfg.seed
+        )
     return requests
 
 
@@ -100,8 +100,7 @@ async def first_model(session: aiohttp.ClientSession, base_url: str) -> str:
             return (await resp.json())["data"][0]["id"]
     except (aiohttp.ClientError, KeyError, IndexError, ValueError) as e:
         raise RuntimeError(
-            f"could not read a model id from GET {url} ({e}); is the server up? "
-            "Check --base-url or pass --model"
+            f"could not read a model id from GET {url} ({e}); is the server up? Check --base-url or pass --model"
         ) from e
 
 
@@ -163,9 +162,7 @@ async def _read_stream(
     result.success = True
 
 
-async def benchmark(
-    cfg: ServeConfig, requests: list[SampleRequest]
-) -> tuple[str, list[RequestResult], float]:
+async def benchmark(cfg: ServeConfig, requests: list[SampleRequest]) -> tuple[str, list[RequestResult], float]:
     """Send `requests` on the configured schedule; returns (model, per-request results, duration in s)."""
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     # limit=0: aiohttp's default pool of 100 connections would silently cap concurrency; the only cap we

@@ -80,10 +80,26 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="gamma shape of inter-arrival times: 1.0 is Poisson, lower is burstier, higher is steadier",
     )
     add("--max-concurrency", type=int, default=None, help="cap on requests in flight (default: none)")
-    add("--dataset", choices=DATASETS, default=d.dataset, help="random: random token ids; shared-prefix: random "
+    _add_dataset_args(parser, d)
+    add("--ignore-eos", action="store_true", help="ask the server to generate exactly max_tokens")
+    add("--seed", type=int, default=d.seed)
+    add("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token (default: $OPENAI_API_KEY)")
+    add("--save-result", default=None, metavar="FILE", help="write the result dict as JSON")
+    add("--disable-tqdm", action="store_true", help="no progress bar")
+
+
+def _add_dataset_args(parser: argparse.ArgumentParser, d: ServeConfig) -> None:
+    """The requests' prompts and lengths."""
+    add = parser.add_argument
+    add(
+        "--dataset",
+        choices=DATASETS,
+        default=d.dataset,
+        help="random: random token ids; shared-prefix: random "
         "prompts that start with one of --shared-prefix-groups random prefixes of --shared-prefix-len tokens (a "
         "system prompt), then --random-input-len tokens of their own; copy: a passage of about --random-input-len "
-        "tokens to be repeated or lightly edited (where speculative decoding pays); jsonl: --dataset-path")
+        "tokens to be repeated or lightly edited (where speculative decoding pays); jsonl: --dataset-path",
+    )
     add("--dataset-path", default=None, help='JSONL file, one {"prompt": ..., "output_len": N} per line')
     add("--random-input-len", type=int, default=d.random_input_len)
     add("--random-output-len", type=int, default=d.random_output_len)
@@ -100,10 +116,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="random prompt token ids are drawn below this (the model's vocabulary size or less)",
     )
     add("--shared-prefix-len", type=int, default=d.shared_prefix_len, help="shared-prefix: tokens of each prefix")
-    add("--shared-prefix-groups", type=int, default=d.shared_prefix_groups,
-        help="shared-prefix: distinct prefixes, the requests spread over them in turn")  # fmt: skip
-    add("--ignore-eos", action="store_true", help="ask the server to generate exactly max_tokens")
-    add("--seed", type=int, default=d.seed)
-    add("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token (default: $OPENAI_API_KEY)")
-    add("--save-result", default=None, metavar="FILE", help="write the result dict as JSON")
-    add("--disable-tqdm", action="store_true", help="no progress bar")
+    add(
+        "--shared-prefix-groups",
+        type=int,
+        default=d.shared_prefix_groups,
+        help="shared-prefix: distinct prefixes, the requests spread over them in turn",
+    )

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from ringsched.process.supervisor import free_port
+from ringsched.process.ports import free_port
 from ringsched.stage.worker import process_name
 
 

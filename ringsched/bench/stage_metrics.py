@@ -21,8 +21,11 @@ T = TypeVar("T")
 TIME_KINDS = ("compute", "wait", "sched", "comm")
 TIME_METRIC = "ringsched:stage_time_seconds"
 MEMORY_METRIC = "ringsched:stage_peak_memory_bytes"
-SPEC_METRICS = {"ringsched:spec_decode_num_drafts": "steps", "ringsched:spec_decode_num_draft_tokens": "drafts",
-                "ringsched:spec_decode_num_accepted_tokens": "kept"}  # fmt: skip
+SPEC_METRICS = {
+    "ringsched:spec_decode_num_drafts": "steps",
+    "ringsched:spec_decode_num_draft_tokens": "drafts",
+    "ringsched:spec_decode_num_accepted_tokens": "kept",
+}
 
 
 def scrape_stages(base_url: str, timeout: float = 10.0) -> dict[int, dict[str, float]]:

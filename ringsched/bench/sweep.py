@@ -35,16 +35,16 @@ from typing import Any
 from ringsched.bench.serve import ServeConfig, benchmark, load_requests, run_serve
 from ringsched.bench.server_process import ServerProcess
 from ringsched.bench.stage_metrics import scrape_stages, settled, stage_deltas
+from ringsched.bench.sweep_args import DEFAULT_OUT_DIR
+from ringsched.bench.sweep_args import add_sweep_args as add_sweep_args  # `bench` takes both from here
 from ringsched.bench.sweep_plan import RateLadder, ServerConfig, SweepConfigError, parse_rates
 from ringsched.bench.sweep_report import load_sweep, save_json, write_report
-from ringsched.config import DEFAULT_MODEL
 from ringsched.weights.fetch import FetchError
 
 # Stages report their times every 0.5 s (an idle stage too), so two equal reads this far apart mean the
 # stages have reported since the rung ended; a fixed wait undercounted when a loaded host delayed a report.
 STATS_SETTLE_S = 0.7
 STATS_SETTLE_DEADLINE_S = 10.0
-DEFAULT_OUT_DIR = "bench-sweep"
 # Flags the sweep sets itself, so --server-args may not.
 OWN_FLAGS = ("--host", "--port", "--model", "--api-key")
 SERVE_FLAGS = ("num_prompts", "random_input_len", "random_output_len", "random_range_ratio", "burstiness", "seed")
@@ -126,37 +126,6 @@ def _vocab_size(model: str) -> int:
     return ModelConfig.from_dir(resolve_model(model, quiet=True)).vocab_size
 
 
-def add_sweep_args(parser: argparse.ArgumentParser) -> None:
-    add = parser.add_argument
-    add("--config", action="append", metavar="KEY=VALUE,...",
-        help="one server configuration (repeatable); keys pp, tp (--tp-size), threads (per rank), depth, "
-             "partition (16:14 or auto), flex (--pp-flex-layers), policy (--pp-flex-policy), dtype, running, "
-             "mbs; e.g. --config pp=2,threads=1 --config tp=2,threads=1")  # fmt: skip
-    add("--model", default=DEFAULT_MODEL, help=f"model directory or known name (default {DEFAULT_MODEL})")
-    add("--server-args", default="",
-        help='more launcher flags for every server, e.g. --server-args="--kv-cache-memory 2G"')  # fmt: skip
-    add("--rates", default=None, help="finite request rates to try in order, e.g. 0.25,0.5,1,2 (else a ladder)")
-    add("--min-rate", type=float, default=1.0, help="first rate of the automatic ladder (requests/s)")
-    add("--rate-factor", type=float, default=2.0, help="each automatic rung multiplies the rate by this")
-    add("--saturation-threshold", type=float, default=0.05,
-        help="stop the finite rungs when output throughput grew by less than this fraction")  # fmt: skip
-    add("--max-rungs", type=int, default=8, help="most finite rungs per configuration (the inf rung is extra)")
-    add("--num-prompts", type=int, default=64, help="requests per rung")
-    add("--random-input-len", type=int, default=128)
-    add("--random-output-len", type=int, default=128)
-    add("--random-range-ratio", type=float, default=0.0, help="lengths uniform in [len*(1-r), len*(1+r)]")
-    add("--random-vocab-size", type=int, default=None, help="prompt ids below this (default min(10000, model's))")
-    add("--burstiness", type=float, default=1.0, help="gamma shape of inter-arrival times (1.0 is Poisson)")
-    add("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-        help="generate exactly the output length (default on, so every rung does the same work)")  # fmt: skip
-    add("--seed", type=int, default=0)
-    add("--warmup-prompts", type=int, default=4, help="requests sent to each new server before the first rung")
-    add("--startup-timeout", type=float, default=300.0, help="seconds a server gets to become healthy")
-    add("--out-dir", default=None, help=f"where the results go (default {DEFAULT_OUT_DIR}/; with --from-json, "
-        "the JSON file's folder)")  # fmt: skip
-    add("--from-json", default=None, metavar="FILE", help="only rewrite sweep.md and the plots from a sweep.json")
-
-
 def run_sweep(args: argparse.Namespace) -> int:
     if args.from_json:
         try:
@@ -173,9 +142,14 @@ def run_sweep(args: argparse.Namespace) -> int:
         return 2
     out_dir = Path(args.out_dir or DEFAULT_OUT_DIR)
     out_dir.mkdir(parents=True, exist_ok=True)
-    sweep = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "model": plan.model,
-             "server_args": list(plan.server_args), "ladder": dataclasses.asdict(plan.ladder),
-             "serve": _serve_settings(plan.serve), "configs": []}  # fmt: skip
+    sweep = {
+        "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
+        "model": plan.model,
+        "server_args": list(plan.server_args),
+        "ladder": dataclasses.asdict(plan.ladder),
+        "serve": _serve_settings(plan.serve),
+        "configs": [],
+    }
     # SIGTERM (a job scheduler, `kill`) takes the Ctrl-C path, so the running server is stopped too.
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
@@ -208,8 +182,13 @@ def _serve_settings(cfg: ServeConfig) -> dict[str, Any]:
 
 
 def new_record(plan: SweepPlan, cfg: ServerConfig, log_path: Path) -> dict[str, Any]:
-    return {"label": cfg.label, "flags": plan.server_flags(cfg), "error": None, "server_log": str(log_path),
-            "rungs": []}  # fmt: skip
+    return {
+        "label": cfg.label,
+        "flags": plan.server_flags(cfg),
+        "error": None,
+        "server_log": str(log_path),
+        "rungs": [],
+    }
 
 
 def run_config(plan: SweepPlan, cfg: ServerConfig, record: dict[str, Any]) -> None:

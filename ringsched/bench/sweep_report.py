@@ -25,8 +25,17 @@ matplotlib.use("Agg")  # files only: no display, and no GUI toolkit needed
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import NullLocator  # noqa: E402
 
-COLUMNS = ("config", "rate (req/s)", "req/s", "output tok/s", "median TTFT (ms)", "median TPOT (ms)",
-           "p99 ITL (ms)", "failed", "stage busy")  # fmt: skip
+COLUMNS = (
+    "config",
+    "rate (req/s)",
+    "req/s",
+    "output tok/s",
+    "median TTFT (ms)",
+    "median TPOT (ms)",
+    "p99 ITL (ms)",
+    "failed",
+    "stage busy",
+)
 PLOTS = (
     ("tpot_vs_rate.png", "median_tpot_ms", "median TPOT (ms)"),
     ("throughput_vs_rate.png", "output_throughput", "output throughput (tokens/s)"),

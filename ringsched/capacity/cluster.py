@@ -33,9 +33,7 @@ class ClusterSpec:
         if self.in_flight is not None and self.in_flight < 1:
             raise CapacityError(f"--in-flight must be at least 1 micro-batch, got {self.in_flight}")
         if not 0 < self.mem_fraction <= 1:
-            raise CapacityError(
-                f"--mem-fraction must be in (0, 1], got {self.mem_fraction}; vLLM's default is 0.9"
-            )
+            raise CapacityError(f"--mem-fraction must be in (0, 1], got {self.mem_fraction}; vLLM's default is 0.9")
         if self.reserve_gib < 0:
             raise CapacityError(f"--reserve-gib must be >= 0, got {self.reserve_gib}")
         if not self.inter_node_gbps > 0:

@@ -91,9 +91,7 @@ def check_layout(model: ModelSpec, cluster: ClusterSpec, tp: int, pp: int, cp: i
             "x CP equal --gpus"
         )
     if cp == 1 and tp * pp != cluster.gpus:
-        shapes = ", ".join(
-            f"{t}x{cluster.gpus // t}" for t in range(1, cluster.gpus + 1) if cluster.gpus % t == 0
-        )
+        shapes = ", ".join(f"{t}x{cluster.gpus // t}" for t in range(1, cluster.gpus + 1) if cluster.gpus % t == 0)
         raise CapacityError(
             f"--tp {tp} x --pp {pp} = {tp * pp} GPUs but --gpus is {cluster.gpus}; make TP x PP equal --gpus "
             f"(TPxPP for {cluster.gpus}: {shapes})"
@@ -101,8 +99,7 @@ def check_layout(model: ModelSpec, cluster: ClusterSpec, tp: int, pp: int, cp: i
     if model.num_heads % tp:
         divisors = ", ".join(str(t) for t in range(1, model.num_heads + 1) if model.num_heads % t == 0)
         raise CapacityError(
-            f"--tp {tp} does not divide {model.name}'s {model.num_heads} attention heads; choose a TP from "
-            f"{divisors}"
+            f"--tp {tp} does not divide {model.name}'s {model.num_heads} attention heads; choose a TP from {divisors}"
         )
     kv = model.num_kv_heads
     if kv % tp and tp % kv:
@@ -115,7 +112,11 @@ def check_layout(model: ModelSpec, cluster: ClusterSpec, tp: int, pp: int, cp: i
 
 
 def layout_row(
-    model: ModelSpec, cluster: ClusterSpec, tp: int, pp: int, partition: str | list[int] | None = None,
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    tp: int,
+    pp: int,
+    partition: str | list[int] | None = None,
     cp: int = 1,
 ) -> LayoutRow:
     """All figures of TP x PP (x CP); `partition` overrides the layer split as --pp-layer-partition does."""

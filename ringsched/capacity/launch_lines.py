@@ -15,8 +15,15 @@ from ringsched.capacity.presets import CapacityError
 from ringsched.layout.partition import default_partition
 
 
-def launch_commands(row: LayoutRow, model: str, gpus_per_node: int, dtype_bytes: int, max_model_len: int,
-                    head_addr: str = "$HEAD_ADDR:29500", head: float = 0.0) -> list[str]:  # fmt: skip
+def launch_commands(
+    row: LayoutRow,
+    model: str,
+    gpus_per_node: int,
+    dtype_bytes: int,
+    max_model_len: int,
+    head_addr: str = "$HEAD_ADDR:29500",
+    head: float = 0.0,
+) -> list[str]:
     """`head`: the model's `parallel.partition.head_layers`, so that a row on the launcher's default split
     prints no `--pp-layer-partition`. `model` goes into the commands as given: pass a directory (or a
     placeholder path) the launcher can load. The KV pool is the plan's KV space per GPU, as bytes: the planner

@@ -29,8 +29,10 @@ def parse_node(text: str, index: int, head: float) -> tuple[NodeSpec, int]:
         raise CapacityError(f"--node {text!r}: give key=value pairs, e.g. speed=0.5,memory=8G") from None
     unknown = set(fields) - set(KEYS)
     if unknown or ("speed" in fields) == ("layer_ms" in fields):
-        raise CapacityError(f"--node {text!r}: give speed=S or layer_ms=T (one of them), optionally memory=BYTES "
-                            f"and stages=K; {sorted(unknown) or 'speed or layer_ms'} is not understood")  # fmt: skip
+        raise CapacityError(
+            f"--node {text!r}: give speed=S or layer_ms=T (one of them), optionally memory=BYTES "
+            f"and stages=K; {sorted(unknown) or 'speed or layer_ms'} is not understood"
+        )
     try:
         ms = float(fields["layer_ms"]) if "layer_ms" in fields else 1.0 / float(fields["speed"])
         memory = parse_memory(fields["memory"], "--node memory") if "memory" in fields else None
@@ -44,12 +46,17 @@ def parse_node(text: str, index: int, head: float) -> tuple[NodeSpec, int]:
 
 def stage_bytes(model: ModelSpec, max_model_len: int) -> StageBytes:
     table = model.vocab_size * model.hidden_size * model.dtype_bytes
-    return StageBytes(layer_params_per_rank(model, 1) * model.dtype_bytes, table, table + model.hidden_size *
-                      model.dtype_bytes, kv_bytes_per_token_per_layer(model) * max_model_len)  # fmt: skip
+    return StageBytes(
+        layer_params_per_rank(model, 1) * model.dtype_bytes,
+        table,
+        table + model.hidden_size * model.dtype_bytes,
+        kv_bytes_per_token_per_layer(model) * max_model_len,
+    )
 
 
-def plan_nodes(model: ModelSpec, model_arg: str, descriptions: list[str], max_model_len: int,
-               head_addr: str) -> list[str]:  # fmt: skip
+def plan_nodes(
+    model: ModelSpec, model_arg: str, descriptions: list[str], max_model_len: int, head_addr: str
+) -> list[str]:
     """The report lines: each node's figures and layers, the predicted balance, then one launch line per node."""
     head = head_layers(model)
     nodes = [parse_node(d, i, head)[0] for i, d in enumerate(descriptions)]
@@ -62,10 +69,22 @@ def plan_nodes(model: ModelSpec, model_arg: str, descriptions: list[str], max_mo
         counts = split_over_nodes(model.num_layers, nodes, weights)
     except (SplitError, ValueError) as e:
         raise CapacityError(str(e)) from None
-    lines = [f"{model.name}: {model.num_layers} layers over {len(nodes)} nodes, {pp} stages; the head weighs "
-             f"{head:.1f} layers on the last", describe(counts, nodes, weights), ""]  # fmt: skip
-    flags = ["--model", model_arg, "--pp-size", str(pp), "--pp-layer-partition", ",".join(map(str, counts)),
-             "--max-model-len", str(max_model_len)]  # fmt: skip
+    lines = [
+        f"{model.name}: {model.num_layers} layers over {len(nodes)} nodes, {pp} stages; the head weighs "
+        f"{head:.1f} layers on the last",
+        describe(counts, nodes, weights),
+        "",
+    ]
+    flags = [
+        "--model",
+        model_arg,
+        "--pp-size",
+        str(pp),
+        "--pp-layer-partition",
+        ",".join(map(str, counts)),
+        "--max-model-len",
+        str(max_model_len),
+    ]
     base = "python -m ringsched.launch " + " ".join(shlex.quote(f) for f in flags)
     for n in nodes:
         lines.append(f"# node {n.node}" + (" and the OpenAI API" if n.node == 0 else ""))

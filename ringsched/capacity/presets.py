@@ -112,8 +112,15 @@ GPU_PRESETS: dict[str, GpuSpec] = {
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
 # Dense families whose weights and KV the arithmetic here counts (Gemma's extra norms and Phi-3's fused projections
 # change no size that matters; a sliding layer's KV is held whole, as the engine's pool holds it)
-_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                  "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM")  # fmt: skip
+_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Phi3ForCausalLM",
+)
 
 
 def load_gpu(name: str) -> GpuSpec:
@@ -174,6 +181,4 @@ def model_from_config(cfg: dict, name: str = "config.json") -> ModelSpec:
             qk_norm=arch == "Qwen3ForCausalLM",
         )
     except KeyError as missing:
-        raise CapacityError(
-            f"--model {name}: config.json has no {missing}, which sizing the model needs"
-        ) from None
+        raise CapacityError(f"--model {name}: config.json has no {missing}, which sizing the model needs") from None

@@ -53,9 +53,7 @@ def _reason(row: LayoutRow, cluster: ClusterSpec, baseline: LayoutRow | None, lo
         parts.append("every layout's TP crosses nodes")
     if row.pp > 1:
         seam_kib = row.seam_bytes_per_rank_per_step / cluster.batch_tokens / 1024
-        parts.append(
-            f"the seams carry {seam_kib:g} KiB per token per rank; keep at least {row.pp} batches in flight"
-        )
+        parts.append(f"the seams carry {seam_kib:g} KiB per token per rank; keep at least {row.pp} batches in flight")
     if row.cp > 1:
         parts.append(f"each of a stage's {row.cp} CP ranks holds 1/{row.cp} of every sequence's KV")
     name = f"TP={row.tp} x PP={row.pp}" + (f" x CP={row.cp}" if row.cp > 1 else "")

@@ -114,8 +114,10 @@ def _table(rows: list[LayoutRow], baseline: LayoutRow | None, cluster: ClusterSp
         f"({cluster.in_flight if cluster.in_flight is not None else 'PP'})",
     ]
     if with_cp:
-        lines.append("CP: tokens = a stage's CP ranks together (each stores 1/CP of every sequence); comm adds the "
-                     "partial outputs' all-gather per layer")  # fmt: skip
+        lines.append(
+            "CP: tokens = a stage's CP ranks together (each stores 1/CP of every sequence); comm adds the "
+            "partial outputs' all-gather per layer"
+        )
     lines.append(head)
     for row in rows:
         lines.append(_line(row, with_cp))
@@ -123,9 +125,11 @@ def _table(rows: list[LayoutRow], baseline: LayoutRow | None, cluster: ClusterSp
         lines.append(_line(baseline, with_cp) + f"   <- baseline: TP={baseline.tp} alone on one node")
     for row in rows:
         if row.cp > 1:
-            lines.append(f"  TP={row.tp} x PP={row.pp} x CP={row.cp}: ring attention sends "
-                         f"{row.cp_prefill_bytes_per_token / KIB:.1f} KiB per prompt token per rank in prefill, "
-                         f"over {row.cp_link}")  # fmt: skip
+            lines.append(
+                f"  TP={row.tp} x PP={row.pp} x CP={row.cp}: ring attention sends "
+                f"{row.cp_prefill_bytes_per_token / KIB:.1f} KiB per prompt token per rank in prefill, "
+                f"over {row.cp_link}"
+            )
     return lines
 
 

@@ -47,8 +47,11 @@ def step_traffic(model: ModelSpec, cluster: ClusterSpec, tp: int, counts: list[i
         tp_bytes, cp_bytes = 2 * layers * ar, layers * cp_layer
         seam_s = seam if s < pp - 1 else 0.0
         seam_bw = inter if s < pp - 1 and seam_cross[s] else intra
-        ms = (traffic.transfer_ms(tp_bytes, inter if tp_cross else intra) + traffic.transfer_ms(seam_s, seam_bw)
-              + traffic.transfer_ms(cp_bytes, inter if cp_cross else intra))  # fmt: skip
+        ms = (
+            traffic.transfer_ms(tp_bytes, inter if tp_cross else intra)
+            + traffic.transfer_ms(seam_s, seam_bw)
+            + traffic.transfer_ms(cp_bytes, inter if cp_cross else intra)
+        )
         per_stage.append((ms, tp_bytes, seam_s, cp_bytes))
     ms, tp_bytes, seam_bytes, cp_bytes = max(per_stage)
     return StepTraffic(

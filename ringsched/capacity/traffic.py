@@ -56,15 +56,17 @@ def cp_crosses_nodes(tp: int, pp: int, cp: int, gpus_per_node: int) -> bool:
     """Whether any CP group (one stage's ranks of one TP rank) spans two nodes."""
     return any(
         _node(stage * cp * tp + t, gpus_per_node) != _node((stage * cp + cp - 1) * tp + t, gpus_per_node)
-        for stage in range(pp) for t in range(tp)
-    )  # fmt: skip
+        for stage in range(pp)
+        for t in range(tp)
+    )
 
 
 def seam_crosses_nodes(stage: int, tp: int, gpus_per_node: int, cp: int = 1) -> bool:
     """Whether any rank of `stage` sends to its peer of `stage + 1` on another node."""
     group = tp * cp
-    return any(_node(stage * group + r, gpus_per_node) != _node((stage + 1) * group + r, gpus_per_node)
-               for r in range(group))  # fmt: skip
+    return any(
+        _node(stage * group + r, gpus_per_node) != _node((stage + 1) * group + r, gpus_per_node) for r in range(group)
+    )
 
 
 def transfer_ms(num_bytes: float, gb_per_s: float) -> float:

@@ -41,8 +41,9 @@ def segment_bytes(size: int, slot_bytes: int = SLOT_BYTES) -> int:
 class ShmCollectives:
     """One rank's end of the segment at `path` (created, zeroed, by `create`; the others `attach`)."""
 
-    def __init__(self, path: str, rank: int, size: int, timeout: float, slot_bytes: int = SLOT_BYTES,
-                 abort=None) -> None:  # fmt: skip
+    def __init__(
+        self, path: str, rank: int, size: int, timeout: float, slot_bytes: int = SLOT_BYTES, abort=None
+    ) -> None:
         """`abort`, if given, is called now and then while waiting for another rank and may raise to stop."""
         self.rank, self.size, self.timeout, self.slot_bytes, self.abort = rank, size, timeout, slot_bytes, abort
         fd = os.open(path, os.O_RDWR)
@@ -53,8 +54,9 @@ class ShmCollectives:
         raw = torch.frombuffer(self._map, dtype=torch.uint8)
         self._seq = np.frombuffer(self._map, dtype=np.int64, count=size * LINE // 8)[:: LINE // 8]
         data = raw[size * LINE :]
-        self._slots = [[data[(b * size + r) * slot_bytes : (b * size + r + 1) * slot_bytes] for r in range(size)]
-                       for b in range(2)]  # fmt: skip
+        self._slots = [
+            [data[(b * size + r) * slot_bytes : (b * size + r + 1) * slot_bytes] for r in range(size)] for b in range(2)
+        ]
         self.done = int(self._seq[rank])  # collectives completed (all ranks agree)
         self._views: dict[tuple, list[torch.Tensor]] = {}
         self.wait_s = 0.0  # seconds spent waiting for the other ranks (how unevenly the ranks' work is split)

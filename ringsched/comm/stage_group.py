@@ -59,6 +59,10 @@ class StageGroup:
 
     def stats(self) -> dict:
         p = self.prefix
-        return {f"{p}_all_reduces": self.all_reduces, f"{p}_all_reduce_bytes": self.all_reduce_bytes,
-                f"{p}_gathers": self.gathers, f"{p}_gather_bytes": self.gather_bytes,
-                f"{p}_wait_s": self.shm.wait_s if self.shm else 0.0}  # fmt: skip
+        return {
+            f"{p}_all_reduces": self.all_reduces,
+            f"{p}_all_reduce_bytes": self.all_reduce_bytes,
+            f"{p}_gathers": self.gathers,
+            f"{p}_gather_bytes": self.gather_bytes,
+            f"{p}_wait_s": self.shm.wait_s if self.shm else 0.0,
+        }

@@ -48,6 +48,9 @@ def interface_of(ip: str) -> str | None:
 def connect_store(cfg: EngineConfig, is_master: bool, timeout: float | None = None) -> TCPStore:
     host, port = split_addr(cfg.dist_init_addr)
     return TCPStore(
-        host, port, is_master=is_master, wait_for_workers=False,
+        host,
+        port,
+        is_master=is_master,
+        wait_for_workers=False,
         timeout=datetime.timedelta(seconds=timeout or cfg.dist_timeout),
-    )  # fmt: skip
+    )

@@ -46,15 +46,30 @@ def _declare(lib: ctypes.CDLL) -> tuple[ctypes.CDLL, ctypes.Array]:
     lib.decode_layers.restype = ctypes.c_int
     linear, ops, attention = small_linear.library(), layer_ops.library(), native._library()
     kept = gguf_linear.library()
-    fns = [linear.linear_kn, linear.linear_nk, ops.add_rmsnorm, ops.rope_store, ops.silu_mul, attention.paged_decode,
-           kept.gguf_linear, kept.gguf_linear_parts]  # fmt: skip
+    fns = [
+        linear.linear_kn,
+        linear.linear_nk,
+        ops.add_rmsnorm,
+        ops.rope_store,
+        ops.silu_mul,
+        attention.paged_decode,
+        kept.gguf_linear,
+        kept.gguf_linear_parts,
+    ]
     return lib, (ctypes.c_void_p * len(fns))(*[ctypes.cast(f, ctypes.c_void_p).value for f in fns])
 
 
-LIBRARY = native_build.NativeLibrary(SOURCE, COMPILE_FLAGS, LINK_FLAGS, logger, "decode layers",
-                                     "running layer by layer", _declare, "RINGSCHED_DECODE_LAYERS",
-                                     needs=(small_linear.library, layer_ops.library, native._library,
-                                            gguf_linear.library))  # fmt: skip
+LIBRARY = native_build.NativeLibrary(
+    SOURCE,
+    COMPILE_FLAGS,
+    LINK_FLAGS,
+    logger,
+    "decode layers",
+    "running layer by layer",
+    _declare,
+    "RINGSCHED_DECODE_LAYERS",
+    needs=(small_linear.library, layer_ops.library, native._library, gguf_linear.library),
+)
 
 
 class DecodeLayers:
@@ -73,12 +88,12 @@ class DecodeLayers:
         lins = [lin for y in held for lin in (y.self_attn.qkv, y.self_attn.o_proj, y.mlp.gate_up, y.mlp.down_proj)]
         # (`small_ops` layers have their q/k/v and gate/up fused: none of these is None)
         # the row counts whose every linear call the kernel takes: the one call runs the kernel alone
-        self.rows = frozenset(t for t in range(1, layer_ops.MAX_ROWS + 1)
-                              if all(lin.paths.path(t) == small_linear.NATIVE for lin in lins))  # fmt: skip
-        self.ok = (
-            not any(lin.sums_over_ranks for y in held for lin in (y.self_attn.o_proj, y.mlp.down_proj))
-            and bool(self.rows)
-        )  # fmt: skip
+        self.rows = frozenset(
+            t for t in range(1, layer_ops.MAX_ROWS + 1) if all(lin.paths.path(t) == small_linear.NATIVE for lin in lins)
+        )
+        self.ok = not any(lin.sums_over_ranks for y in held for lin in (y.self_attn.o_proj, y.mlp.down_proj)) and bool(
+            self.rows
+        )
         if not self.ok:
             return
         self.max_rows = max(self.rows)
@@ -88,8 +103,9 @@ class DecodeLayers:
         self.inter = held[0].mlp.down_proj.in_features  # not its weight's shape: int4 packs two a byte
         self.scale = attn.scale
         self.rotary = attn.rotary
-        self.eps = torch.tensor([[y.input_layernorm.eps, y.post_attention_layernorm.eps] for y in held],
-                                dtype=torch.float32)  # fmt: skip
+        self.eps = torch.tensor(
+            [[y.input_layernorm.eps, y.post_attention_layernorm.eps] for y in held], dtype=torch.float32
+        )
         self._desc: torch.Tensor | None = None
         self._caches_key: tuple | None = None
         self._all: tuple[range, torch.Tensor] | None = None
@@ -98,16 +114,17 @@ class DecodeLayers:
         """Whether a step of `batch` runs here: every row a decode the attention kernel reads in place, a row count
         in `rows`."""
         nd = batch.native_decode
-        return (
-            self.ok and nd is not None and nd.all_rows
-            and batch.num_tokens in self.rows and library() is not None
-        )  # fmt: skip
+        return self.ok and nd is not None and nd.all_rows and batch.num_tokens in self.rows and library() is not None
 
     def usable(self, batch, hidden: torch.Tensor, residual: torch.Tensor | None, kv_caches) -> bool:
         return (
-            kv_caches is not None and self.takes(batch) and hidden.shape[0] == batch.num_tokens
-            and hidden.dtype == self.dtype and hidden.is_contiguous() and (residual is None or residual.is_contiguous())
-        )  # fmt: skip
+            kv_caches is not None
+            and self.takes(batch)
+            and hidden.shape[0] == batch.num_tokens
+            and hidden.dtype == self.dtype
+            and hidden.is_contiguous()
+            and (residual is None or residual.is_contiguous())
+        )
 
     def _descriptor(self, kv_caches) -> torch.Tensor:
         key = (id(kv_caches), kv_caches[0][0].data_ptr())
@@ -115,8 +132,12 @@ class DecodeLayers:
             rows = []
             for y, (kc, vc) in zip(self.layers, kv_caches, strict=True):
                 a, m = y.self_attn, y.mlp
-                words = [y.input_layernorm.weight.data_ptr(), y.post_attention_layernorm.weight.data_ptr(),
-                         kc.data_ptr(), vc.data_ptr()]  # fmt: skip
+                words = [
+                    y.input_layernorm.weight.data_ptr(),
+                    y.post_attention_layernorm.weight.data_ptr(),
+                    kc.data_ptr(),
+                    vc.data_ptr(),
+                ]
                 for lin in (a.qkv, a.o_proj, m.gate_up, m.down_proj):
                     words += lin.native_words()
                 rows.append(words)
@@ -135,30 +156,50 @@ class DecodeLayers:
         if self._all is None or layers != self._all[0]:
             self._all = (layers, torch.tensor([i - self.start for i in layers], dtype=torch.int64))
         idx = self._all[1]
-        nd = batch.native_decode
-        t, dt = hidden.shape[0], self.dtype
-        h, kvh, d = self.heads, self.kv_heads, self.head_dim
+        nd, t, dt = batch.native_decode, hidden.shape[0], self.dtype
+        scratch = self._scratch(t)
+        bufs = (ctypes.c_void_p * 12)(
+            hidden.data_ptr(),
+            0 if residual is None else residual.data_ptr(),
+            *[0 if s is None else s.data_ptr() for s in scratch],
+        )
+        dims = [self.hidden, self.heads, self.kv_heads, self.head_dim, self.inter]
+        dims = torch.tensor([*dims, nd.block_size, nd.tables.shape[1], nd.max_len], dtype=torch.int64)
         cos, sin = self.rotary.tables(batch.positions)
-        f32 = torch.float32
-        scratch = [
-            torch.empty(t, (h + 2 * kvh) * d, dtype=dt), torch.empty(t, h, d, dtype=dt),
-            torch.empty(t, h, d, dtype=f32) if dt != f32 else None, torch.empty(t, h, d, dtype=f32),
-            torch.empty(t, h * d, dtype=dt) if dt != f32 else None, torch.empty(t, self.hidden, dtype=dt),
-            torch.empty(t, 2 * self.inter, dtype=dt), torch.empty(t, self.inter, dtype=dt),
-            torch.empty(t, self.hidden, dtype=dt), torch.empty(t, self.hidden, dtype=dt),
-        ]  # fmt: skip
-        bufs = (ctypes.c_void_p * 12)(hidden.data_ptr(), 0 if residual is None else residual.data_ptr(),
-                                      *[0 if s is None else s.data_ptr() for s in scratch])  # fmt: skip
-        dims = torch.tensor([self.hidden, h, kvh, d, self.inter, nd.block_size, nd.tables.shape[1], nd.max_len],
-                            dtype=torch.int64)  # fmt: skip
-        slots = batch.slot_mapping
-        step = torch.tensor([batch.positions.data_ptr(), slots.data_ptr(), nd.tables.data_ptr(), nd.lens.data_ptr(),
-                             cos.data_ptr(), sin.data_ptr()], dtype=torch.int64)  # fmt: skip
+        step = [batch.positions, batch.slot_mapping, nd.tables, nd.lens, cos, sin]
+        step = torch.tensor([x.data_ptr() for x in step], dtype=torch.int64)
         rc = lib.decode_layers(
-            fns, desc.data_ptr(), self.eps.data_ptr(), idx.data_ptr(), idx.numel(), t, dims.data_ptr(),
-            step.data_ptr(), bufs, self.scale, int(dt == torch.bfloat16), self._kv_bf16, torch.get_num_threads(),
-        )  # fmt: skip
+            fns,
+            desc.data_ptr(),
+            self.eps.data_ptr(),
+            idx.data_ptr(),
+            idx.numel(),
+            t,
+            dims.data_ptr(),
+            step.data_ptr(),
+            bufs,
+            self.scale,
+            int(dt == torch.bfloat16),
+            self._kv_bf16,
+            torch.get_num_threads(),
+        )
         if rc != 0:  # paged_decode: no memory for a thread's score buffer; a linear layer: a weight dtype it lacks
             raise RuntimeError(f"decode_layers: a kernel returned {rc}")
         out = scratch[8] if idx.numel() % 2 else scratch[9]  # the layers' outputs alternate between the two
         return out, hidden if residual is None else residual
+
+    def _scratch(self, t: int) -> list[torch.Tensor | None]:
+        """The step's working buffers for `t` rows, in `decode_layers.c`'s order (None: not needed in float32)."""
+        dt, f32, h, kvh, d = self.dtype, torch.float32, self.heads, self.kv_heads, self.head_dim
+        return [
+            torch.empty(t, (h + 2 * kvh) * d, dtype=dt),
+            torch.empty(t, h, d, dtype=dt),
+            torch.empty(t, h, d, dtype=f32) if dt != f32 else None,
+            torch.empty(t, h, d, dtype=f32),
+            torch.empty(t, h * d, dtype=dt) if dt != f32 else None,
+            torch.empty(t, self.hidden, dtype=dt),
+            torch.empty(t, 2 * self.inter, dtype=dt),
+            torch.empty(t, self.inter, dtype=dt),
+            torch.empty(t, self.hidden, dtype=dt),
+            torch.empty(t, self.hidden, dtype=dt),
+        ]

@@ -31,8 +31,7 @@ HEADER = SOURCE.with_name("gguf_linear_vnni.h")  # included by SOURCE: its hash 
 AMX_HEADER = SOURCE.with_name("gguf_linear_amx.h")  # likewise (hashed with HEADER)
 SOURCES = (SOURCE, HEADER, AMX_HEADER)  # what the built library is made of (a tuning cache is keyed by them)
 _HEADERS_HASH = hashlib.sha256(HEADER.read_bytes() + AMX_HEADER.read_bytes()).hexdigest()[:16]
-COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", f"-DHEADERS_HASH={_HEADERS_HASH}",
-                 "-c"]  # fmt: skip
+COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", f"-DHEADERS_HASH={_HEADERS_HASH}", "-c"]
 LINK_FLAGS = ["-shared", "-fopenmp"]
 ENV_SWITCH = "RINGSCHED_NATIVE_LINEAR"
 # The 32-value-block types by integer dot products with int8 activations where the CPU has AVX512-VNNI (as
@@ -41,8 +40,16 @@ ENV_SWITCH = "RINGSCHED_NATIVE_LINEAR"
 INTEGER_SWITCH = "RINGSCHED_GGUF_INTEGER"
 
 # ggml's type number -> (name, values per block, bytes per block)
-TYPES = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34),
-         12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210)}  # fmt: skip
+TYPES = {
+    2: ("Q4_0", 32, 18),
+    3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24),
+    8: ("Q8_0", 32, 34),
+    12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176),
+    14: ("Q6_K", 256, 210),
+}
 # Rows up to which a call takes the kernel; beyond, the weight is dequantized for the call and MKL multiplies (a
 # step of many rows is compute-bound). Measured on SmolLM2's shapes, Q4_0 and Q8_0, 2 threads, Xeon with AVX-512:
 # the kernel 2.6 against 4.1 ms at 16 rows, level at 32, 10.4 against 8.6 at 64. The fixed choice (`--linear-tuning
@@ -80,8 +87,16 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-LIBRARY = native_build.NativeLibrary(SOURCE, COMPILE_FLAGS, LINK_FLAGS, logger, "GGUF linear layers",
-                                     "dequantizing with the gguf package", _declare, ENV_SWITCH)  # fmt: skip
+LIBRARY = native_build.NativeLibrary(
+    SOURCE,
+    COMPILE_FLAGS,
+    LINK_FLAGS,
+    logger,
+    "GGUF linear layers",
+    "dequantizing with the gguf package",
+    _declare,
+    ENV_SWITCH,
+)
 
 
 def library() -> ctypes.CDLL | None:
@@ -104,8 +119,10 @@ def column_bytes(qtype: int, start: int, stop: int, k: int, what: str) -> tuple[
     name, values, nbytes = TYPES[qtype]
     if start % values or stop % values:
         fits = [n for n in range(1, 9) if (k // n) % values == 0 and k % n == 0]
-        raise ValueError(f"{what}: splitting {k} inputs of a {name} weight at {start}:{stop} would cut its "
-                         f"{values}-value blocks; --tp-size must divide it in whole blocks: {fits}")  # fmt: skip
+        raise ValueError(
+            f"{what}: splitting {k} inputs of a {name} weight at {start}:{stop} would cut its "
+            f"{values}-value blocks; --tp-size must divide it in whole blocks: {fits}"
+        )
     return start // values * nbytes, stop // values * nbytes
 
 
@@ -134,8 +151,9 @@ def gguf_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, bias_f32: torch.
     y = torch.empty(m, n, dtype=x.dtype)
     xb = int(x.dtype == torch.bfloat16)
     b = None if bias_f32 is None else bias_f32.data_ptr()
-    rc = lib.gguf_linear(x.data_ptr(), x.stride(0), xb, m, k, raw.data_ptr(), qtype, n, b, y.data_ptr(), xb,
-                         torch.get_num_threads())  # fmt: skip
+    rc = lib.gguf_linear(
+        x.data_ptr(), x.stride(0), xb, m, k, raw.data_ptr(), qtype, n, b, y.data_ptr(), xb, torch.get_num_threads()
+    )
     if rc != 0:
         raise ValueError(f"gguf_linear: type {qtype} with {k} inputs")
     return y

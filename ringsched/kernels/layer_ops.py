@@ -44,8 +44,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 
 # Switched by RINGSCHED_NATIVE_LINEAR with the linear kernel: the two are one path.
-LIBRARY = native_build.NativeLibrary(SOURCE, COMPILE_FLAGS, LINK_FLAGS, logger, "layer ops",
-                                     "using torch's operators", _declare, small_linear.ENV_SWITCH)  # fmt: skip
+LIBRARY = native_build.NativeLibrary(
+    SOURCE, COMPILE_FLAGS, LINK_FLAGS, logger, "layer ops", "using torch's operators", _declare, small_linear.ENV_SWITCH
+)
 
 
 def usable(dtype: torch.dtype, device: torch.device) -> bool:
@@ -61,8 +62,17 @@ def add_rmsnorm(
     first = residual is None
     out = torch.empty_like(x) if first else x
     res = x if first else residual
-    library().add_rmsnorm(x.data_ptr(), res.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, n, eps,
-                          int(first), int(x.dtype == torch.bfloat16))  # fmt: skip
+    library().add_rmsnorm(
+        x.data_ptr(),
+        res.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        rows,
+        n,
+        eps,
+        int(first),
+        int(x.dtype == torch.bfloat16),
+    )
     return out, res
 
 
@@ -84,10 +94,22 @@ def rope_store(
     q = qkv.new_empty(rows, heads, head_dim)
     cos, sin = tables
     library().rope_store(
-        qkv.data_ptr(), qkv.stride(0), rows, heads, kv_heads, head_dim, positions.data_ptr(), cos.data_ptr(),
-        sin.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
-        int(qkv.dtype == torch.bfloat16), int(k_cache.dtype == torch.bfloat16),
-    )  # fmt: skip
+        qkv.data_ptr(),
+        qkv.stride(0),
+        rows,
+        heads,
+        kv_heads,
+        head_dim,
+        positions.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        slots.data_ptr(),
+        int(qkv.dtype == torch.bfloat16),
+        int(k_cache.dtype == torch.bfloat16),
+    )
     return q
 
 
@@ -95,6 +117,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2n] (unit stride along a row) -> [T, n] `silu(gate) * up`."""
     rows, two_n = gate_up.shape
     out = gate_up.new_empty(rows, two_n // 2)
-    library().silu_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, two_n // 2,
-                       int(gate_up.dtype == torch.bfloat16))  # fmt: skip
+    library().silu_mul(
+        gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, two_n // 2, int(gate_up.dtype == torch.bfloat16)
+    )
     return out

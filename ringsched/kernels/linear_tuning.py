@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 ONE_CALL_CREDIT_S = 50e-6
 TUNING_DIR = "tuning"
 
+
 @dataclass(frozen=True)
 class PathTable:
     """The path per row bucket: a call of `rows` rows takes the first bucket at or above it (the last past it)."""
@@ -106,8 +107,19 @@ def cache_key(shape: Shape, threads: int, cpu: tuple[str, str]) -> str:
     """The cache file's name for `shape` timed on `threads` threads of `cpu` (`cpu_identity()`)."""
     lib = gguf_linear if shape.weight.startswith("gguf-") else small_linear  # the kernel it times
     source = hashlib.sha256(b"".join(f.read_bytes() for f in lib.SOURCES)).hexdigest()
-    parts = [*cpu, shape.n, shape.k, shape.weight, shape.act, shape.layout, threads, torch.__version__, source,
-             list(BUCKETS), METHOD]  # fmt: skip
+    parts = [
+        *cpu,
+        shape.n,
+        shape.k,
+        shape.weight,
+        shape.act,
+        shape.layout,
+        threads,
+        torch.__version__,
+        source,
+        list(BUCKETS),
+        METHOD,
+    ]
     digest = hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
     return f"{shape.n}x{shape.k}-{shape.weight}-{shape.act}-{shape.layout}-t{threads}-{digest}"
 
@@ -126,11 +138,17 @@ def choose_layers(times: dict[Shape, Times], paths: dict[Shape, tuple[str, ...]]
     if not tables or not all(NATIVE in p for p in paths.values()):
         return tables
     shapes = list(times)
-    native = [b for b in BUCKETS if b <= layer_ops.MAX_ROWS and sum(times[s][b][NATIVE] for s in shapes)
-              - ONE_CALL_CREDIT_S * len(shapes) <= sum(times[s][b][tables[s].path(b)] for s in shapes)]  # fmt: skip
-    return {s: PathTable(t.buckets, tuple(NATIVE if b in native else c for b, c in zip(t.buckets, t.paths,
-                                                                                       strict=True)))
-            for s, t in tables.items()}  # fmt: skip
+    native = [
+        b
+        for b in BUCKETS
+        if b <= layer_ops.MAX_ROWS
+        and sum(times[s][b][NATIVE] for s in shapes) - ONE_CALL_CREDIT_S * len(shapes)
+        <= sum(times[s][b][tables[s].path(b)] for s in shapes)
+    ]
+    return {
+        s: PathTable(t.buckets, tuple(NATIVE if b in native else c for b, c in zip(t.buckets, t.paths, strict=True)))
+        for s, t in tables.items()
+    }
 
 
 def read_times(path: Path, paths: tuple[str, ...]) -> Times | None:
@@ -145,9 +163,16 @@ def read_times(path: Path, paths: tuple[str, ...]) -> Times | None:
 
 def write_times(path: Path, shape: Shape, times: Times, cpu: tuple[str, str], threads: int) -> None:
     """The timings as JSON (written whole, then renamed: stages starting together may write the same file)."""
-    body = {"cpu": cpu[0], "shape": [shape.n, shape.k], "weight": shape.weight, "activations": shape.act,
-            "layout": shape.layout, "threads": threads, "torch": torch.__version__,
-            "seconds": {str(b): t for b, t in sorted(times.items())}}  # fmt: skip
+    body = {
+        "cpu": cpu[0],
+        "shape": [shape.n, shape.k],
+        "weight": shape.weight,
+        "activations": shape.act,
+        "layout": shape.layout,
+        "threads": threads,
+        "torch": torch.__version__,
+        "seconds": {str(b): t for b, t in sorted(times.items())},
+    }
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
@@ -160,8 +185,15 @@ def write_times(path: Path, shape: Shape, times: Times, cpu: tuple[str, str], th
 Measure = Callable[[Shape, tuple[str, ...], list[Linear]], Times]
 
 
-def tune(layers: list[Linear], act: torch.dtype, *, measure: Measure = measure_shape, root: Path | None = None,
-         threads: int | None = None, cpu: tuple[str, str] | None = None) -> dict[Shape, PathTable]:  # fmt: skip
+def tune(
+    layers: list[Linear],
+    act: torch.dtype,
+    *,
+    measure: Measure = measure_shape,
+    root: Path | None = None,
+    threads: int | None = None,
+    cpu: tuple[str, str] | None = None,
+) -> dict[Shape, PathTable]:
     """Give each of `layers` (CPU, prepared; `act`: the model's dtype) the `PathTable` of its shape, from the
     timings cached under `root` (default `cache_dir()`) or measured there and then (`measure`) and cached; one INFO
     line per shape. Returns the tables by shape."""
@@ -187,8 +219,13 @@ def tune(layers: list[Linear], act: torch.dtype, *, measure: Measure = measure_s
     for shape, group in groups.items():
         for lin in group:
             lin.paths = tables[shape]
-        logger.info("linear %s x%d (%s): %s", shape.label(), len(group), source[shape],
-                    describe(tables[shape], times[shape], paths[shape]))  # fmt: skip
+        logger.info(
+            "linear %s x%d (%s): %s",
+            shape.label(),
+            len(group),
+            source[shape],
+            describe(tables[shape], times[shape], paths[shape]),
+        )
     return tables
 
 

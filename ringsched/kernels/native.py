@@ -30,7 +30,6 @@ COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC"
 LINK_FLAGS = ["-shared", "-lm", "-lpthread"]
 
 
-
 @dataclass
 class NativeDecode:
     """The decodes of a micro-batch as the kernel reads them."""
@@ -80,11 +79,24 @@ def paged_decode(
         raise ValueError("paged_decode needs contiguous caches and block tables")
     out = torch.empty_like(qf)
     args = (
-        qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), d.tables.data_ptr(), d.lens.data_ptr(),
-        b, heads, k_cache.shape[1], dim, d.block_size, d.tables.shape[1], d.max_len,
-        scale, out.data_ptr(), torch.get_num_threads(), int(k_cache.dtype == torch.bfloat16),
+        qf.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        d.tables.data_ptr(),
+        d.lens.data_ptr(),
+        b,
+        heads,
+        k_cache.shape[1],
+        dim,
+        d.block_size,
+        d.tables.shape[1],
+        d.max_len,
+        scale,
+        out.data_ptr(),
+        torch.get_num_threads(),
+        int(k_cache.dtype == torch.bfloat16),
         None if lse is None else lse.data_ptr(),
-    )  # fmt: skip
+    )
     rc = lib.paged_decode_window(*args, window, softcap) if window or softcap else lib.paged_decode(*args)
     if rc != 0:
         raise MemoryError("paged_decode: a worker thread could not allocate its score buffer")
@@ -106,8 +118,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-LIBRARY = native_build.NativeLibrary(SOURCE, COMPILE_FLAGS, LINK_FLAGS, logger, "decode attention",
-                                     "using the torch path", _declare, ENV_SWITCH)  # fmt: skip
+LIBRARY = native_build.NativeLibrary(
+    SOURCE, COMPILE_FLAGS, LINK_FLAGS, logger, "decode attention", "using the torch path", _declare, ENV_SWITCH
+)
 
 
 def _build() -> Path:

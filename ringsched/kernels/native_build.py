@@ -29,8 +29,9 @@ BUILD_STEP_TIMEOUT = 120  # seconds for the compile, and again for the link
 LOCK_WAIT = 2 * BUILD_STEP_TIMEOUT + 10  # the longest another process's build may keep this one waiting
 
 
-def load(source: Path, compile_flags: list[str], link_flags: list[str], log: logging.Logger, what: str,
-         fallback: str) -> ctypes.CDLL | None:
+def load(
+    source: Path, compile_flags: list[str], link_flags: list[str], log: logging.Logger, what: str, fallback: str
+) -> ctypes.CDLL | None:
     """The library built from `source` and loaded, or None with a warning (`what`: the kernel's job; `fallback`:
     what runs instead) when there is no compiler or the build fails."""
     try:
@@ -57,8 +58,13 @@ def target(source: Path, compile_flags: list[str], link_flags: list[str]) -> Pat
     """Where the library built from `source` with these flags by this compiler for this CPU is cached."""
     version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
     key = hashlib.sha256()
-    for part in (source.read_bytes(), version.encode(), " ".join(compile_flags + link_flags).encode(),
-                 _cpu_flags().encode(), platform.machine().encode()):  # fmt: skip
+    for part in (
+        source.read_bytes(),
+        version.encode(),
+        " ".join(compile_flags + link_flags).encode(),
+        _cpu_flags().encode(),
+        platform.machine().encode(),
+    ):
         key.update(part)
     return cache_dir() / "native" / f"{source.stem}-{key.hexdigest()[:16]}.so"
 
@@ -112,9 +118,18 @@ class NativeLibrary:
     when the `switch` variable is off, one of `needs` (callables of other libraries' `get`) is None, there is no
     compiler or the build failed (a warning names `what` and the `fallback`)."""
 
-    def __init__(self, source: Path, compile_flags: list[str], link_flags: list[str], log: logging.Logger, what: str,
-                 fallback: str, prepare: Callable[[ctypes.CDLL], Any] = lambda lib: lib, switch: str | None = None,
-                 needs: tuple[Callable[[], Any], ...] = ()) -> None:  # fmt: skip
+    def __init__(
+        self,
+        source: Path,
+        compile_flags: list[str],
+        link_flags: list[str],
+        log: logging.Logger,
+        what: str,
+        fallback: str,
+        prepare: Callable[[ctypes.CDLL], Any] = lambda lib: lib,
+        switch: str | None = None,
+        needs: tuple[Callable[[], Any], ...] = (),
+    ) -> None:
         self.source, self.compile_flags, self.link_flags, self.log = source, compile_flags, link_flags, log
         self.what, self.fallback, self.prepare, self.switch, self.needs = what, fallback, prepare, switch, needs
         self._lock = threading.Lock()
@@ -128,8 +143,17 @@ class NativeLibrary:
 
     def fresh(self) -> NativeLibrary:
         """The same library, undecided (tests change the environment, then decide again)."""
-        return NativeLibrary(self.source, self.compile_flags, self.link_flags, self.log, self.what, self.fallback,
-                             self.prepare, self.switch, self.needs)  # fmt: skip
+        return NativeLibrary(
+            self.source,
+            self.compile_flags,
+            self.link_flags,
+            self.log,
+            self.what,
+            self.fallback,
+            self.prepare,
+            self.switch,
+            self.needs,
+        )
 
     def _load(self) -> Any:
         if self.switch is not None and not switched_on(self.switch):

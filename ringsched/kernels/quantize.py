@@ -45,8 +45,10 @@ def quantize_int4_weight(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torc
     scales [N, K/group])."""
     n, k = w.shape
     if group not in (32, 128) or k % group:
-        raise ValueError(f"int4 quantisation needs the input size to be a multiple of the group ({group}, of 32 or "
-                         f"128), got a {n}x{k} weight: use --quantization int8 for this model")  # fmt: skip
+        raise ValueError(
+            f"int4 quantisation needs the input size to be a multiple of the group ({group}, of 32 or "
+            f"128), got a {n}x{k} weight: use --quantization int8 for this model"
+        )
     wf = w.detach().float().reshape(n, k // group, group)
     scales = torch.cat([_best_scales(rows) for rows in wf.split(1024)])
     q = (torch.round(wf / scales[:, :, None]).clamp_(-8, 7) + 8).to(torch.uint8).view(n, k // 32, 32)

@@ -93,8 +93,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-LIBRARY = native_build.NativeLibrary(SOURCE, COMPILE_FLAGS, LINK_FLAGS, logger, "linear layers",
-                                     "using torch's path", _declare, ENV_SWITCH)  # fmt: skip
+LIBRARY = native_build.NativeLibrary(
+    SOURCE, COMPILE_FLAGS, LINK_FLAGS, logger, "linear layers", "using torch's path", _declare, ENV_SWITCH
+)
 
 
 def has_amx() -> bool:
@@ -153,9 +154,20 @@ def native_linear(
         assert weight.is_contiguous(), "native_linear takes [N, K] or [K, N] weights"
         s = None if scales is None else scales.data_ptr()
         rc = lib.linear_nk(
-            x.data_ptr(), x.stride(0), xb, m, k, weight.data_ptr(), weight_code(weight, scales, k), s, n, b,
-            y.data_ptr(), xb, threads,
-        )  # fmt: skip
+            x.data_ptr(),
+            x.stride(0),
+            xb,
+            m,
+            k,
+            weight.data_ptr(),
+            weight_code(weight, scales, k),
+            s,
+            n,
+            b,
+            y.data_ptr(),
+            xb,
+            threads,
+        )
     if rc != 0:
         raise ValueError(f"native_linear: unsupported weight dtype {weight.dtype} (int4: K a multiple of the group)")
     return y
@@ -181,8 +193,14 @@ class FixedPaths:
         return WIDEN if self.widen_rows and rows >= self.widen_rows else TORCH
 
 
-def apply(path: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-          bias_f32: torch.Tensor | None, scales: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+def apply(
+    path: str,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    bias_f32: torch.Tensor | None,
+    scales: torch.Tensor | None,
+) -> torch.Tensor:
     """`x @ weight.T (* scales) + bias` by `path` (torch's where `x` is not a float32 or bfloat16 matrix);
     `bias_f32` is `bias` in float32 (the kernel's and widening's)."""
     if path != TORCH and (x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16)):

@@ -247,9 +247,7 @@ def kv_bytes_per_token(cfg: ModelConfig, num_layers: int, dtype: torch.dtype) ->
     return 2 * cfg.num_kv_heads * cfg.head_dim * elem * num_layers
 
 
-def blocks_for_memory(
-    cfg: ModelConfig, num_layers: int, dtype: torch.dtype, nbytes: int, block_size: int
-) -> int:
+def blocks_for_memory(cfg: ModelConfig, num_layers: int, dtype: torch.dtype, nbytes: int, block_size: int) -> int:
     return nbytes // (kv_bytes_per_token(cfg, num_layers, dtype) * block_size)
 
 
@@ -257,8 +255,17 @@ class KVPool:
     """The cache tensors of one stage's own layers: `[num_blocks * block_size, kv_heads, head_dim]` each; a sliding
     layer's (`sliding[i]`) `[ring_blocks * block_size, ...]`, the sliding pool its requests' rings live in."""
 
-    def __init__(self, cfg: ModelConfig, num_layers: int, num_blocks: int, block_size: int, dtype, device,
-                 sliding: Sequence[bool] = (), ring_blocks: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        dtype,
+        device,
+        sliding: Sequence[bool] = (),
+        ring_blocks: int = 0,
+    ) -> None:
         def pair(blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
             shape = (blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
             return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)

@@ -124,8 +124,9 @@ class SlidingBlockTable(BlockTable):
         return make(self.ring)
 
 
-def split_budget(budget: int, block_bytes: int, full_layers: int, sliding_layers: int, ring: int,
-                 context_blocks: int) -> tuple[int, int]:  # fmt: skip
+def split_budget(
+    budget: int, block_bytes: int, full_layers: int, sliding_layers: int, ring: int, context_blocks: int
+) -> tuple[int, int]:
     """(main blocks, sliding blocks) that `budget` bytes hold, split in proportion to what a request of the longest
     length holds in each: `n` blocks in every full layer, `min(n, ring)` in every sliding layer, where `n` is the
     whole context's blocks or, if the budget cannot hold one such request, the blocks of the longest it can

@@ -38,8 +38,10 @@ def zigzag_pieces(shares: list[int]) -> list[torch.Tensor]:
     n, size = sum(shares), len(shares)
     front_at = [sum(fronts[:r]) for r in range(size)]
     back_at = [n - sum(backs[: r + 1]) for r in range(size)]
-    return [torch.cat([torch.arange(front_at[r], front_at[r] + fronts[r]),
-                       torch.arange(back_at[r], back_at[r] + backs[r])]) for r in range(size)]  # fmt: skip
+    return [
+        torch.cat([torch.arange(front_at[r], front_at[r] + fronts[r]), torch.arange(back_at[r], back_at[r] + backs[r])])
+        for r in range(size)
+    ]
 
 
 def causal_pairs(split: list[torch.Tensor]) -> list[int]:

@@ -138,12 +138,17 @@ def shortfall(num_layers: int, nodes: list[NodeSpec], weights: StageBytes, caps:
         need = sum(weights.need(j, pp, even[j]) for j in ks)
         have = "no limit" if nd.memory is None else f"{nd.memory / GIB:.2f} GiB"
         short = 0.0 if nd.memory is None else max(need - nd.memory, 0.0)
-        parts.append(f"node {nd.node}: {have} for {nd.stages} stage(s), holds at most {sum(caps[j] for j in ks)} "
-                     f"layers; an even share ({sum(even[j] for j in ks)} layers) needs {need / GIB:.2f} GiB"
-                     + (f", {short / GIB:.2f} GiB short" if short else ""))  # fmt: skip
+        parts.append(
+            f"node {nd.node}: {have} for {nd.stages} stage(s), holds at most {sum(caps[j] for j in ks)} "
+            f"layers; an even share ({sum(even[j] for j in ks)} layers) needs {need / GIB:.2f} GiB"
+            + (f", {short / GIB:.2f} GiB short" if short else "")
+        )
         k += nd.stages
-    return (f"the nodes together cannot hold the model's {num_layers} layers with their weights and KV: "
-            + "; ".join(parts) + ". Give a node more (--node-memory), a smaller --kv-cache-memory, or more nodes")
+    return (
+        f"the nodes together cannot hold the model's {num_layers} layers with their weights and KV: "
+        + "; ".join(parts)
+        + ". Give a node more (--node-memory), a smaller --kv-cache-memory, or more nodes"
+    )
 
 
 def describe(counts: list[int], nodes: list[NodeSpec], weights: StageBytes | None = None) -> str:
@@ -155,11 +160,14 @@ def describe(counts: list[int], nodes: list[NodeSpec], weights: StageBytes | Non
         mem = "memory not limited" if nd.memory is None else f"{nd.memory / GIB:.2f} GiB"
         if weights is not None and nd.memory is not None:
             mem += f" ({sum(weights.need(j, pp, counts[j]) for j in ks) / GIB:.2f} GiB used)"
-        lines.append(f"node {nd.node}: layer {', '.join(f'{ms:.2f}' for ms in nd.layer_ms)} ms, {mem}: "
-                     f"layers {[counts[j] for j in ks]}")  # fmt: skip
+        lines.append(
+            f"node {nd.node}: layer {', '.join(f'{ms:.2f}' for ms in nd.layer_ms)} ms, {mem}: "
+            f"layers {[counts[j] for j in ks]}"
+        )
         k += nd.stages
     ms = [cost(j, n) for j, n in enumerate(counts)]
     lost = balance_loss(ms)
-    lines.append(f"predicted stage times {[round(t, 2) for t in ms]} ms; {100 * lost:.1f}% lost against a perfect "
-                 "balance")  # fmt: skip
+    lines.append(
+        f"predicted stage times {[round(t, 2) for t in ms]} ms; {100 * lost:.1f}% lost against a perfect balance"
+    )
     return "\n".join(lines)

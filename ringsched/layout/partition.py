@@ -120,13 +120,10 @@ def resolve_partition(
             f"{source}={shown} has {len(counts)} entries but --pp-size is {pp_size}; give one count per stage"
         )
     if any(c <= 0 for c in counts):
-        raise PartitionError(
-            f"{source}={shown} leaves a stage with no layers; every stage needs at least one"
-        )
+        raise PartitionError(f"{source}={shown} leaves a stage with no layers; every stage needs at least one")
     if sum(counts) != num_layers:
         raise PartitionError(
-            f"{source}={shown} sums to {sum(counts)} but the model has {num_layers} layers; make it sum to "
-            f"{num_layers}"
+            f"{source}={shown} sums to {sum(counts)} but the model has {num_layers} layers; make it sum to {num_layers}"
         )
     return counts
 
@@ -158,13 +155,19 @@ def log_partition(counts: list[int], source: str, head: float = 0.0) -> None:
         if len(counts) > 1:
             logger.info(
                 "layer partition %s (%s%s): the slowest stage costs %.1f%% of throughput against a perfect split",
-                counts, source, weighed, 100 * loss,
-            )  # fmt: skip
+                counts,
+                source,
+                weighed,
+                100 * loss,
+            )
     elif loss > 0:
         logger.warning(
             "uneven layer partition %s (%s%s): the slowest stage costs %.1f%% of throughput against a perfect split",
-            counts, source, weighed, 100 * loss,
-        )  # fmt: skip
+            counts,
+            source,
+            weighed,
+            100 * loss,
+        )
     else:
         logger.info("layer partition %s (%s)", counts, source)
 
@@ -183,6 +186,5 @@ def _check_sizes(num_layers: int, pp_size: int) -> None:
         raise PartitionError(f"--pp-size must be >= 1, got {pp_size}")
     if pp_size > num_layers:
         raise PartitionError(
-            f"--pp-size {pp_size} is more stages than the model's {num_layers} layers; "
-            f"use at most {num_layers}"
+            f"--pp-size {pp_size} is more stages than the model's {num_layers} layers; use at most {num_layers}"
         )

@@ -17,9 +17,7 @@ class StageInfo:
         if not 0 <= self.rank < self.size:
             raise ValueError(f"stage rank {self.rank} is outside [0, {self.size})")
         if self.end_layer < self.start_layer:
-            raise ValueError(
-                f"stage {self.rank}: empty or negative layer range [{self.start_layer}, {self.end_layer})"
-            )
+            raise ValueError(f"stage {self.rank}: empty or negative layer range [{self.start_layer}, {self.end_layer})")
 
     @property
     def is_first(self) -> bool:
@@ -118,14 +116,21 @@ def rank_infos(layout: Layout, layer_counts: list[int]) -> list[RankInfo]:
         for cp in range(layout.cp_size):
             for tp in range(layout.tp_size):
                 rank = layout.rank_of(pp, tp, cp)
-                out.append(RankInfo(
-                    rank=rank, pp=pp, tp=tp, cp=cp, node=rank // layout.ranks_per_node,
-                    local_rank=rank % layout.ranks_per_node, stage=stage,
-                    pp_group=tuple(layout.rank_of(p, tp, cp) for p in range(layout.pp_size)),
-                    tp_group=tuple(layout.rank_of(pp, t, cp) for t in range(layout.tp_size)),
-                    cp_group=tuple(layout.rank_of(pp, tp, c) for c in range(layout.cp_size)),
-                    stage_group=stage_group,
-                ))  # fmt: skip
+                out.append(
+                    RankInfo(
+                        rank=rank,
+                        pp=pp,
+                        tp=tp,
+                        cp=cp,
+                        node=rank // layout.ranks_per_node,
+                        local_rank=rank % layout.ranks_per_node,
+                        stage=stage,
+                        pp_group=tuple(layout.rank_of(p, tp, cp) for p in range(layout.pp_size)),
+                        tp_group=tuple(layout.rank_of(pp, t, cp) for t in range(layout.tp_size)),
+                        cp_group=tuple(layout.rank_of(pp, tp, c) for c in range(layout.cp_size)),
+                        stage_group=stage_group,
+                    )
+                )
     return sorted(out, key=lambda r: r.rank)
 
 

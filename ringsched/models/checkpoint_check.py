@@ -18,10 +18,13 @@ from ringsched.weights.model_config import ModelConfig, UnsupportedModelError
 # Tensors some checkpoints carry that the model has no use for and that change nothing.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _QUANT_HINTS = {
-    "weight_scale": "FP8 (its weight_scale tensors)", "input_scale": "FP8 (its input_scale tensors)",
-    "qweight": "GPTQ/AWQ (its qweight tensors)", "qzeros": "GPTQ/AWQ (its qzeros tensors)",
-    "g_idx": "GPTQ (its g_idx tensors)", "scales": "a quantized format (its scales tensors)",
-}  # fmt: skip
+    "weight_scale": "FP8 (its weight_scale tensors)",
+    "input_scale": "FP8 (its input_scale tensors)",
+    "qweight": "GPTQ/AWQ (its qweight tensors)",
+    "qzeros": "GPTQ/AWQ (its qzeros tensors)",
+    "g_idx": "GPTQ (its g_idx tensors)",
+    "scales": "a quantized format (its scales tensors)",
+}
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:

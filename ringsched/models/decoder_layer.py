@@ -32,8 +32,14 @@ class Attention(nn.Module):
     column-parallel, o_proj row-parallel. `cfg` is the whole model's. A sliding or soft-capped layer attends
     through `window_attention` (`attend`); the others through the stage's backend. `norm`: the q/k norm's type."""
 
-    def __init__(self, cfg: ModelConfig, rotary: Rotary | None = None, group: TPGroup | None = None, layer: int = 0,
-                 norm: type[RMSNorm] = RMSNorm) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        rotary: Rotary | None = None,
+        group: TPGroup | None = None,
+        layer: int = 0,
+        norm: type[RMSNorm] = RMSNorm,
+    ) -> None:
         super().__init__()
         group = group if group is not None else SoloGroup()
         (q0, h), (k0, kvh) = group.shard.heads(cfg), group.shard.kv_heads(cfg)
@@ -105,8 +111,11 @@ class MLP(nn.Module):
         self.act = getattr(cfg, "hidden_act", "silu")
 
     def linears(self) -> list[Linear]:
-        return [self.gate_up, self.down_proj] if self.gate_up is not None else [self.gate_proj, self.up_proj,
-                                                                                 self.down_proj]  # fmt: skip
+        return (
+            [self.gate_up, self.down_proj]
+            if self.gate_up is not None
+            else [self.gate_proj, self.up_proj, self.down_proj]
+        )
 
     def fusion_groups(self, prefix: str) -> list[list[tuple[str, nn.Linear]]]:
         return [[(f"{prefix}.gate_proj", self.gate_proj), (f"{prefix}.up_proj", self.up_proj)]]
@@ -158,8 +167,15 @@ class DecoderLayer(nn.Module):
     attention and MLP (Llama, Mistral, Qwen, Phi-3); `ffn` in place of the dense MLP (a mixture of experts),
     a submodule named `ffn_name` as the checkpoint names it (Mixtral's `block_sparse_moe`)."""
 
-    def __init__(self, cfg: ModelConfig, rotary: Rotary | None = None, group: TPGroup | None = None, layer: int = 0,
-                 ffn: nn.Module | None = None, ffn_name: str = "mlp") -> None:  # fmt: skip
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        rotary: Rotary | None = None,
+        group: TPGroup | None = None,
+        layer: int = 0,
+        ffn: nn.Module | None = None,
+        ffn_name: str = "mlp",
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, rotary, group, layer)
@@ -209,8 +225,17 @@ class DecoderLayer(nn.Module):
         """The same layer for a step of a few rows: each elementwise stage one native call (`layer_ops`)."""
         attn, mlp = self.self_attn, self.mlp
         h, residual = layer_ops.add_rmsnorm(hidden, residual, self.input_layernorm.weight, self.input_layernorm.eps)
-        q = layer_ops.rope_store(attn.qkv(h), attn.num_heads, attn.num_kv_heads, attn.head_dim, batch.positions,
-                                 attn.rotary.tables(batch.positions), kv[0], kv[1], batch.slot_mapping)  # fmt: skip
+        q = layer_ops.rope_store(
+            attn.qkv(h),
+            attn.num_heads,
+            attn.num_kv_heads,
+            attn.head_dim,
+            batch.positions,
+            attn.rotary.tables(batch.positions),
+            kv[0],
+            kv[1],
+            batch.slot_mapping,
+        )
         out = paged_attention(q, None, None, batch, kv[0], kv[1], attn.scale)  # k and v are in the cache
         out = attn.o_proj(out.view(q.shape[0], -1))
         norm = self.post_attention_layernorm

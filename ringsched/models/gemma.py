@@ -34,8 +34,15 @@ class GemmaRMSNorm(RMSNorm):
 class GemmaDecoderLayer(DecoderLayer):
     """Decoder layer `layer` of Gemma 2/3 (the rank's shard over `group`)."""
 
-    def __init__(self, cfg: ModelConfig, rotary: Rotary | None = None, group: TPGroup | None = None, layer: int = 0,
-                 ffn: torch.nn.Module | None = None, ffn_name: str = "mlp") -> None:  # fmt: skip
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        rotary: Rotary | None = None,
+        group: TPGroup | None = None,
+        layer: int = 0,
+        ffn: torch.nn.Module | None = None,
+        ffn_name: str = "mlp",
+    ) -> None:
         torch.nn.Module.__init__(self)
         group = group if group is not None else SoloGroup()
         hidden, eps = cfg.hidden_size, cfg.rms_norm_eps

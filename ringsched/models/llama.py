@@ -70,8 +70,12 @@ class StageModel(nn.Module):
         # Every layer of a small decode step in one native call, when the layers are known in advance (a range); a
         # flexible cut decided as the layers run (an iterator) runs them one by one.
         whole = self.__dict__.get("decode_layers")
-        if isinstance(todo, range) and len(todo) and whole is not None and whole.usable(batch, hidden, residual,
-                                                                                         kv_caches):  # fmt: skip
+        if (
+            isinstance(todo, range)
+            and len(todo)
+            and whole is not None
+            and whole.usable(batch, hidden, residual, kv_caches)
+        ):
             hidden, residual = whole(batch, hidden, residual, kv_caches, todo)
         else:
             for i in todo:

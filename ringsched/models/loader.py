@@ -90,8 +90,10 @@ def load_stage_model(
 def _kept_checkpoint(model_dir: Path) -> GGUFCheckpoint:
     path = gguf_file(model_dir)
     if path is None:
-        raise ValueError(f"--quantization gguf: {model_dir} was not made from a GGUF file; give --model FILE.gguf "
-                         "(or the default model), or another --quantization")  # fmt: skip
+        raise ValueError(
+            f"--quantization gguf: {model_dir} was not made from a GGUF file; give --model FILE.gguf "
+            "(or the default model), or another --quantization"
+        )
     return GGUFCheckpoint(path, model_dir)
 
 
@@ -105,8 +107,9 @@ def _keep(model: StageModel, name: str, raw: torch.Tensor, qtype: int, dtype: to
     return module.weight
 
 
-def _sources(index: dict[str, Path], model_dir: Path, cfg: ModelConfig,
-             wanted: list[str]) -> dict[Path, list[tuple[str, Source]]]:  # fmt: skip
+def _sources(
+    index: dict[str, Path], model_dir: Path, cfg: ModelConfig, wanted: list[str]
+) -> dict[Path, list[tuple[str, Source]]]:
     """Each parameter of `wanted` with where the checkpoint (`index`: tensor name -> file) holds it, by file."""
     parts = fused_parts(cfg)
     by_file: dict[Path, list[tuple[str, Source]]] = {}

@@ -85,8 +85,10 @@ class SparseMoE(nn.Module):
 
     def fusion_groups(self, prefix: str) -> list[list[tuple[str, nn.Linear]]]:
         """Each expert's gate and up, fused as the dense MLP's are (`prefix`: the block's, `model.layers.3.mlp`)."""
-        return [[(f"{prefix}.experts.{i}.{e.names[0]}", e.gate), (f"{prefix}.experts.{i}.{e.names[1]}", e.up)]
-                for i, e in enumerate(self.experts)]  # fmt: skip
+        return [
+            [(f"{prefix}.experts.{i}.{e.names[0]}", e.gate), (f"{prefix}.experts.{i}.{e.names[1]}", e.up)]
+            for i, e in enumerate(self.experts)
+        ]
 
     def prepare_linears(self, quantization: str) -> None:
         """After the weights are in: fuse each expert's gate/up and quantise the experts (`int8`); the router stays

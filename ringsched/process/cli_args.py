@@ -49,12 +49,15 @@ def add_flags(p: argparse.ArgumentParser, fields: list[dataclasses.Field]) -> No
             raise TypeError(f"the flag of field {f.name} defaults to None: give its _flag a type")
         if kind is bool:  # --enable-x / --no-enable-x
             group.add_argument(
-                "--" + f.name.replace("_", "-"), default=f.default, action=argparse.BooleanOptionalAction,
+                "--" + f.name.replace("_", "-"),
+                default=f.default,
+                action=argparse.BooleanOptionalAction,
                 help=meta["help"] if f.default is None else f"{meta['help']} (default: {'on' if f.default else 'off'})",
-            )  # fmt: skip
+            )
             continue
-        group.add_argument("--" + f.name.replace("_", "-"), default=f.default, type=kind, choices=meta["choices"],
-                           help=meta["help"])  # fmt: skip
+        group.add_argument(
+            "--" + f.name.replace("_", "-"), default=f.default, type=kind, choices=meta["choices"], help=meta["help"]
+        )
 
 
 def resolve_args(args: argparse.Namespace, **extra) -> tuple[EngineConfig, ModelSpec]:

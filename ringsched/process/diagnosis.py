@@ -49,8 +49,7 @@ def describe(self: Supervised, errors: dict[int, str], dead: list[tuple[int, mp.
         r, p = silent[0]
         how = f"was killed by signal {-p.exitcode}" if p.exitcode < 0 else f"exited with code {p.exitcode}"
         msg = f"{self.cfg.describe_rank(r)} (pid {p.pid}) {how} without reporting an error"
-        others = [f"{self.cfg.describe_rank(k)}: {without_source_paths(e.splitlines()[0])}"
-                  for k, e in errors.items()]  # fmt: skip
+        others = [f"{self.cfg.describe_rank(k)}: {without_source_paths(e.splitlines()[0])}" for k, e in errors.items()]
         return msg + (f"; then {'; '.join(others)}" if others else "")
     causes = [k for k, e in errors.items() if not e.startswith("PeerLost")] or list(errors)
     r = causes[0]

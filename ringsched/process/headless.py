@@ -24,8 +24,9 @@ def _health_server(sup: Supervisor, host: str, port: int) -> ThreadingHTTPServer
     class Health(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
             ok = self.path.rstrip("/") == "/health" and sup.alive
-            body = json.dumps({"status": "ok" if ok else "unavailable", "node": sup.cfg.node_rank,
-                               "stages": sup.local_ranks}).encode()  # fmt: skip
+            body = json.dumps(
+                {"status": "ok" if ok else "unavailable", "node": sup.cfg.node_rank, "stages": sup.local_ranks}
+            ).encode()
             self.send_response(200 if ok else (404 if self.path.rstrip("/") != "/health" else 503))
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))

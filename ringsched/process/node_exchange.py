@@ -61,13 +61,21 @@ def settle_split(store, cfg: EngineConfig, spec: ModelSpec, reason: str) -> list
     t0 = time.monotonic()
     mine = measure_node(cfg, spec)
     store.set(f"measured/{cfg.node_rank}", json.dumps(dataclasses.asdict(mine)))
-    logger.info("layer split over nodes (%s): node %d measured itself in %.1fs: layer %s ms, embedding %.2f ms, "
-                "head %.2f ms, memory %s", reason, cfg.node_rank, time.monotonic() - t0,
-                [round(ms, 2) for ms in mine.layer_ms], mine.embed_ms, mine.head_ms,
-                "not limited" if mine.memory is None else f"{mine.memory / 2**30:.2f} GiB")  # fmt: skip
+    logger.info(
+        "layer split over nodes (%s): node %d measured itself in %.1fs: layer %s ms, embedding %.2f ms, "
+        "head %.2f ms, memory %s",
+        reason,
+        cfg.node_rank,
+        time.monotonic() - t0,
+        [round(ms, 2) for ms in mine.layer_ms],
+        mine.embed_ms,
+        mine.head_ms,
+        "not limited" if mine.memory is None else f"{mine.memory / 2**30:.2f} GiB",
+    )
     if cfg.node_rank == 0:
-        nodes = [NodeSpec(**_spec(json.loads(v))) for v in _wait(store, cfg, [f"measured/{n}" for n in
-                                                                            range(cfg.nnodes)])]  # fmt: skip
+        nodes = [
+            NodeSpec(**_spec(json.loads(v))) for v in _wait(store, cfg, [f"measured/{n}" for n in range(cfg.nnodes)])
+        ]
         weights = stage_bytes(cfg, spec)
         try:
             counts = split_over_nodes(spec.config.num_layers, nodes, weights)
@@ -101,7 +109,9 @@ def _wait(store, cfg: EngineConfig, keys: list[str]) -> list[str]:
     while not all(store.check([k]) for k in keys):
         if time.monotonic() > deadline:
             missing = [k for k in keys if not store.check([k])]
-            raise RendezvousError(f"the layer split over nodes waited {cfg.dist_timeout:.0f}s for {missing}; a node "
-                                  "stopped while measuring itself (see its log), or raise --dist-timeout")  # fmt: skip
+            raise RendezvousError(
+                f"the layer split over nodes waited {cfg.dist_timeout:.0f}s for {missing}; a node "
+                "stopped while measuring itself (see its log), or raise --dist-timeout"
+            )
         time.sleep(0.1)
     return [store.get(k).decode() for k in keys]

@@ -67,8 +67,14 @@ def hardware(cfg: EngineConfig) -> dict:
     without a CUDA context: the launcher must not hold one."""
     device = cfg.resolved_device
     name = _gpu_model() if device == "cuda" else _cpu_model()
-    return {"device": device, "model": name or platform.processor(), "cpus": len(allowed_cpus()),
-            "threads": cfg.threads, "ranks": cfg.ranks_per_node, "memory": node_memory(cfg, probe=False)}  # fmt: skip
+    return {
+        "device": device,
+        "model": name or platform.processor(),
+        "cpus": len(allowed_cpus()),
+        "threads": cfg.threads,
+        "ranks": cfg.ranks_per_node,
+        "memory": node_memory(cfg, probe=False),
+    }
 
 
 def _first_line(path: Path, key: str) -> str | None:
@@ -99,8 +105,13 @@ def stage_bytes(cfg: EngineConfig, spec: ModelSpec) -> StageBytes:
         kv_fixed, kv_layer = kv_given * cfg.ranks_per_stage, 0.0
     else:  # a fraction of what is free: at least one request of the full context
         kv_fixed, kv_layer = 0.0, kv_token_layer * spec.context_len
-    return StageBytes(layer_weight_params(m) * elt * copies, table * copies, (table + m.hidden_size * elt) * copies,
-                      kv_layer, kv_fixed)  # fmt: skip
+    return StageBytes(
+        layer_weight_params(m) * elt * copies,
+        table * copies,
+        (table + m.hidden_size * elt) * copies,
+        kv_layer,
+        kv_fixed,
+    )
 
 
 def local_stages(cfg: EngineConfig) -> tuple[list[torch.device], list[list[int] | None]]:
@@ -118,8 +129,9 @@ def measure_node(cfg: EngineConfig, spec: ModelSpec) -> NodeSpec:
     host is not pinned on one."""
     c, mcfg = cfg, spec.config
     rounds = 1 if c.stages_per_node == 1 else 3
-    shape = BatchShape.for_workload(c.micro_batch_size, c.chunked_prefill_size, spec.context_len,
-                                    c.pp_auto_input_len, c.pp_auto_output_len)  # fmt: skip
+    shape = BatchShape.for_workload(
+        c.micro_batch_size, c.chunked_prefill_size, spec.context_len, c.pp_auto_input_len, c.pp_auto_output_len
+    )
     devices, cpus = local_stages(c)
     args = (mcfg, c.pp_size, shape, c.torch_dtype, devices, c.threads, cpus, rounds, c.attention_backend)
     if c.resolved_device == "cuda":

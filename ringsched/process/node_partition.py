@@ -23,15 +23,27 @@ def own_partition(cfg: EngineConfig, spec: ModelSpec) -> list[int] | None:
         return None
     c = cfg
     shape = BatchShape.for_workload(
-        c.micro_batch_size, c.chunked_prefill_size, c.context_len(mcfg.max_position_embeddings),
-        c.pp_auto_input_len, c.pp_auto_output_len,
-    )  # fmt: skip
+        c.micro_batch_size,
+        c.chunked_prefill_size,
+        c.context_len(mcfg.max_position_embeddings),
+        c.pp_auto_input_len,
+        c.pp_auto_output_len,
+    )
     cuda = c.resolved_device == "cuda"
     devices, cpus = local_stages(c)
     caps = _memory_caps(cfg, spec)
     choose = choose_partition_apart if cuda else choose_partition  # no CUDA context here
-    counts, _ = choose(mcfg, c.pp_size, shape, c.torch_dtype, devices, c.threads, cpus,
-                       attention_backend=c.attention_backend, caps=caps)  # fmt: skip
+    counts, _ = choose(
+        mcfg,
+        c.pp_size,
+        shape,
+        c.torch_dtype,
+        devices,
+        c.threads,
+        cpus,
+        attention_backend=c.attention_backend,
+        caps=caps,
+    )
     return counts
 
 

@@ -129,7 +129,12 @@ class CostProbe:
 
     @torch.inference_mode()
     def __init__(
-        self, mcfg: ModelConfig, shape: BatchShape, dtype: torch.dtype, device: torch.device, layers: int = 1,
+        self,
+        mcfg: ModelConfig,
+        shape: BatchShape,
+        dtype: torch.dtype,
+        device: torch.device,
+        layers: int = 1,
         attention_backend: str = "auto",
     ) -> None:
         torch.manual_seed(0)
@@ -207,10 +212,17 @@ def choose_partition(
     return counts, costs
 
 
-def measure_stages(mcfg: ModelConfig, pp_size: int, shape: BatchShape, dtype: torch.dtype,
-                   device: torch.device | list[torch.device], threads: int,
-                   stage_cpus: list[list[int] | None] | None = None, rounds: int = 5,
-                   attention_backend: str = "auto") -> StageCosts:  # fmt: skip
+def measure_stages(
+    mcfg: ModelConfig,
+    pp_size: int,
+    shape: BatchShape,
+    dtype: torch.dtype,
+    device: torch.device | list[torch.device],
+    threads: int,
+    stage_cpus: list[list[int] | None] | None = None,
+    rounds: int = 5,
+    attention_backend: str = "auto",
+) -> StageCosts:
     """A layer's cost on each stage's cores and device (`stage_cpus`, `device`: every stage's of `pp_size`, or a
     node's own stages'; one device for all, or one per stage: a node's GPUs need not be alike), the embedding's on
     the first's and the head's on the last's, each the median over `rounds` rounds."""
@@ -264,10 +276,17 @@ def log_choice(counts: list[int], costs: StageCosts) -> None:
         "--pp-layer-partition auto: %s. Measured per micro-batch of %d decodes (context %d) + %d prefill tokens: "
         "layer %s ms (on each stage's cores), embedding %.2f ms, norm+lm_head+sampling %.2f ms (= %.1f layers). "
         "Predicted stage times %s ms; %.1f%% lost against a perfect balance",
-        ",".join(map(str, counts)), s.decodes, s.context, s.prefill_tokens, [round(t, 2) for t in costs.layer_ms],
-        costs.embed_ms, costs.head_ms, costs.head_ms / max(statistics.fmean(costs.layer_ms), 1e-9),
-        [round(t, 2) for t in ms], 100 * balance_loss(ms),
-    )  # fmt: skip
+        ",".join(map(str, counts)),
+        s.decodes,
+        s.context,
+        s.prefill_tokens,
+        [round(t, 2) for t in costs.layer_ms],
+        costs.embed_ms,
+        costs.head_ms,
+        costs.head_ms / max(statistics.fmean(costs.layer_ms), 1e-9),
+        [round(t, 2) for t in ms],
+        100 * balance_loss(ms),
+    )
 
 
 def choose_partition_apart(*args, **kwargs) -> tuple[list[int], StageCosts]:

@@ -8,12 +8,20 @@ one); `launch/slurm/ringsched.sbatch` uses it unless RINGSCHED_DIST_PORT / RINGS
 from __future__ import annotations
 
 import os
+import socket
 import sys
 
 DEFAULT_PORTS = (29500, 30000)
 BASE = 20000  # below every common ephemeral range (Linux starts at 32768), above the well-known services
 BLOCK = 20  # ports per job: the rendezvous, then HTTP on node 0 and /health on node R at HTTP + R (R < 19)
 JOBS = 600  # job ids wrap after this many: BASE + JOBS x BLOCK = 32000
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the OS has free now (it may be taken again before it is bound: for one machine's tests and tools)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def job_ports(job_id: str | int | None) -> tuple[int, int]:

@@ -88,8 +88,12 @@ class Recovery:
                 if not self.allowed(len(failed)):
                     raise RecoveryFailed(self._beyond(failed))
             self.pauses.append(time.monotonic() - started)
-            logger.warning("the ring is whole again (generation %d) after %.1fs, %.1fs of it the replacements' start",
-                           self.generation, self.pauses[-1], self.starts[-1])  # fmt: skip
+            logger.warning(
+                "the ring is whole again (generation %d) after %.1fs, %.1fs of it the replacements' start",
+                self.generation,
+                self.pauses[-1],
+                self.starts[-1],
+            )
             self._finished.set()
         except (RecoveryFailed, NodesFailed) as e:
             self.error = str(e)
@@ -100,14 +104,21 @@ class Recovery:
         for rank, cause in failed.items():
             self._times.append(time.monotonic())
             self.replaced[rank] = self.replaced.get(rank, 0) + 1
-            logger.warning("%s failed: %s; replacing it (restart %d of --max-restarts %d within %gs)",
-                           self.cfg.describe_rank(rank), cause.splitlines()[0], len(self._times),
-                           self.cfg.max_restarts, self.cfg.restart_window)  # fmt: skip
+            logger.warning(
+                "%s failed: %s; replacing it (restart %d of --max-restarts %d within %gs)",
+                self.cfg.describe_rank(rank),
+                cause.splitlines()[0],
+                len(self._times),
+                self.cfg.max_restarts,
+                self.cfg.restart_window,
+            )
 
     def _beyond(self, failed: dict[int, str]) -> str:
         rank, cause = next(iter(failed.items()))
-        return (f"{self.cfg.describe_rank(rank)} failed during a recovery: {cause.splitlines()[0]}; beyond "
-                f"--max-restarts {self.cfg.max_restarts} within {self.cfg.restart_window:g}s")  # fmt: skip
+        return (
+            f"{self.cfg.describe_rank(rank)} failed during a recovery: {cause.splitlines()[0]}; beyond "
+            f"--max-restarts {self.cfg.max_restarts} within {self.cfg.restart_window:g}s"
+        )
 
     def _replace(self, failed: dict[int, str]) -> dict[int, str]:
         """One pass, on every node at once (`process/ring_nodes.py`): the failed ranks gone, the survivors out of
@@ -147,9 +158,14 @@ class Recovery:
         self._times.extend([time.monotonic()] * restarts)
         for rank, cause in failed.items():
             self.replaced[rank] = self.replaced.get(rank, 0) + 1
-            logger.warning("%s failed: %s; its node replaces it (restart %d of --max-restarts %d within %gs)",
-                           self.cfg.describe_rank(rank), cause.splitlines()[0], len(self._times),
-                           self.cfg.max_restarts, self.cfg.restart_window)  # fmt: skip
+            logger.warning(
+                "%s failed: %s; its node replaces it (restart %d of --max-restarts %d within %gs)",
+                self.cfg.describe_rank(rank),
+                cause.splitlines()[0],
+                len(self._times),
+                self.cfg.max_restarts,
+                self.cfg.restart_window,
+            )
         if restarts and not self.allowed(0):
             raise RecoveryFailed(self._beyond(failed))
 

@@ -45,8 +45,14 @@ def meet(cfg: EngineConfig, spec: ModelSpec, partition: list[int] | None) -> tup
     if cfg.node_rank == 0 and not reason:  # `auto` logged its measured costs; else the head weighs as by default
         log_partition(rdv.partition, partition_source(given), 0.0 if auto else head_layers(spec.config))
     if cfg.nnodes > 1:
-        logger.info("node %d of %d joined the rendezvous at %s as %s; ranks %s run here", cfg.node_rank, cfg.nnodes,
-                    cfg.dist_init_addr, cfg.host_ip, list(cfg.local_ranks))  # fmt: skip
+        logger.info(
+            "node %d of %d joined the rendezvous at %s as %s; ranks %s run here",
+            cfg.node_rank,
+            cfg.nnodes,
+            cfg.dist_init_addr,
+            cfg.host_ip,
+            list(cfg.local_ranks),
+        )
     return rdv, cfg, spec
 
 
@@ -61,11 +67,19 @@ class Rendezvous:
         self.cfg = cfg
         self.host_ip = cfg.host_ip or route_ip(split_addr(cfg.dist_init_addr)[0])
         self.meta = {
-            "node": cfg.node_rank, "host_ip": self.host_ip, "version": __version__, "model": model_name,
-            "model_config": model_fingerprint(model_dir), "partition": partition, "pp_size": cfg.pp_size,
-            "tp_size": cfg.tp_size, "cp_size": cfg.cp_size, "nnodes": cfg.nnodes,
-            "hardware": hardware(cfg) if cfg.nnodes > 1 else None, "split": split_mode(cfg),
-        }  # fmt: skip
+            "node": cfg.node_rank,
+            "host_ip": self.host_ip,
+            "version": __version__,
+            "model": model_name,
+            "model_config": model_fingerprint(model_dir),
+            "partition": partition,
+            "pp_size": cfg.pp_size,
+            "tp_size": cfg.tp_size,
+            "cp_size": cfg.cp_size,
+            "nnodes": cfg.nnodes,
+            "hardware": hardware(cfg) if cfg.nnodes > 1 else None,
+            "split": split_mode(cfg),
+        }
         try:
             self.store = connect_store(cfg, is_master=cfg.node_rank == 0)
         except RuntimeError as e:  # torch's message is a C++ trace; keep its first line
@@ -115,9 +129,16 @@ class Rendezvous:
 
     def _compare(self, other: dict) -> None:
         me = self.meta
-        for key, flag in (("pp_size", "--pp-size"), ("tp_size", "--tp-size"), ("cp_size", "--cp-size"),
-                          ("nnodes", "--nnodes"), ("partition", "--pp-layer-partition"),
-                          ("model", "--model"), ("model_config", "--model (config.json)"), ("version", "ringsched")):
+        for key, flag in (
+            ("pp_size", "--pp-size"),
+            ("tp_size", "--tp-size"),
+            ("cp_size", "--cp-size"),
+            ("nnodes", "--nnodes"),
+            ("partition", "--pp-layer-partition"),
+            ("model", "--model"),
+            ("model_config", "--model (config.json)"),
+            ("version", "ringsched"),
+        ):
             if key == "partition" and None in (other[key], me[key]):
                 continue  # a node started with `auto` below node 0 takes node 0's split
             if other[key] != me[key]:
@@ -126,10 +147,10 @@ class Rendezvous:
                 raise RendezvousError(
                     f"node {other['node']} was started with {key} {other[key]} but node {me['node']} with "
                     f"{me[key]}: every node must run the same {flag}; node {other['node']} is refused"
-                    if other["node"] != 0 else
-                    f"node {me['node']} was started with {key} {me[key]} but node 0 with {other[key]}: every node "
+                    if other["node"] != 0
+                    else f"node {me['node']} was started with {key} {me[key]} but node 0 with {other[key]}: every node "
                     f"must run the same {flag}; node {me['node']} is refused"
-                )  # fmt: skip
+                )
 
     def addresses(self) -> dict[int, str]:
         return {n: json.loads(self.nodes.get(f"meta/{n}"))["host_ip"] for n in range(self.cfg.nnodes)}

@@ -61,8 +61,15 @@ class OneNode:
 
 
 class _Nodes:
-    def __init__(self, store, node: int, nnodes: int, rejoin_timeout: float, stopped: Callable[[], str | None],
-                 describe_node: Callable[[int], str]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        store,
+        node: int,
+        nnodes: int,
+        rejoin_timeout: float,
+        stopped: Callable[[], str | None],
+        describe_node: Callable[[int], str],
+    ) -> None:
         self.store, self.node, self.nnodes = store, node, nnodes
         self.rejoin_timeout, self.stopped, self.describe_node = rejoin_timeout, stopped, describe_node
 
@@ -99,12 +106,22 @@ class Coordinator(_Nodes):
         theirs, restarts = {}, 0
         for n in range(1, self.nnodes):
             if self._wait(f"ring/left/{generation}/{n}", time.monotonic() + ANSWER_S) is None:
-                logger.warning("%s has not answered: waiting up to --rejoin-timeout %gs for it to rejoin (its "
-                               "launcher started again with the same flags)", self.describe_node(n),
-                               self.rejoin_timeout)  # fmt: skip
-            said = json.loads(self._wait(f"ring/left/{generation}/{n}", deadline, lambda n=n: (
-                f"{self.describe_node(n)} did not come back within --rejoin-timeout {self.rejoin_timeout:g}s: "
-                f"start its launcher again with the same flags and --node-rank {n}, or raise --rejoin-timeout")))
+                logger.warning(
+                    "%s has not answered: waiting up to --rejoin-timeout %gs for it to rejoin (its "
+                    "launcher started again with the same flags)",
+                    self.describe_node(n),
+                    self.rejoin_timeout,
+                )
+            said = json.loads(
+                self._wait(
+                    f"ring/left/{generation}/{n}",
+                    deadline,
+                    lambda n=n: (
+                        f"{self.describe_node(n)} did not come back within --rejoin-timeout {self.rejoin_timeout:g}s: "
+                        f"start its launcher again with the same flags and --node-rank {n}, or raise --rejoin-timeout"
+                    ),
+                )
+            )
             failed_there = {int(r): cause for r, cause in said["failed"].items()}
             theirs |= failed_there
             restarts += 1 if said["restart"] else len(failed_there)  # a node started again counts once
@@ -117,9 +134,13 @@ class Coordinator(_Nodes):
     def ready(self, generation: int, failed: dict[int, str]) -> dict[int, str]:
         deadline, theirs = time.monotonic() + READY_TIMEOUT_S, {}
         for n in range(1, self.nnodes):
-            said = json.loads(self._wait(f"ring/ready/{generation}/{n}", deadline,
-                                         lambda n=n: f"{self.describe_node(n)} was not ready again after "
-                                                     f"{READY_TIMEOUT_S:.0f}s"))  # fmt: skip
+            said = json.loads(
+                self._wait(
+                    f"ring/ready/{generation}/{n}",
+                    deadline,
+                    lambda n=n: f"{self.describe_node(n)} was not ready again after {READY_TIMEOUT_S:.0f}s",
+                )
+            )
             theirs |= {int(r): cause for r, cause in said["failed"].items()}
         return theirs
 
@@ -142,8 +163,9 @@ class Follower(_Nodes):
             if self.stopped() is not None:
                 raise NodesFailed(f"node 0 stopped the ring: {self.stopped() or 'shut down'}")
             if time.monotonic() > deadline:
-                raise NodesFailed(f"node 0 began no recovery within {self.rejoin_timeout:g}s of node "
-                                  f"{self.node}'s request")  # fmt: skip
+                raise NodesFailed(
+                    f"node 0 began no recovery within {self.rejoin_timeout:g}s of node {self.node}'s request"
+                )
             time.sleep(POLL_S)
         return gen
 

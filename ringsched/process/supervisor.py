@@ -14,7 +14,6 @@ import logging
 import multiprocessing as mp
 import os
 import shutil
-import socket
 import time
 from dataclasses import replace
 
@@ -26,6 +25,7 @@ from ringsched.config import EngineConfig
 from ringsched.layout.rank import node_rank_infos
 from ringsched.process.diagnosis import describe, liveness, remote_cause
 from ringsched.process.node_partition import own_partition
+from ringsched.process.ports import free_port
 from ringsched.process.ready_log import log_ready
 from ringsched.process.recovery import Recovery, note_status, pid_signal
 from ringsched.process.rendezvous import Rendezvous, meet
@@ -43,12 +43,6 @@ class StageFailure(RuntimeError):
     pass
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 class Supervisor:
     def __init__(self, cfg: EngineConfig, spec: ModelSpec) -> None:
         ipc_dir = cfg.ipc_dir or new_ipc_dir()
@@ -63,7 +57,8 @@ class Supervisor:
             plans=tuple(ipc_addr(ipc_dir, f"plan-{k}") for k in range(cfg.pp_size)) if cfg.nnodes == 1 else (),
             progress=ipc_addr(ipc_dir, "progress") if cfg.nnodes == 1 else "",
             group_plans=tuple(ipc_addr(ipc_dir, f"group-plan-{r}") for r in range(cfg.world_size))
-            if cfg.ranks_per_stage > 1 else (),
+            if cfg.ranks_per_stage > 1
+            else (),
         )
         self.ctx = zmq.Context()
         self.ctl = Puller(self.ctx, self.addrs.ctl)
@@ -111,10 +106,12 @@ class Supervisor:
             self.ranks.append(info.rank)
 
     def _start(self, info, generation: int) -> mp.Process:
-        name = process_name(info.pp, info.tp if self.cfg.tp_size > 1 else None,
-                            info.cp if self.cfg.cp_size > 1 else None)  # fmt: skip
-        p = mp.get_context("spawn").Process(target=stage_main, args=(self.cfg, self.spec, info, self.addrs, generation),
-                                            name=name, daemon=True)  # fmt: skip
+        name = process_name(
+            info.pp, info.tp if self.cfg.tp_size > 1 else None, info.cp if self.cfg.cp_size > 1 else None
+        )
+        p = mp.get_context("spawn").Process(
+            target=stage_main, args=(self.cfg, self.spec, info, self.addrs, generation), name=name, daemon=True
+        )
         with without_main_module(), stage_allocator_env():
             p.start()
         return p
@@ -174,8 +171,11 @@ class Supervisor:
         """Node 0, a node silent: a recovery waits for it to be started again (--rejoin-timeout)."""
         if self.cfg.node_rank != 0 or self.rendezvous.stopped is not None or not self._recover({}):
             return False
-        logger.warning("%s; waiting up to --rejoin-timeout %gs for it to be started again", self.rendezvous.failure,
-                       self.cfg.rejoin_timeout)  # fmt: skip
+        logger.warning(
+            "%s; waiting up to --rejoin-timeout %gs for it to be started again",
+            self.rendezvous.failure,
+            self.cfg.rejoin_timeout,
+        )
         self.rendezvous.forgive()
         return True
 
@@ -238,8 +238,9 @@ class Supervisor:
 
     def respawn(self, rank: int, generation: int) -> None:
         """A new process for `rank`'s coordinates, starting in `generation` of the ring."""
-        info = next(i for i in node_rank_infos(self.cfg.layout, self.rendezvous.partition, self.cfg.node_rank)
-                    if i.rank == rank)  # fmt: skip
+        info = next(
+            i for i in node_rank_infos(self.cfg.layout, self.rendezvous.partition, self.cfg.node_rank) if i.rank == rank
+        )
         self.procs[self.ranks.index(rank)] = self._start(info, generation)
 
     @property

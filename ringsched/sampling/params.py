@@ -96,7 +96,14 @@ class SamplingParams:
         # Numbers become floats here, so an int too large for a float is refused now, not on a stage.
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             object.__setattr__(self, name, _finite(name, getattr(self, name)))
+        self._check_numbers()
+        self._check_stops()
+        _require(isinstance(self.ignore_eos, bool), "ignore_eos", "a bool", self.ignore_eos)
+        _require(
+            self.grammar is None or isinstance(self.grammar, str), "grammar", "None or a grammar string", self.grammar
+        )
 
+    def _check_numbers(self) -> None:
         n = self.max_tokens
         _require(_is_int64(n) and n >= 1, "max_tokens", "an int in [1, 2**63)", n)
         _require(self.temperature >= 0, "temperature", ">= 0", self.temperature)
@@ -106,6 +113,20 @@ class SamplingParams:
         _require(0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
         seed_ok = self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**64)
         _require(seed_ok, "seed", "None or an int in [-2**63, 2**64) (64 bits, signed or not)", self.seed)
+        _require(self.repetition_penalty > 0, "repetition_penalty", "> 0 (1.0 disables it)", self.repetition_penalty)
+        min_ok = _is_int64(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens
+        _require(min_ok, "min_tokens", f"an int in [0, max_tokens={self.max_tokens}]", self.min_tokens)
+        for name in ("presence_penalty", "frequency_penalty"):
+            _require(-2 <= getattr(self, name) <= 2, name, "in [-2, 2]", getattr(self, name))
+        k = self.logprobs
+        _require(
+            k is None or (_is_int(k) and 0 <= k <= MAX_LOGPROBS),
+            "logprobs",
+            f"None or an int in [0, {MAX_LOGPROBS}]",
+            k,
+        )
+
+    def _check_stops(self) -> None:
         ids = self.stop_token_ids
         _require(len(ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids", len(ids))
         ids_ok = all(_is_int64(i) and i >= 0 for i in ids)
@@ -115,26 +136,26 @@ class SamplingParams:
         stop_ok = all(isinstance(s, str) and s for s in stop)
         _require(stop_ok, "stop", "a string or a list of non-empty strings", _shorten(stop))
         longest = max((len(s) for s in stop), default=0)
-        _require(longest <= MAX_STOP_STRING_CHARS, "stop", f"strings of at most {MAX_STOP_STRING_CHARS} characters "
-                 "(the length of the longest one is shown)", longest)  # fmt: skip
-        _require(isinstance(self.ignore_eos, bool), "ignore_eos", "a bool", self.ignore_eos)
-        _require(self.repetition_penalty > 0, "repetition_penalty", "> 0 (1.0 disables it)", self.repetition_penalty)
-        min_ok = _is_int64(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens
-        _require(min_ok, "min_tokens", f"an int in [0, max_tokens={self.max_tokens}]", self.min_tokens)
-        for name in ("presence_penalty", "frequency_penalty"):
-            _require(-2 <= getattr(self, name) <= 2, name, "in [-2, 2]", getattr(self, name))
-        _require(self.grammar is None or isinstance(self.grammar, str), "grammar", "None or a grammar string",
-                 self.grammar)  # fmt: skip
-        k = self.logprobs
-        _require(k is None or (_is_int(k) and 0 <= k <= MAX_LOGPROBS), "logprobs", f"None or an int in [0, "
-                 f"{MAX_LOGPROBS}]", k)  # fmt: skip
+        _require(
+            longest <= MAX_STOP_STRING_CHARS,
+            "stop",
+            f"strings of at most {MAX_STOP_STRING_CHARS} characters (the length of the longest one is shown)",
+            longest,
+        )
 
     @property
     def plain(self) -> bool:
         """Greedy with nothing that edits the logits: the argmax of the raw logits is the token."""
-        return (self.greedy and self.repetition_penalty == 1.0 and not self.logit_bias and self.min_tokens == 0
-                and self.presence_penalty == 0 and self.frequency_penalty == 0
-                and self.logprobs is None and self.grammar is None)  # fmt: skip
+        return (
+            self.greedy
+            and self.repetition_penalty == 1.0
+            and not self.logit_bias
+            and self.min_tokens == 0
+            and self.presence_penalty == 0
+            and self.frequency_penalty == 0
+            and self.logprobs is None
+            and self.grammar is None
+        )
 
     @property
     def needs_history(self) -> bool:
@@ -179,8 +200,7 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
     _require(len(value) <= MAX_LOGIT_BIAS, "logit_bias", f"at most {MAX_LOGIT_BIAS} entries", len(value))
     out = {}
     for pair in value:
-        _require(isinstance(pair, (list, tuple)) and len(pair) == 2, "logit_bias", "a map of token ids to biases",
-                 pair)  # fmt: skip
+        _require(isinstance(pair, (list, tuple)) and len(pair) == 2, "logit_bias", "a map of token ids to biases", pair)
         key, bias = pair
         if isinstance(key, str) and key.strip().isdigit():
             key = int(key)

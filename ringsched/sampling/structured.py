@@ -39,8 +39,13 @@ def _llguidance():
     return llguidance
 
 
-def grammar_for(json_schema: Any = None, json_object: bool = False, regex: str | None = None,
-                choice: list[str] | None = None, lark: str | None = None) -> str:  # fmt: skip
+def grammar_for(
+    json_schema: Any = None,
+    json_object: bool = False,
+    regex: str | None = None,
+    choice: list[str] | None = None,
+    lark: str | None = None,
+) -> str:
     """One llguidance grammar from exactly one of the forms; raises GrammarError on a malformed one."""
     m = _llguidance().LLMatcher
     given = [x for x in (json_schema, regex, choice, lark) if x is not None] + ([True] if json_object else [])

@@ -67,8 +67,7 @@ class ChunkSizer:
     requests decode, one decode step's), never below `floor` (a quarter of the first chunk unless given; 1/32
     beside decodes), and never leaving a tail shorter than the floor."""
 
-    def __init__(self, cost: ChunkCost, first: int, floor: int | None = None,
-                 decode: DecodeCost | None = None) -> None:  # fmt: skip
+    def __init__(self, cost: ChunkCost, first: int, floor: int | None = None, decode: DecodeCost | None = None) -> None:
         if first < 1:
             raise ValueError(f"the first chunk needs at least one token, got {first}")
         self.cost, self.first, self.decode = cost, first, decode

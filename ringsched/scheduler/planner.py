@@ -15,14 +15,7 @@ decode's kept ones: `speculation.py`), decides finishes and returns what the fro
 or aborted request is freed in the next plan, which every stage applies before that plan's batch: no in-flight
 batch still holds it, as a request is freed only when none of its micro-batches is in flight.
 
-Prefix caching (`BlockTable.cache`, `prefix.py`): at admission a request takes the longest cached prefix of its
-tokens (whole blocks, never its last token, which must run to give logits) and computes from there; its first plan
-entry names those blocks, so the other stages follow without hashing anything. A block is indexed once the
-micro-batch computing its KV is planned: every stage runs micro-batches in order, so a request in a later
-micro-batch reads it after it is written. With a flexible cut a shared layer's KV reaches stage 0 only with the
-micro-batch's output, so there blocks are indexed when their micro-batch comes back; a request's next prompt chunk
-still goes around while the one before is in flight, its plan naming that micro-batch in `reads` (stage 0 then cuts
-it no later, so every layer it runs on stage 0 has the earlier chunk's KV there).
+Prefix caching is `prefix.py`'s part of planning (`PrefixIndex`).
 """
 
 from __future__ import annotations
@@ -47,10 +40,20 @@ logger = logging.getLogger(__name__)
 
 
 class Planner:
-    def __init__(self, blocks: BlockTable | CPBlocks, micro_batch_size: int, max_running: int, token_budget: int,
-                 eos_ids: tuple[int, ...], max_len: int, rng: random.Random | None = None,
-                 vocab_size: int | None = None, flexible_cut: bool = False,
-                 chunker: ChunkSizer | None = None, speculator: Speculator | NoDrafts = NO_DRAFTS) -> None:  # fmt: skip
+    def __init__(
+        self,
+        blocks: BlockTable | CPBlocks,
+        micro_batch_size: int,
+        max_running: int,
+        token_budget: int,
+        eos_ids: tuple[int, ...],
+        max_len: int,
+        rng: random.Random | None = None,
+        vocab_size: int | None = None,
+        flexible_cut: bool = False,
+        chunker: ChunkSizer | None = None,
+        speculator: Speculator | NoDrafts = NO_DRAFTS,
+    ) -> None:
         self.blocks = blocks
         self.micro_batch_size, self.max_running, self.token_budget = micro_batch_size, max_running, token_budget
         self.eos_ids, self.max_len, self.vocab_size = eos_ids, max_len, vocab_size
@@ -82,8 +85,14 @@ class Planner:
             # A fallback: the front ends seed every random request (`SamplingParams.seeded`), so that a replay
             # carries the seed it first ran with; one sent without a seed still samples reproducibly from here on.
             params = dataclasses.replace(params, seed=self._rng.randrange(2**31))
-        error = refusal(new, params, max_len=self.max_len, capacity_tokens=self.blocks.capacity_tokens,
-                        vocab_size=self.vocab_size, in_use=new.rid in self.requests)
+        error = refusal(
+            new,
+            params,
+            max_len=self.max_len,
+            capacity_tokens=self.blocks.capacity_tokens,
+            vocab_size=self.vocab_size,
+            in_use=new.rid in self.requests,
+        )
         if error:
             return TokenOutput(new.rid, [], "error", error, len(new.token_ids), len(new.output_ids))
         # A replay starts as a preempted request does: prompt and outputs to compute, then the next token.
@@ -211,9 +220,7 @@ class Planner:
     def _grow(self, r: Request, n: int, plan: BatchPlan) -> bool:
         """Make room for `n` more tokens of `r`, preempting newer idle requests; False if `r` must wait."""
         while not self.blocks.can_hold(r.rid, r.num_computed + n):
-            victim = next(
-                (v for v in reversed(self.running.values()) if not v.in_flight and v is not r), None
-            )
+            victim = next((v for v in reversed(self.running.values()) if not v.in_flight and v is not r), None)
             if victim is None:
                 if len(self.running) > 1 and not r.in_flight:
                     self._preempt(r, plan)  # give way to the older in-flight ones

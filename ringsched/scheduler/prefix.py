@@ -1,9 +1,16 @@
 """The planner's side of the prefix cache (`BlockTable.cache`): which cached blocks a request starts from, which
 blocks a micro-batch computes, and when computed blocks are indexed.
 
-A request takes the longest cached prefix of its tokens (whole blocks, never its last token, which must run to give
-logits); a request whose next block another request computes in the same micro-batch waits one micro-batch and
-finds it cached. Hashes are kept on the request: its tokens never change.
+At admission a request takes the longest cached prefix of its tokens (whole blocks, never its last token, which must
+run to give logits) and computes from there; its first plan entry names those blocks, so the other stages follow
+without hashing anything. A request whose next block another request computes in the same micro-batch waits one
+micro-batch and finds it cached. Hashes are kept on the request: its tokens never change.
+
+A block is indexed once the micro-batch computing its KV is planned: every stage runs micro-batches in order, so a
+request in a later micro-batch reads it after it is written. With a flexible cut a shared layer's KV reaches stage 0
+only with the micro-batch's output, so there blocks are indexed when their micro-batch comes back; a request's next
+prompt chunk still goes around while the one before is in flight, its plan naming that micro-batch in `reads` (stage
+0 then cuts it no later, so every layer it runs on stage 0 has the earlier chunk's KV there).
 """
 
 from __future__ import annotations

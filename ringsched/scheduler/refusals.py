@@ -7,8 +7,9 @@ from ringsched.comm.messages import NewRequest
 from ringsched.sampling.params import SamplingParams
 
 
-def refusal(new: NewRequest, params: SamplingParams, *, max_len: int, capacity_tokens: int,
-            vocab_size: int | None, in_use: bool) -> str | None:  # fmt: skip
+def refusal(
+    new: NewRequest, params: SamplingParams, *, max_len: int, capacity_tokens: int, vocab_size: int | None, in_use: bool
+) -> str | None:
     """The error message for a request that can never be served, or None. `in_use`: its id is taken. A replay
     (`new.output_ids`) is checked as its first submission was, on its prompt: `max_tokens` counts its outputs."""
     ids, vocab = new.token_ids, vocab_size
@@ -18,8 +19,10 @@ def refusal(new: NewRequest, params: SamplingParams, *, max_len: int, capacity_t
     if len(ids) >= max_len:
         return f"the prompt has {len(ids)} tokens; the maximum context length is {max_len}"
     if min(need, max_len) > capacity_tokens:
-        return (f"the request needs {need} tokens of KV but the pool holds {capacity_tokens}; raise "
-                "--kv-cache-memory, or spread a request's KV over more ranks with --cp-size")
+        return (
+            f"the request needs {need} tokens of KV but the pool holds {capacity_tokens}; raise "
+            "--kv-cache-memory, or spread a request's KV over more ranks with --cp-size"
+        )
     if in_use:
         return f"request id {new.rid!r} is already in use"
     if vocab is not None:

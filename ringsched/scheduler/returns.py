@@ -15,8 +15,9 @@ from ringsched.scheduler.request import Request
 from ringsched.speculative.verify import unpadded
 
 
-def split(seq: int, entries: list[PlanEntry], values: list[int], logprobs_of: Callable[[str], int | None]
-          ) -> dict[int, tuple[list[int], list[Logprobs | None]]]:  # fmt: skip
+def split(
+    seq: int, entries: list[PlanEntry], values: list[int], logprobs_of: Callable[[str], int | None]
+) -> dict[int, tuple[list[int], list[Logprobs | None]]]:
     """Per sampling entry (by its index in `entries`): its tokens (the kept ones, or one negative for a failed row)
     and each one's log-probabilities (None where not asked for)."""
     sampled = [(i, e) for i, e in enumerate(entries) if e.samples]
@@ -37,8 +38,9 @@ def split(seq: int, entries: list[PlanEntry], values: list[int], logprobs_of: Ca
     return out
 
 
-def take(r: Request, e: PlanEntry, tokens: list[int], logprobs: list[Logprobs | None], eos_ids: tuple[int, ...],
-         max_len: int) -> TokenOutput:  # fmt: skip
+def take(
+    r: Request, e: PlanEntry, tokens: list[int], logprobs: list[Logprobs | None], eos_ids: tuple[int, ...], max_len: int
+) -> TokenOutput:
     """`r`'s new `tokens` from entry `e`, up to the first that ends it (the caller finishes it when the output has a
     finish reason). A drafted entry's KV stays valid up to its last kept draft."""
     if tokens[0] < 0:  # the last stage could not sample it (sampler_state.FAILED): this request alone ends
@@ -51,5 +53,13 @@ def take(r: Request, e: PlanEntry, tokens: list[int], logprobs: list[Logprobs | 
         reason = r.check_finish(eos_ids, max_len)
     r.num_computed = e.start + len(e.token_ids) - e.drafts + n - 1
     lps = None if logprobs[0] is None else logprobs[:n]
-    return TokenOutput(r.rid, tokens[:n], reason, None, len(r.prompt_ids), len(r.output_ids),
-                       cached_tokens=r.cached_tokens, logprobs=lps)  # fmt: skip
+    return TokenOutput(
+        r.rid,
+        tokens[:n],
+        reason,
+        None,
+        len(r.prompt_ids),
+        len(r.output_ids),
+        cached_tokens=r.cached_tokens,
+        logprobs=lps,
+    )

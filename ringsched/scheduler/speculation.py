@@ -55,9 +55,12 @@ class Speculator:
         self._ngrams: dict[str, NgramIndex] = {}
         self._suffix = None
         if config.method == "suffix":
-            self._suffix = SuffixDrafter(config.suffix_decoding_max_tree_depth,
-                                         config.suffix_decoding_max_cached_requests,
-                                         config.suffix_decoding_max_spec_factor, config.suffix_decoding_min_token_prob)
+            self._suffix = SuffixDrafter(
+                config.suffix_decoding_max_tree_depth,
+                config.suffix_decoding_max_cached_requests,
+                config.suffix_decoding_max_spec_factor,
+                config.suffix_decoding_min_token_prob,
+            )
         self._given: dict[str, int] = {}  # tokens of each request its suffix drafter holds
         self.draft_tokens = self.accepted_tokens = self.verify_steps = 0
 
@@ -93,8 +96,9 @@ class Speculator:
         if self._suffix is None:
             index = self._ngrams.get(r.rid)
             if index is None:
-                index = self._ngrams[r.rid] = NgramIndex([], self.config.prompt_lookup_min,
-                                                         self.config.prompt_lookup_max)  # fmt: skip
+                index = self._ngrams[r.rid] = NgramIndex(
+                    [], self.config.prompt_lookup_min, self.config.prompt_lookup_max
+                )
             index.extend(r.all_ids[len(index.tokens) :])
             return index.propose(k)
         given = self._given.get(r.rid)

@@ -36,8 +36,11 @@ class _KeyCheck:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] == "/health" or self._authorized(scope):
             return await self.app(scope, receive, send)
-        e = APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>` with the server's "
-                     "--api-key", code="invalid_api_key")  # fmt: skip
+        e = APIError(
+            401,
+            "Incorrect or missing API key: send `Authorization: Bearer <key>` with the server's --api-key",
+            code="invalid_api_key",
+        )
         await JSONResponse(e.body(), status_code=401)(scope, receive, send)
 
     def _authorized(self, scope: Scope) -> bool:

@@ -80,8 +80,9 @@ Events = Callable[[str, list[AsyncIterator[Delta]], Prepared], AsyncIterator[dic
 Whole = Callable[[str, list[tuple[str, Delta]], dict], dict]
 
 
-async def _serve(request: Request, ctx: ServerContext, parse: Callable, prefix: str, events: Events,
-                 whole: Whole) -> Response:  # fmt: skip
+async def _serve(
+    request: Request, ctx: ServerContext, parse: Callable, prefix: str, events: Events, whole: Whole
+) -> Response:
     """Prepare, admit (every sequence of an `n` or `best_of` request), then stream `events(rid, deltas, req)` or
     answer `whole(rid, results, usage)`. A bug on this path is this request's 500 (logged), not an unhandled
     error that would also drop the connection."""
@@ -94,12 +95,14 @@ async def _serve(request: Request, ctx: ServerContext, parse: Callable, prefix: 
         return Response(status_code=499)
     except Exception as e:
         logger.exception("internal error in %s %s", request.method, request.url.path)
-        raise APIError(500, f"internal server error: {type(e).__name__}: {e}", "internal_server_error",
-                       code="internal_error") from None  # fmt: skip
+        raise APIError(
+            500, f"internal server error: {type(e).__name__}: {e}", "internal_server_error", code="internal_error"
+        ) from None
 
 
-async def _serve_one(request: Request, ctx: ServerContext, parse: Callable, prefix: str, events: Events,
-                     whole: Whole) -> Response:  # fmt: skip
+async def _serve_one(
+    request: Request, ctx: ServerContext, parse: Callable, prefix: str, events: Events, whole: Whole
+) -> Response:
     req = await prepare(request, ctx, parse)
     rid = f"{prefix}-{uuid.uuid4().hex}"
     sequences = req.sequences(rid)
@@ -143,15 +146,23 @@ async def completions(request: Request, ctx: ServerContext) -> Response:
         return _completion_events(base(rid), deltas, req.include_usage, ctx.tokenizer)
 
     def whole(rid: str, results: list[tuple[str, Delta]], every: dict) -> dict:
-        choices = [{"index": i, "text": text, "logprobs": completion_logprobs(ctx.tokenizer, last.logprobs),
-                    "finish_reason": last.finish_reason} for i, (text, last) in enumerate(results)]  # fmt: skip
+        choices = [
+            {
+                "index": i,
+                "text": text,
+                "logprobs": completion_logprobs(ctx.tokenizer, last.logprobs),
+                "finish_reason": last.finish_reason,
+            }
+            for i, (text, last) in enumerate(results)
+        ]
         return {**base(rid), "choices": choices, "usage": every}
 
     return await _serve(request, ctx, parse_completion, "cmpl", events, whole)
 
 
-async def _completion_events(base: dict, deltas: list[AsyncIterator[Delta]], include_usage: bool,
-                             tok: Tokenizer) -> AsyncIterator[dict]:  # fmt: skip
+async def _completion_events(
+    base: dict, deltas: list[AsyncIterator[Delta]], include_usage: bool, tok: Tokenizer
+) -> AsyncIterator[dict]:
     extra = {"usage": None} if include_usage else {}
     last: dict[int, Delta] = {}
     offsets = [0] * len(deltas)
@@ -177,16 +188,23 @@ async def chat_completions(request: Request, ctx: ServerContext) -> Response:
         return _chat_events(base(rid, "chat.completion.chunk"), deltas, req.include_usage, ctx.tokenizer)
 
     def whole(rid: str, results: list[tuple[str, Delta]], every: dict) -> dict:
-        choices = [{"index": i, "message": {"role": "assistant", "content": text},
-                    "logprobs": chat_logprobs(ctx.tokenizer, last.logprobs), "finish_reason": last.finish_reason}
-                   for i, (text, last) in enumerate(results)]  # fmt: skip
+        choices = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": chat_logprobs(ctx.tokenizer, last.logprobs),
+                "finish_reason": last.finish_reason,
+            }
+            for i, (text, last) in enumerate(results)
+        ]
         return {**base(rid, "chat.completion"), "choices": choices, "usage": every}
 
     return await _serve(request, ctx, parse_chat, "chatcmpl", events, whole)
 
 
-async def _chat_events(base: dict, deltas: list[AsyncIterator[Delta]], include_usage: bool,
-                       tok: Tokenizer) -> AsyncIterator[dict]:  # fmt: skip
+async def _chat_events(
+    base: dict, deltas: list[AsyncIterator[Delta]], include_usage: bool, tok: Tokenizer
+) -> AsyncIterator[dict]:
     extra = {"usage": None} if include_usage else {}
 
     def chunk(i: int, delta: dict, finish: str | None = None, logprobs: dict | None = None) -> dict:
@@ -229,9 +247,12 @@ def _meta(rid: str, arrival: float, d: Delta) -> dict:
     elif d.finish_reason:
         finish = {"type": d.finish_reason, "matched": d.matched_stop}
     return {
-        "id": rid, "finish_reason": finish, "prompt_tokens": d.prompt_tokens,
-        "completion_tokens": d.completion_tokens, "e2e_latency": time.monotonic() - arrival,
-    }  # fmt: skip
+        "id": rid,
+        "finish_reason": finish,
+        "prompt_tokens": d.prompt_tokens,
+        "completion_tokens": d.completion_tokens,
+        "e2e_latency": time.monotonic() - arrival,
+    }
 
 
 async def _generate_events(rid: str, arrival: float, deltas: AsyncIterator[Delta]) -> AsyncIterator[dict]:

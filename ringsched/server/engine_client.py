@@ -185,9 +185,10 @@ class EngineClient:
         if max_queued is not None and self.num_open >= self.cfg.max_running_requests + max_queued:
             waiting = self.num_open - self.cfg.max_running_requests
             raise EngineError(
-                f"the server is busy: {waiting} requests are waiting (--max-queued-requests {max_queued}); retry "
-                "later", 503, "queue_full",
-            )  # fmt: skip
+                f"the server is busy: {waiting} requests are waiting (--max-queued-requests {max_queued}); retry later",
+                503,
+                "queue_full",
+            )
         self._open[rid] = _Open(asyncio.Queue())
 
     def release(self, rid: str) -> None:

@@ -59,8 +59,9 @@ def _check_schema(schema: Any, limits: GrammarLimits) -> None:
     if isinstance(schema, dict):
         depth = _ref_depth(schema)
         if depth > limits.max_ref_depth:
-            raise GrammarError(f"the JSON schema's $ref chain is {depth} deep; at most {limits.max_ref_depth} "
-                               "levels are accepted")  # fmt: skip
+            raise GrammarError(
+                f"the JSON schema's $ref chain is {depth} deep; at most {limits.max_ref_depth} levels are accepted"
+            )
 
 
 def _refs_in(node: Any) -> list[str]:
@@ -101,8 +102,7 @@ def _check_text(name: str, text: Any, limits: GrammarLimits) -> None:
     if not isinstance(text, str):
         return  # the compiler refuses a wrong type with its own message
     if len(text.encode()) > limits.max_grammar_bytes:
-        raise GrammarError(f"the {name} is {len(text.encode())} bytes; at most {limits.max_grammar_bytes} are "
-                           "accepted")  # fmt: skip
+        raise GrammarError(f"the {name} is {len(text.encode())} bytes; at most {limits.max_grammar_bytes} are accepted")
     depth = deepest = 0
     escaped = quoted = False
     for ch in text:
@@ -120,8 +120,9 @@ def _check_text(name: str, text: Any, limits: GrammarLimits) -> None:
         elif ch in ")]}":
             depth = max(depth - 1, 0)
     if deepest > limits.max_nesting:
-        raise GrammarError(f"the {name} nests brackets {deepest} deep; at most {limits.max_nesting} levels are "
-                           "accepted")  # fmt: skip
+        raise GrammarError(
+            f"the {name} nests brackets {deepest} deep; at most {limits.max_nesting} levels are accepted"
+        )
 
 
 _COUNTED = re.compile(r"\{(\d*)(?:,(\d*))?\}|~\s*(\d+)(?:\s*\.\.\s*(\d+))?")  # x{n,m}; Lark's x ~ n..m
@@ -157,8 +158,10 @@ def _check_repetition(regex: Any, limits: GrammarLimits, name: str = "regex") ->
             last *= max(bound, 1)
             frames[-1] = max(frames[-1], last)
             if last > limits.max_repetition:
-                raise GrammarError(f"the {name} repeats {last} times through nested counted repetitions; at most "
-                                   f"{limits.max_repetition} are accepted")  # fmt: skip
+                raise GrammarError(
+                    f"the {name} repeats {last} times through nested counted repetitions; at most "
+                    f"{limits.max_repetition} are accepted"
+                )
             i = m.end()
             continue
         elif not (ch.isspace() and name == "grammar"):  # Lark puts spaces before `~`; a regex's are atoms
@@ -180,5 +183,6 @@ def _check_choice(choice: Any, limits: GrammarLimits) -> None:
         raise GrammarError(f"the choice has {len(choice)} strings; at most {limits.max_choices} are accepted")
     size = sum(len(c.encode()) for c in choice if isinstance(c, str))
     if size > limits.max_choice_bytes:
-        raise GrammarError(f"the choice's strings are {size} bytes together; at most {limits.max_choice_bytes} "
-                           "are accepted")  # fmt: skip
+        raise GrammarError(
+            f"the choice's strings are {size} bytes together; at most {limits.max_choice_bytes} are accepted"
+        )

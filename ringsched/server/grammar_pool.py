@@ -44,8 +44,15 @@ class PoolConfig:
 
     def argv(self) -> list[str]:
         eos = ",".join(str(t) for t in self.eos_ids)
-        return [sys.executable, "-m", "ringsched.server.grammar_helper", self.model_dir, str(self.vocab_size), eos,
-                str(self.memory_mb)]  # fmt: skip
+        return [
+            sys.executable,
+            "-m",
+            "ringsched.server.grammar_helper",
+            self.model_dir,
+            str(self.vocab_size),
+            eos,
+            str(self.memory_mb),
+        ]
 
 
 class _HelperGone(Exception):
@@ -58,8 +65,9 @@ class _Helper:
 
     @classmethod
     async def spawn(cls, cfg: PoolConfig) -> _Helper:
-        proc = await asyncio.create_subprocess_exec(*cfg.argv(), stdin=asyncio.subprocess.PIPE,
-                                                    stdout=asyncio.subprocess.PIPE, limit=_LINE_LIMIT)  # fmt: skip
+        proc = await asyncio.create_subprocess_exec(
+            *cfg.argv(), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, limit=_LINE_LIMIT
+        )
         helper = cls(proc)
         try:
             line = await asyncio.wait_for(proc.stdout.readline(), _READY_S)

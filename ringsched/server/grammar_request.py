@@ -13,10 +13,19 @@ from typing import Any
 
 from ringsched.server.errors import APIError, shown
 
-_GUIDED_FORMS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
-                 "guided_grammar": "lark"}  # fmt: skip
-_STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "lark",
-                    "json_object": "json_object"}  # fmt: skip
+_GUIDED_FORMS = {
+    "guided_json": "json_schema",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "lark",
+}
+_STRUCTURED_KEYS = {
+    "json": "json_schema",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "lark",
+    "json_object": "json_object",
+}
 
 
 @dataclass(frozen=True)
@@ -31,12 +40,16 @@ def asked_grammar(req: Any) -> Asked | None:
         if getattr(req, name) is not None:
             asked.append(Asked(name, {form: getattr(req, name)}))
     if req.structured_outputs is not None:
-        given = {_STRUCTURED_KEYS[k]: v for k, v in req.structured_outputs.items()
-                 if k in _STRUCTURED_KEYS and v not in (None, False)}  # fmt: skip
+        given = {
+            _STRUCTURED_KEYS[k]: v
+            for k, v in req.structured_outputs.items()
+            if k in _STRUCTURED_KEYS and v not in (None, False)
+        }
         unknown = sorted(set(req.structured_outputs) - set(_STRUCTURED_KEYS))
         if unknown or len(given) != 1:
-            raise APIError(400, f"structured_outputs takes exactly one of {sorted(_STRUCTURED_KEYS)}",
-                           param="structured_outputs")  # fmt: skip
+            raise APIError(
+                400, f"structured_outputs takes exactly one of {sorted(_STRUCTURED_KEYS)}", param="structured_outputs"
+            )
         asked.append(Asked("structured_outputs", given))
     if len(asked) > 1:
         names = [a.field for a in asked]
@@ -53,10 +66,14 @@ def _response_format(rf: dict[str, Any] | None) -> list[Asked]:
     if kind == "json_schema":
         spec = rf.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-            raise APIError(400, "response_format.json_schema must be an object with a `schema` object",
-                           param="response_format")  # fmt: skip
+            raise APIError(
+                400, "response_format.json_schema must be an object with a `schema` object", param="response_format"
+            )
         return [Asked("response_format", {"json_schema": spec.get("schema", {})})]
     if kind != "text":
-        raise APIError(400, f"response_format.type must be text, json_object or json_schema, got {shown(kind)}",
-                       param="response_format")  # fmt: skip
+        raise APIError(
+            400,
+            f"response_format.type must be text, json_object or json_schema, got {shown(kind)}",
+            param="response_format",
+        )
     return []

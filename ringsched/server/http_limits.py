@@ -35,8 +35,10 @@ class HttpLimits:
 
 def _response(status: str, message: str, kind: str, code: str) -> bytes:
     body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
-    head = (f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
-            "connection: close\r\n\r\n")  # fmt: skip
+    head = (
+        f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+        "connection: close\r\n\r\n"
+    )
     return head.encode() + body
 
 
@@ -92,16 +94,22 @@ class BoundedH11Protocol(H11Protocol):
 
 
 def bounded_protocol(limits: HttpLimits) -> type[H11Protocol]:
-    too_many = _response("503 Service Unavailable", f"The server has {limits.max_connections} connections open "
-                         "(--max-connections); try again later", "service_unavailable_error", "too_many_connections")
-    too_slow = _response("408 Request Timeout", f"The request's headers did not arrive within "
-                         f"{limits.header_timeout:g} s (--http-header-timeout)", "invalid_request_error",
-                         "request_timeout")  # fmt: skip
+    too_many = _response(
+        "503 Service Unavailable",
+        f"The server has {limits.max_connections} connections open (--max-connections); try again later",
+        "service_unavailable_error",
+        "too_many_connections",
+    )
+    too_slow = _response(
+        "408 Request Timeout",
+        f"The request's headers did not arrive within {limits.header_timeout:g} s (--http-header-timeout)",
+        "invalid_request_error",
+        "request_timeout",
+    )
     fields = {"limits": limits, "too_many": too_many, "too_slow": too_slow, "_warned": [0.0]}
     return type("ServerH11Protocol", (BoundedH11Protocol,), fields)
 
 
 def uvicorn_config(app: object, limits: HttpLimits, **kwargs: object) -> uvicorn.Config:
     """uvicorn's config for `app` with these bounds on its connections."""
-    return uvicorn.Config(app, http=bounded_protocol(limits), timeout_keep_alive=limits.keep_alive_timeout,
-                          **kwargs)  # fmt: skip
+    return uvicorn.Config(app, http=bounded_protocol(limits), timeout_keep_alive=limits.keep_alive_timeout, **kwargs)

@@ -47,15 +47,20 @@ async def read_body(request: Request, limit: int, timeout_s: float | None = None
                 if not too_big:
                     chunks.append(chunk)
     except TimeoutError:
-        raise APIError(408, f"The request body did not arrive within {timeout_s:g} s (--http-body-timeout)",
-                       code="request_timeout", headers={"Connection": "close"}) from None  # fmt: skip
+        raise APIError(
+            408,
+            f"The request body did not arrive within {timeout_s:g} s (--http-body-timeout)",
+            code="request_timeout",
+            headers={"Connection": "close"},
+        ) from None
     except ClientDisconnect:
         raise ClientGone from None
     if too_big:
         raise APIError(
-            413, f"The request body is larger than this server accepts ({limit} bytes, --max-request-bytes)",
+            413,
+            f"The request body is larger than this server accepts ({limit} bytes, --max-request-bytes)",
             code="request_too_large",
-        )  # fmt: skip
+        )
     return b"".join(chunks)
 
 
@@ -78,5 +83,6 @@ async def _proven(ctx: ServerContext, asked: Asked) -> str:
     except GrammarError as e:
         raise APIError(400, f"{asked.field}: {e}", param=asked.field) from None
     except GrammarBusy as e:
-        raise APIError(503, str(e), "service_unavailable_error", code="grammar_busy",
-                       headers={"Retry-After": "1"}) from None  # fmt: skip
+        raise APIError(
+            503, str(e), "service_unavailable_error", code="grammar_busy", headers={"Retry-After": "1"}
+        ) from None

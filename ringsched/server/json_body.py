@@ -88,8 +88,11 @@ def _end_of_body(text: str, i: int, body: dict) -> dict:
 def _json_error(expected: str, text: str, i: int, key: str | None) -> APIError:
     where = f" after the field {key!r}" if key is not None else ""
     got = repr(text[i : i + 10]) if i < len(text) else "the end of the body"
-    return APIError(400, f"We could not parse the JSON body of your request: expected {expected}{where} at "
-                    f"character {i}, got {got}", param=key)  # fmt: skip
+    return APIError(
+        400,
+        f"We could not parse the JSON body of your request: expected {expected}{where} at character {i}, got {got}",
+        param=key,
+    )
 
 
 def _check_value(key: str, value: Any) -> None:
@@ -100,8 +103,9 @@ def _check_value(key: str, value: Any) -> None:
         if depth > MAX_JSON_DEPTH:
             raise APIError(400, f"{key}: nested deeper than {MAX_JSON_DEPTH} levels", param=key)
         if isinstance(v, _Refused):
-            raise APIError(400, f"{key}: {v.what} is not accepted (numbers must be finite and fit in 64 bits)",
-                           param=key)  # fmt: skip
+            raise APIError(
+                400, f"{key}: {v.what} is not accepted (numbers must be finite and fit in 64 bits)", param=key
+            )
         if isinstance(v, str):
             _check_text(key, v)
         elif isinstance(v, list):
@@ -116,5 +120,6 @@ def _check_text(key: str, s: str) -> None:
     try:
         s.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise APIError(400, f"{key}: a string holds {e.reason} at index {e.start} (a lone UTF-16 surrogate is not "
-                       "text)", param=key) from None  # fmt: skip
+        raise APIError(
+            400, f"{key}: a string holds {e.reason} at index {e.start} (a lone UTF-16 surrogate is not text)", param=key
+        ) from None

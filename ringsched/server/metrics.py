@@ -124,8 +124,9 @@ class ServerMetrics:
         """--speculative-config: drafts verified and kept (vLLM's spec_decode names), from stage 0's running totals."""
         self._spec_seen = {"spec_verify_steps": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
         self.spec_counters = {
-            "spec_verify_steps": Counter(f"{p}spec_decode_num_drafts", "Decode steps that verified drafts.",
-                                         registry=r),  # fmt: skip
+            "spec_verify_steps": Counter(
+                f"{p}spec_decode_num_drafts", "Decode steps that verified drafts.", registry=r
+            ),  # fmt: skip
             "spec_draft_tokens": Counter(f"{p}spec_decode_num_draft_tokens", "Draft tokens verified.", registry=r),
             "spec_accepted_tokens": Counter(f"{p}spec_decode_num_accepted_tokens", "Draft tokens kept.", registry=r),
         }

@@ -50,12 +50,18 @@ class ServerOptions:
 
     def __post_init__(self) -> None:
         _need(self.port is None or 0 <= self.port <= 65535, f"--port {self.port} is not a port number (0-65535)")
-        _need(self.max_queued_requests is None or self.max_queued_requests >= 0,
-              f"--max-queued-requests must be >= 0 (or left out for no limit), got {self.max_queued_requests}")
-        _need(self.max_request_bytes >= 1024,
-              f"--max-request-bytes must be at least 1024 (bytes), got {self.max_request_bytes}")
-        _need(self.max_request_tokens is None or self.max_request_tokens >= 1,
-              f"--max-request-tokens must be >= 1 (or left out for 4 x the context), got {self.max_request_tokens}")
+        _need(
+            self.max_queued_requests is None or self.max_queued_requests >= 0,
+            f"--max-queued-requests must be >= 0 (or left out for no limit), got {self.max_queued_requests}",
+        )
+        _need(
+            self.max_request_bytes >= 1024,
+            f"--max-request-bytes must be at least 1024 (bytes), got {self.max_request_bytes}",
+        )
+        _need(
+            self.max_request_tokens is None or self.max_request_tokens >= 1,
+            f"--max-request-tokens must be >= 1 (or left out for 4 x the context), got {self.max_request_tokens}",
+        )
         _need(self.shutdown_timeout >= 0, f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout}")
         for name in ("http_header_timeout", "http_body_timeout", "http_keep_alive_timeout", "grammar_timeout"):
             value = getattr(self, name)

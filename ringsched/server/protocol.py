@@ -42,6 +42,7 @@ from ringsched.tokenizer import ChatTemplateError, Tokenizer
 
 logger = logging.getLogger("ringsched.server")
 
+
 @dataclass
 class Prepared:
     """A validated request, ready for the engine. With `n` (or `best_of`) > 1 it runs as that many sequences on the
@@ -61,8 +62,10 @@ class Prepared:
         if self.best_of == 1:
             return [(rid, self.params)]
         seed = self.params.seed
-        return [(f"{rid}-{i}", self.params if seed is None else replace(self.params, seed=(seed + i) % 2**64))
-                for i in range(self.best_of)]  # fmt: skip
+        return [
+            (f"{rid}-{i}", self.params if seed is None else replace(self.params, seed=(seed + i) % 2**64))
+            for i in range(self.best_of)
+        ]
 
 
 # -- parsing -------------------------------------------------------------------------------------------------
@@ -97,9 +100,11 @@ def _check_common(body: dict, req: SamplingBody, limits: Limits, endpoint: str) 
     model = req.model
     if model is not None and model != limits.model_name:
         raise APIError(
-            404, f"The model {shown(model)} does not exist; this server serves `{limits.model_name}`",
-            param="model", code="model_not_found",
-        )  # fmt: skip
+            404,
+            f"The model {shown(model)} does not exist; this server serves `{limits.model_name}`",
+            param="model",
+            code="model_not_found",
+        )
 
 
 def _params(fields: dict[str, Any], rename: dict[str, str] | None = None) -> SamplingParams:
@@ -116,12 +121,21 @@ def _params(fields: dict[str, Any], rename: dict[str, str] | None = None) -> Sam
 
 def _sampling_fields(req: SamplingBody, max_tokens: int) -> dict[str, Any]:
     return {
-        "max_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
-        "min_p": req.min_p, "seed": req.seed, "stop": req.stop, "stop_token_ids": req.stop_token_ids,
-        "ignore_eos": req.ignore_eos, "repetition_penalty": req.repetition_penalty, "min_tokens": req.min_tokens,
-        "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
+        "max_tokens": max_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "min_p": req.min_p,
+        "seed": req.seed,
+        "stop": req.stop,
+        "stop_token_ids": req.stop_token_ids,
+        "ignore_eos": req.ignore_eos,
+        "repetition_penalty": req.repetition_penalty,
+        "min_tokens": req.min_tokens,
+        "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty,
         "logit_bias": req.logit_bias,
-    }  # fmt: skip
+    }
 
 
 def _counts(n: int | None, best_of: int | None, stream: bool) -> tuple[int, int]:
@@ -145,45 +159,31 @@ def parse_completion(body: dict, tok: Tokenizer, limits: Limits) -> Prepared:
         if len(prompt) != 1:
             raise APIError(400, f"batched prompts are not supported: send {len(prompt)} requests", param="prompt")
         prompt = prompt[0]
-    ids = check_ids(encode_within(tok, prompt, limits, "prompt") if isinstance(prompt, str) else list(prompt), limits,
-                     "prompt")  # fmt: skip
+    ids = check_ids(
+        encode_within(tok, prompt, limits, "prompt") if isinstance(prompt, str) else list(prompt), limits, "prompt"
+    )
     max_tokens = req.max_tokens if req.max_tokens is not None else 16  # OpenAI's default for completions
     n, best_of = _counts(req.n, req.best_of, req.stream)
     logprobs = req.logprobs if req.logprobs is not None or best_of == n else 0  # best_of ranks by them
     params = check_stop_ids(_params({**_sampling_fields(req, max_tokens), "logprobs": logprobs}), limits)
     check_context(len(ids), max_tokens, limits, "prompt")
     check_budget(len(ids), max_tokens, n, best_of, limits)
-    return Prepared(ids, params, req.stream, bool(req.stream_options and req.stream_options.include_usage), n,
-                    best_of, req.logprobs is not None, asked_grammar(req))  # fmt: skip
+    return Prepared(
+        ids,
+        params,
+        req.stream,
+        bool(req.stream_options and req.stream_options.include_usage),
+        n,
+        best_of,
+        req.logprobs is not None,
+        asked_grammar(req),
+    )
 
 
 def parse_chat(body: dict, tok: Tokenizer, limits: Limits) -> Prepared:
     req: ChatRequest = _validate(ChatRequest, body)
     _check_common(body, req, limits, "chat")
-    messages = []
-    for i, m in enumerate(req.messages):
-        if m.role not in ROLES:
-            raise APIError(
-                400, f"messages[{i}].role {shown(m.role)} is not a known role; use one of {', '.join(ROLES)}",
-                param=f"messages[{i}].role",
-            )  # fmt: skip
-        text = m.content if isinstance(m.content, str) or m.content is None else "".join(p.text for p in m.content)
-        messages.append({"role": m.role, "content": text or ""})
-    chars = sum(len(m["content"]) for m in messages)
-    if chars > limits.max_len * tok.max_token_chars:  # no rendering or tokenizing of what cannot fit anyway
-        raise APIError(
-            400, f"This model's maximum context length is {limits.max_len} tokens. However, your messages have "
-            f"{chars} characters, more than {limits.max_len} tokens can hold. Please reduce the length of the "
-            "messages.", param="messages", code="context_length_exceeded",
-        )  # fmt: skip
-    try:
-        ids = tok.apply_chat_template(messages)
-    except ChatTemplateError as e:  # the model's template is at fault, not the request
-        raise APIError(500, str(e), "internal_server_error", code="chat_template_error") from None
-    except ValueError as e:  # the template refused these messages, or the model has none
-        raise APIError(
-            400, f"the messages could not be rendered with the chat template: {e}", param="messages"
-        ) from None
+    ids = _render_chat(req, tok, limits)
     check_ids(ids, limits, "messages")
     given = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = given if given is not None else default_max_tokens(len(ids), limits)
@@ -191,21 +191,72 @@ def parse_chat(body: dict, tok: Tokenizer, limits: Limits) -> Prepared:
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = _params({**_sampling_fields(req, max_tokens), "logprobs": logprobs},
-                     {"max_tokens": name, "logprobs": "top_logprobs"})  # fmt: skip
+    params = _params(
+        {**_sampling_fields(req, max_tokens), "logprobs": logprobs}, {"max_tokens": name, "logprobs": "top_logprobs"}
+    )
     params = check_stop_ids(params, limits)
     check_context(len(ids), max_tokens, limits, "messages")
     n, _ = _counts(req.n, None, req.stream)
     check_budget(len(ids), max_tokens, n, n, limits)
-    return Prepared(ids, params, req.stream, bool(req.stream_options and req.stream_options.include_usage), n, n,
-                    grammar=asked_grammar(req))  # fmt: skip
+    return Prepared(
+        ids,
+        params,
+        req.stream,
+        bool(req.stream_options and req.stream_options.include_usage),
+        n,
+        n,
+        grammar=asked_grammar(req),
+    )
+
+
+def _render_chat(req: ChatRequest, tok: Tokenizer, limits: Limits) -> list[int]:
+    """The messages' token ids through the model's chat template; a 400 naming the message at fault, or the context
+    length when their text cannot fit whatever it tokenizes to."""
+    messages = []
+    for i, m in enumerate(req.messages):
+        if m.role not in ROLES:
+            raise APIError(
+                400,
+                f"messages[{i}].role {shown(m.role)} is not a known role; use one of {', '.join(ROLES)}",
+                param=f"messages[{i}].role",
+            )
+        text = m.content if isinstance(m.content, str) or m.content is None else "".join(p.text for p in m.content)
+        messages.append({"role": m.role, "content": text or ""})
+    chars = sum(len(m["content"]) for m in messages)
+    if chars > limits.max_len * tok.max_token_chars:  # no rendering or tokenizing of what cannot fit anyway
+        raise APIError(
+            400,
+            f"This model's maximum context length is {limits.max_len} tokens. However, your messages have "
+            f"{chars} characters, more than {limits.max_len} tokens can hold. Please reduce the length of the "
+            "messages.",
+            param="messages",
+            code="context_length_exceeded",
+        )
+    try:
+        return tok.apply_chat_template(messages)
+    except ChatTemplateError as e:  # the model's template is at fault, not the request
+        raise APIError(500, str(e), "internal_server_error", code="chat_template_error") from None
+    except ValueError as e:  # the template refused these messages, or the model has none
+        raise APIError(
+            400, f"the messages could not be rendered with the chat template: {e}", param="messages"
+        ) from None
 
 
 _GENERATE_RENAME = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_seed": "seed"}
 _GENERATE_KEYS = set(_GENERATE_RENAME) | {
-    "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos", "repetition_penalty", "seed",
-    "presence_penalty", "frequency_penalty", "logit_bias",
-}  # fmt: skip
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "repetition_penalty",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+}
 
 
 def parse_generate(body: dict, tok: Tokenizer, limits: Limits) -> Prepared:

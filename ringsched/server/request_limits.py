@@ -36,8 +36,9 @@ def check_context(prompt_len: int, max_tokens: int, limits: Limits, where: str) 
             f"This model's maximum context length is {limits.max_len} tokens. However, you requested {total} "
             f"tokens ({prompt_len} in the {where}, {max_tokens} in the completion). Please reduce the length of "
             f"the {where} or completion.",
-            param=where, code="context_length_exceeded",
-        )  # fmt: skip
+            param=where,
+            code="context_length_exceeded",
+        )
     if total > limits.kv_tokens:
         raise APIError(
             400,
@@ -56,10 +57,13 @@ def check_budget(prompt_len: int, max_tokens: int, n: int, best_of: int, limits:
     if work > limits.request_budget:
         param = "best_of" if best_of > n else "n"
         raise APIError(
-            400, f"The request asks for {best_of} sequence(s) x ({prompt_len} prompt + {max_tokens} completion "
+            400,
+            f"The request asks for {best_of} sequence(s) x ({prompt_len} prompt + {max_tokens} completion "
             f"tokens) = {work} tokens of work; one request may ask for at most {limits.request_budget} "
-            "(--max-request-tokens). Lower n, best_of or max_tokens.", param=param, code="request_too_large",
-        )  # fmt: skip
+            "(--max-request-tokens). Lower n, best_of or max_tokens.",
+            param=param,
+            code="request_too_large",
+        )
 
 
 def check_stop_ids(params: SamplingParams, limits: Limits) -> SamplingParams:
@@ -67,8 +71,9 @@ def check_stop_ids(params: SamplingParams, limits: Limits) -> SamplingParams:
     for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", [i for i, _ in params.logit_bias])):
         bad = [i for i in ids if i >= limits.vocab_size]
         if bad:
-            raise APIError(400, f"{name} has ids outside the vocabulary [0, {limits.vocab_size}): {bad[:5]}",
-                           param=name)  # fmt: skip
+            raise APIError(
+                400, f"{name} has ids outside the vocabulary [0, {limits.vocab_size}): {bad[:5]}", param=name
+            )
     return params
 
 
@@ -77,10 +82,13 @@ def encode_within(tok: Tokenizer, text: str, limits: Limits, param: str) -> list
     than `tok.max_token_chars` characters), so that a huge prompt costs no tokenization."""
     if len(text) > limits.max_len * tok.max_token_chars:
         raise APIError(
-            400, f"This model's maximum context length is {limits.max_len} tokens. However, your {param} has "
+            400,
+            f"This model's maximum context length is {limits.max_len} tokens. However, your {param} has "
             f"{len(text)} characters, more than {limits.max_len} tokens can hold. Please reduce the length of the "
-            f"{param}.", param=param, code="context_length_exceeded",
-        )  # fmt: skip
+            f"{param}.",
+            param=param,
+            code="context_length_exceeded",
+        )
     return tok.encode(text)
 
 

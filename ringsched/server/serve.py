@@ -67,8 +67,9 @@ def listen_socket(host: str, port: int, flag: str) -> socket.socket:
         sock.listen(2048)
     except OSError as e:
         sock.close()
-        raise PortInUse(f"cannot listen on {host}:{port} ({flag}): {e.strerror}; stop what holds it or pick "
-                        f"another {flag}") from None  # fmt: skip
+        raise PortInUse(
+            f"cannot listen on {host}:{port} ({flag}): {e.strerror}; stop what holds it or pick another {flag}"
+        ) from None
     return sock
 
 
@@ -109,14 +110,32 @@ def _run(cfg: EngineConfig, spec: ModelSpec | None, opts: ServerOptions, sock: s
     finally:
         signal.signal(signal.SIGTERM, previous)
     try:
-        limits = Limits(spec.context_len, client.kv_capacity_tokens(), spec.config.vocab_size, name,
-                        opts.max_request_tokens)  # fmt: skip
+        limits = Limits(
+            spec.context_len, client.kv_capacity_tokens(), spec.config.vocab_size, name, opts.max_request_tokens
+        )
         grammars = None
         if opts.grammar_workers:
-            grammars = GrammarPool(PoolConfig(model_dir, spec.config.vocab_size, spec.eos_ids, opts.grammar_workers,
-                                              opts.grammar_timeout, opts.grammar_memory_mb))  # fmt: skip
-        ctx = ServerContext(client, tokenizer, ServerMetrics(), limits, opts.api_key, opts.max_queued_requests,
-                            opts.max_request_bytes, opts.http, grammars)  # fmt: skip
+            grammars = GrammarPool(
+                PoolConfig(
+                    model_dir,
+                    spec.config.vocab_size,
+                    spec.eos_ids,
+                    opts.grammar_workers,
+                    opts.grammar_timeout,
+                    opts.grammar_memory_mb,
+                )
+            )
+        ctx = ServerContext(
+            client,
+            tokenizer,
+            ServerMetrics(),
+            limits,
+            opts.api_key,
+            opts.max_queued_requests,
+            opts.max_request_bytes,
+            opts.http,
+            grammars,
+        )
         return uvloop.run(_serve(ctx, sock, opts))
     finally:
         client.close_sync()  # a no-op after a normal exit; stops the stages after an exception
@@ -126,12 +145,22 @@ def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def _http_server(ctx: ServerContext, opts: ServerOptions) -> _Server:
+    # log_config=None: keep the process's logging setup
+    config = uvicorn_config(
+        create_app(ctx),
+        ctx.http,
+        log_config=None,
+        log_level=opts.log_level,
+        access_log=opts.log_level == "debug",
+        timeout_graceful_shutdown=5,
+    )
+    return _Server(config)
+
+
 async def _serve(ctx: ServerContext, sock: socket.socket, opts: ServerOptions) -> int:
     client, shutdown_timeout = ctx.client, opts.shutdown_timeout
-    # log_config=None: keep the process's logging setup
-    config = uvicorn_config(create_app(ctx), ctx.http, log_config=None, log_level=opts.log_level,
-                            access_log=opts.log_level == "debug", timeout_graceful_shutdown=5)  # fmt: skip
-    server = _Server(config)
+    server = _http_server(ctx, opts)
     exit_code = 0
     loop = asyncio.get_running_loop()
     stopping: list[asyncio.Task] = []

@@ -81,8 +81,9 @@ class StepCosts:
         return (1 - t) * self.seconds[lo] + t * self.seconds[hi]
 
 
-def choose(rates: Sequence[float], limits: Sequence[int], cost: Callable[[int], float],
-           other_rows: int = 0) -> list[int]:  # fmt: skip
+def choose(
+    rates: Sequence[float], limits: Sequence[int], cost: Callable[[int], float], other_rows: int = 0
+) -> list[int]:
     """Drafts per decoding request: `rates[r]` its acceptance, `limits[r]` the drafts it has (at most the
     configured number); `other_rows` the step's rows besides the decodes (prefill chunks, each worth a token: its
     work is owed anyway). Drafts are added greedily by the next draft's keep probability; the prefix of those

@@ -68,19 +68,30 @@ class SpeculativeConfig:
                 raise SpeculativeConfigError(f"--speculative-config: {message}")
 
         need(self.method in METHODS, f"method must be one of {list(METHODS)}, got {self.method!r}")
-        need(_int(self.num_speculative_tokens) and 1 <= self.num_speculative_tokens <= MAX_TOKENS,
-             f"num_speculative_tokens must be an integer in 1..{MAX_TOKENS}, got {self.num_speculative_tokens!r}")
-        need(_int(self.prompt_lookup_min) and _int(self.prompt_lookup_max)
-             and 1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
-             "prompt_lookup_min and prompt_lookup_max must be integers with 1 <= min <= max, got "
-             f"{self.prompt_lookup_min!r} and {self.prompt_lookup_max!r}")
-        need(_int(self.suffix_decoding_max_tree_depth) and self.suffix_decoding_max_tree_depth >= 1,
-             f"suffix_decoding_max_tree_depth must be an integer >= 1, got {self.suffix_decoding_max_tree_depth!r}")
-        need(_int(self.suffix_decoding_max_cached_requests) and self.suffix_decoding_max_cached_requests >= 0,
-             "suffix_decoding_max_cached_requests must be an integer >= 0, got "
-             f"{self.suffix_decoding_max_cached_requests!r}")
-        need(_number(self.suffix_decoding_max_spec_factor) and self.suffix_decoding_max_spec_factor > 0,
-             f"suffix_decoding_max_spec_factor must be > 0, got {self.suffix_decoding_max_spec_factor!r}")
+        need(
+            _int(self.num_speculative_tokens) and 1 <= self.num_speculative_tokens <= MAX_TOKENS,
+            f"num_speculative_tokens must be an integer in 1..{MAX_TOKENS}, got {self.num_speculative_tokens!r}",
+        )
+        need(
+            _int(self.prompt_lookup_min)
+            and _int(self.prompt_lookup_max)
+            and 1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+            "prompt_lookup_min and prompt_lookup_max must be integers with 1 <= min <= max, got "
+            f"{self.prompt_lookup_min!r} and {self.prompt_lookup_max!r}",
+        )
+        need(
+            _int(self.suffix_decoding_max_tree_depth) and self.suffix_decoding_max_tree_depth >= 1,
+            f"suffix_decoding_max_tree_depth must be an integer >= 1, got {self.suffix_decoding_max_tree_depth!r}",
+        )
+        need(
+            _int(self.suffix_decoding_max_cached_requests) and self.suffix_decoding_max_cached_requests >= 0,
+            "suffix_decoding_max_cached_requests must be an integer >= 0, got "
+            f"{self.suffix_decoding_max_cached_requests!r}",
+        )
+        need(
+            _number(self.suffix_decoding_max_spec_factor) and self.suffix_decoding_max_spec_factor > 0,
+            f"suffix_decoding_max_spec_factor must be > 0, got {self.suffix_decoding_max_spec_factor!r}",
+        )
         prob = self.suffix_decoding_min_token_prob
         need(_number(prob) and 0 <= prob <= 1, f"suffix_decoding_min_token_prob must be in [0, 1], got {prob!r}")
         need(isinstance(self.adaptive, bool), f"adaptive must be true or false, got {self.adaptive!r}")

@@ -38,8 +38,12 @@ def unpadded(values: Sequence[int]) -> list[int]:
     return [v for v in values if v != FILLER]
 
 
-def expand(drafts: Sequence[Sequence[int]], params: Sequence[SamplingParams], histories: Sequence[list[int]],
-           keys: Sequence[DrawKey | None]) -> Rows:  # fmt: skip
+def expand(
+    drafts: Sequence[Sequence[int]],
+    params: Sequence[SamplingParams],
+    histories: Sequence[list[int]],
+    keys: Sequence[DrawKey | None],
+) -> Rows:
     """Per request `r`, `len(drafts[r]) + 1` sampler rows (its positions, in order): its params, its history
     extended by the drafts before the position (the same list where no penalty reads it: no copy per position),
     its key advanced by the position."""
@@ -61,9 +65,14 @@ def accept(targets: Sequence[int], draft: Sequence[int]) -> list[int]:
     return list(targets[: len(draft) + 1])
 
 
-def verify(logits: torch.Tensor, drafts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
-           histories: Sequence[list[int]], keys: Sequence[DrawKey | None],
-           prompt_lens: Sequence[int] | None = None) -> list[list[int]]:  # fmt: skip
+def verify(
+    logits: torch.Tensor,
+    drafts: Sequence[Sequence[int]],
+    params: Sequence[SamplingParams],
+    histories: Sequence[list[int]],
+    keys: Sequence[DrawKey | None],
+    prompt_lens: Sequence[int] | None = None,
+) -> list[list[int]]:
     """The tokens each request keeps. `logits` [sum(len(d) + 1), V]: each request's positions in order, requests
     in the order of `drafts`; the rest as `sampler.sample` takes them, one per request. Stop tokens and strings
     among the kept tokens are the caller's to cut at, as for one token."""

@@ -18,8 +18,15 @@ DECODE_ROWS, DECODE_CONTEXT = 16, 512  # the decode steps the probe times: 1 and
 
 
 @torch.inference_mode()
-def probe(mcfg, dtype: torch.dtype, device: torch.device, first: int, max_len: int, repeat: int = 3,
-          attention_backend: str = "auto") -> tuple[ChunkCost, DecodeCost]:  # fmt: skip
+def probe(
+    mcfg,
+    dtype: torch.dtype,
+    device: torch.device,
+    first: int,
+    max_len: int,
+    repeat: int = 3,
+    attention_backend: str = "auto",
+) -> tuple[ChunkCost, DecodeCost]:
     """Time one randomly initialised layer of the model on a `first`-token chunk at context 0 and at a long
     context (eight first chunks, within the context length), and on decode steps of 1 and 16 requests, on this
     process's threads; fit `ChunkCost` and `DecodeCost`."""
@@ -49,13 +56,25 @@ def probe(mcfg, dtype: torch.dtype, device: torch.device, first: int, max_len: i
     cost = ChunkCost.fit(first, t0, context, t1) if context else ChunkCost(t0 / first, 0.0)
     d1, dn = timed(0, 1), timed(0, DECODE_ROWS)
     decode = DecodeCost.fit(DECODE_ROWS, d1, dn)
+    _log(first, context, t0, t1, d1, dn)
+    return cost, decode
+
+
+def _log(first: int, context: int, t0: float, t1: float, d1: float, dn: float) -> None:
     logger.info(
         "dynamic chunking: a %d-token chunk takes %.1f ms per layer at context 0 and %.1f ms at %d; a decode step "
         "%.2f ms (1 request) and %.2f ms (%d); chunks are sized to the first's time (at least %d tokens) or, beside "
-        "decodes, to their step's (at least %d)", first, t0 * 1e3, t1 * 1e3, context, d1 * 1e3, dn * 1e3,
-        DECODE_ROWS, max(1, first // 4), max(1, first // 32),
-    )  # fmt: skip
-    return cost, decode
+        "decodes, to their step's (at least %d)",
+        first,
+        t0 * 1e3,
+        t1 * 1e3,
+        context,
+        d1 * 1e3,
+        dn * 1e3,
+        DECODE_ROWS,
+        max(1, first // 4),
+        max(1, first // 32),
+    )
 
 
 def _time_layer(model, blocks, pool, plan, device: torch.device, attention, repeat: int) -> float:

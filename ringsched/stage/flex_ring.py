@@ -150,7 +150,11 @@ class FlexRing:
         if self.chooser is None:
             return tokens
         self.chooser.observe(
-            sent.tokens, sent.samples, sent.cut, sent.compute_s + sent.overhead_s, stage1_us / 1e6,
+            sent.tokens,
+            sent.samples,
+            sent.cut,
+            sent.compute_s + sent.overhead_s,
+            stage1_us / 1e6,
             layer_s=sent.compute_s / sent.cut,  # cut >= lo >= 1: FlexBoundary keeps a layer on each stage
         )
         return tokens

@@ -52,8 +52,9 @@ def process_groups(cfg: EngineConfig, where: RankInfo, generation: int = 0) -> t
     return store, TPGroup(TPShard(where.tp, cfg.tp_size), group, shm), None
 
 
-def shared_memory(cfg: EngineConfig, where: RankInfo, group, index: int, size: int,
-                  generation: int = 0) -> ShmCollectives | None:  # fmt: skip
+def shared_memory(
+    cfg: EngineConfig, where: RankInfo, group, index: int, size: int, generation: int = 0
+) -> ShmCollectives | None:
     """CPU ranks of a stage (always on one node) meet in a shared segment for their collectives: the stage's
     first rank creates it, all map it, then it is unlinked (so nothing is left behind, even after a SIGKILL).
     `index` of `size`: this rank's place in the stage's group."""

@@ -113,8 +113,9 @@ class StageLoop:
         cfg, stage, io, times, where = self.cfg, self.stage, self.io, self.times, self.where
         self.cut = (
             FlexRing(flex, stage, self.pool.caches, self.device, cfg.pp_flex_policy, io.progress_in, io.progress_out)
-            if flex else FixedCut(stage, self.device)
-        )  # fmt: skip
+            if flex
+            else FixedCut(stage, self.device)
+        )
         prev, next_ = where.pp_group[stage.prev], where.pp_group[stage.next]  # the same TP index, next door
         self.outputs = outputs_for(cfg, where, io.chan, times, self.peer, self.planner, io.front_out, self.cut)
         if where.decides:
@@ -200,9 +201,12 @@ class StageLoop:
             batch, ids = self.attention.forward_batch(plan, self.blocks, self.device)
             self.cut.before_layers(plan, proxy, batch.slot_mapping)
             out = self.model(
-                batch, input_ids=ids if proxy is None else None, proxy=proxy, kv_caches=self.pool.caches,
+                batch,
+                input_ids=ids if proxy is None else None,
+                proxy=proxy,
+                kv_caches=self.pool.caches,
                 layers=self.cut.layers(plan, self.model.one_call(batch)),  # policy ready: may set plan.cut as it runs
-            )  # fmt: skip
+            )
             rows = self.cut.after_layers(plan, batch.slot_mapping)
             out = self.head(plan, out, rows)
         self.cut.computed(plan, took.seconds, batch.slot_mapping, rows)

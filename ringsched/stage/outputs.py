@@ -100,8 +100,16 @@ class SendBack(_Holding):
 class TakeBack:
     """`src`: the global rank of the last stage's first rank."""
 
-    def __init__(self, cfg: EngineConfig, src: int, chan, times: StageTimes, peer: PeerCall,
-                 taker: _Taker, cut: FixedCut | FlexRing) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        src: int,
+        chan,
+        times: StageTimes,
+        peer: PeerCall,
+        taker: _Taker,
+        cut: FixedCut | FlexRing,
+    ) -> None:
         self.cfg, self.src, self.chan, self.times, self.peer = cfg, src, chan, times, peer
         self.taker, self.cut = taker, cut
 
@@ -171,8 +179,16 @@ class Discard(NoOutputs):
         pass
 
 
-def outputs_for(cfg: EngineConfig, where: RankInfo, chan, times: StageTimes, peer: PeerCall,
-                planner: Planner | None, front_out, cut: FixedCut | FlexRing):  # fmt: skip
+def outputs_for(
+    cfg: EngineConfig,
+    where: RankInfo,
+    chan,
+    times: StageTimes,
+    peer: PeerCall,
+    planner: Planner | None,
+    front_out,
+    cut: FixedCut | FlexRing,
+):
     """The part for this rank's place in the ring."""
     stage = where.stage
     if where.decides:

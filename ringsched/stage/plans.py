@@ -23,8 +23,16 @@ from ringsched.stage.times import StageTimes
 
 
 class LeadPlans:
-    def __init__(self, cfg: EngineConfig, io, planner: Planner, times: StageTimes, gc: GcPolicy,
-                 cut: FixedCut | FlexRing, outputs) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        io,
+        planner: Planner,
+        times: StageTimes,
+        gc: GcPolicy,
+        cut: FixedCut | FlexRing,
+        outputs,
+    ) -> None:
         self.cfg, self.io, self.planner, self.times, self.gc = cfg, io, planner, times, gc
         self.cut, self.outputs = cut, outputs
         self.stopping = False
@@ -79,8 +87,16 @@ class LeadPlans:
 
 
 class FollowPlans:
-    def __init__(self, where: RankInfo, io, blocks: BlockTable, times: StageTimes, gc: GcPolicy, outputs,
-                 report: Callable[[], None]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        where: RankInfo,
+        io,
+        blocks: BlockTable,
+        times: StageTimes,
+        gc: GcPolicy,
+        outputs,
+        report: Callable[[], None],
+    ) -> None:
         self.where, self.io, self.blocks, self.times, self.gc = where, io, blocks, times, gc
         self.outputs, self.report = outputs, report
 

@@ -92,16 +92,18 @@ class SamplerState:
             targets = self._sample(entries, logits)
             return targets, self._keep(entries, targets)
         except Exception:
-            logger.exception("sampling micro-batch %d failed; sampling its %d entries one by one", plan.seq,
-                             len(entries))  # fmt: skip
+            logger.exception(
+                "sampling micro-batch %d failed; sampling its %d entries one by one", plan.seq, len(entries)
+            )
         targets, kept, at = torch.full((logits.shape[0],), FAILED, dtype=torch.long), [], 0
         for e in entries:
             try:
                 targets[at : at + e.rows] = self._sample([e], logits[at : at + e.rows]).to(targets.device)
                 kept.append(self._keep([e], targets[at : at + e.rows]))
             except Exception as err:
-                logger.error("request %s: sampling failed, it ends with an error: %s: %s", e.rid, type(err).__name__,
-                             err)  # fmt: skip
+                logger.error(
+                    "request %s: sampling failed, it ends with an error: %s: %s", e.rid, type(err).__name__, err
+                )
                 kept.append(torch.tensor(padded([FAILED], e.rows)))
             at += e.rows
         return targets, torch.cat(kept)
@@ -111,8 +113,11 @@ class SamplerState:
         return self._keep(self._entries(plan), targets)
 
     def _entries(self, plan: BatchPlan) -> list[Sampled]:
-        return [self._grammar_cut(Sampled(e.rid, e.token_ids[len(e.token_ids) - e.drafts :], 1 + e.drafts))
-                for e in plan.entries if e.samples]  # fmt: skip
+        return [
+            self._grammar_cut(Sampled(e.rid, e.token_ids[len(e.token_ids) - e.drafts :], 1 + e.drafts))
+            for e in plan.entries
+            if e.samples
+        ]
 
     def _grammar_cut(self, e: Sampled) -> Sampled:
         """`e` with its drafts cut before the first its request's grammar refuses (as they are where it has none,
@@ -190,11 +195,13 @@ class SamplerState:
         needs_history = any(p.needs_history for p in params)
         histories = [self._before(e) if needs_history else [] for e in entries]
         keys = [self._key(e, p) for e, p in zip(entries, params, strict=True)]
-        rows_params, rows_hist, rows_keys = expand([e.drafts + [0] * (e.rows - 1 - len(e.drafts)) for e in entries],
-                                                   params, histories, keys)  # fmt: skip
+        rows_params, rows_hist, rows_keys = expand(
+            [e.drafts + [0] * (e.rows - 1 - len(e.drafts)) for e in entries], params, histories, keys
+        )
         lens = [self.prompt_len[e.rid] if needs_history else 0 for e in entries for _ in range(e.rows)]
-        return sample(logits, rows_params, rows_hist, rows_keys, self._banned(entries, params), lens,
-                      self._allowed(entries))  # fmt: skip
+        return sample(
+            logits, rows_params, rows_hist, rows_keys, self._banned(entries, params), lens, self._allowed(entries)
+        )
 
     def _before(self, e: Sampled) -> list[int]:
         """The request's tokens before the entry's drafts (the history itself where it has none: no copy)."""

@@ -36,8 +36,9 @@ class ReceiveProxy:
     """A later stage: `[hidden_states, residual, *kv rows]` of the micro-batch from rank `src` of the previous
     stage (with `tp`: this rank's shard of the first two, all-gathered into `[tokens, hidden]`)."""
 
-    def __init__(self, src: int, chan, times: StageTimes, peer: PeerCall, tp: TPGroup | None = None,
-                 hidden: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self, src: int, chan, times: StageTimes, peer: PeerCall, tp: TPGroup | None = None, hidden: int = 0
+    ) -> None:
         self.src, self.chan, self.times, self.peer, self.tp, self.hidden = src, chan, times, peer, tp, hidden
 
     def receive(self, plan: BatchPlan) -> dict[str, torch.Tensor] | None:
@@ -70,8 +71,9 @@ class PassOn:
 class SamplingHead:
     """The last stage: the final norm, lm_head and sampling of the rows that sample; tokens to the CPU."""
 
-    def __init__(self, model: StageModel, sampler: SamplerState, times: StageTimes, cut: FixedCut | FlexRing,
-                 active: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self, model: StageModel, sampler: SamplerState, times: StageTimes, cut: FixedCut | FlexRing, active: bool = True
+    ) -> None:
         self.model, self.sampler, self.times, self.cut = model, sampler, times, cut
         self.active = active  # False: a CP rank other than the group's first (that one samples every row)
 

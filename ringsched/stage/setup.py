@@ -22,12 +22,11 @@ from ringsched.attention.cp_backend import CPBackend
 from ringsched.comm.messages import StageStatus
 from ringsched.comm.tensor_channel import TensorChannel
 from ringsched.comm.zmq_io import Puller, Pusher
-from ringsched.config import EngineConfig, parse_memory
-from ringsched.device import activation_reserve, set_matmul_precision
+from ringsched.config import EngineConfig
+from ringsched.device import set_matmul_precision
 from ringsched.kernels import linear_tuning
 from ringsched.kv.cache import BlockTable, KVPool
 from ringsched.kv.cp_blocks import CPBlocks, request_capacity
-from ringsched.kv.ring import RingTable, SlidingBlockTable, ring_size, split_budget
 from ringsched.layout.rank import RankInfo, StageInfo
 from ringsched.models.loader import load_stage_model, weights_bytes
 from ringsched.scheduler import chunking
@@ -40,6 +39,7 @@ from ringsched.stage.affinity import allowed_cpus, stage_cpus
 from ringsched.stage.channels import generation_store, plan_channels, progress_channels
 from ringsched.stage.groups import process_groups
 from ringsched.stage.heap import keep_heap
+from ringsched.stage.kv_setup import block_table, kv_blocks, ring_of, sliding_layers
 from ringsched.stage.loop import StageIO, StageLoop
 from ringsched.weights.model_config import ModelConfig
 
@@ -84,16 +84,39 @@ class RankSetup:
         num_blocks, ring_blocks = self.num_blocks = self._kv_blocks(local, generation)
         ring = ring_of(cfg, local)
         if self.pool is None:
-            self.pool = KVPool(local, self.stage.num_layers, num_blocks, cfg.block_size, cfg.torch_dtype, self.device,
-                               sliding=_sliding_layers(local, self.stage), ring_blocks=ring_blocks)  # fmt: skip
-        blocks = _block_table(cfg, local, num_blocks, ring_blocks, ring, follower=not where.decides)
+            self.pool = KVPool(
+                local,
+                self.stage.num_layers,
+                num_blocks,
+                cfg.block_size,
+                cfg.torch_dtype,
+                self.device,
+                sliding=sliding_layers(local, self.stage),
+                ring_blocks=ring_blocks,
+            )
+        blocks = block_table(cfg, local, num_blocks, ring_blocks, ring, follower=not where.decides)
         if cfg.enable_prefix_caching and ring and where.decides and generation == 0:
             logger.info("prefix caching off: a cached prefix would have no KV in the sliding layers' rings")
-        planner = _planner(cfg, self.spec, local, blocks, self.device, cp=cp is not None,
-                           flex=self.flex is not None) if where.decides else None  # fmt: skip
-        self.loop = StageLoop(cfg, self.stage, self.model, blocks, self.pool, self._io(generation), planner,
-                              self.device, self.spec.eos_ids, self.flex, where=where, tp=self.tp,
-                              attention=self._attention())  # fmt: skip
+        planner = (
+            _planner(cfg, self.spec, local, blocks, self.device, cp=cp is not None, flex=self.flex is not None)
+            if where.decides
+            else None
+        )
+        self.loop = StageLoop(
+            cfg,
+            self.stage,
+            self.model,
+            blocks,
+            self.pool,
+            self._io(generation),
+            planner,
+            self.device,
+            self.spec.eos_ids,
+            self.flex,
+            where=where,
+            tp=self.tp,
+            attention=self._attention(),
+        )
         info = _ready_info(cfg, where, self.stage, self.spec.partition[self.stage.rank], self.model, self.pool, blocks)
         return self.loop, {**info, "generation": generation}
 
@@ -104,14 +127,20 @@ class RankSetup:
             held = self.flex.held(where.pp)
             self.stage = dataclasses.replace(self.stage, start_layer=held[0], end_layer=held[1])
             if where.decides:
-                logger.info("flexible cut: stage 0 runs the first %d to %d layers of each micro-batch",
-                            self.flex.lo, self.flex.hi)  # fmt: skip
-        self.model = load_stage_model(self.spec.model_dir, self.stage, cfg.torch_dtype, self.device, tp=self.tp,
-                                      quantization=cfg.quantization)  # fmt: skip
+                logger.info(
+                    "flexible cut: stage 0 runs the first %d to %d layers of each micro-batch",
+                    self.flex.lo,
+                    self.flex.hi,
+                )
+        self.model = load_stage_model(
+            self.spec.model_dir, self.stage, cfg.torch_dtype, self.device, tp=self.tp, quantization=cfg.quantization
+        )
         if cfg.enable_deterministic_inference:
             left = self.model.batch_invariant()
-            logger.info("deterministic inference: every row count takes the native kernels%s",
-                        f" but in {', '.join(left)} (torch's path, not batch-invariant)" if left else "")  # fmt: skip
+            logger.info(
+                "deterministic inference: every row count takes the native kernels%s",
+                f" but in {', '.join(left)} (torch's path, not batch-invariant)" if left else "",
+            )
         else:
             linear_tuning.tune_stage(self.model, cfg.linear_tuning, cfg.torch_dtype)  # its threads, weights: after both
 
@@ -130,7 +159,7 @@ class RankSetup:
         if generation > 0 and self.store is not None and self.store.check([KV_BLOCKS_KEY]):
             main, sliding = self.store.get(KV_BLOCKS_KEY).decode().split(",")
             return int(main), int(sliding)
-        blocks = _kv_blocks(self.cfg, local, self.stage, self.device, self.spec.context_len)
+        blocks = kv_blocks(self.cfg, local, self.stage, self.device, self.spec.context_len)
         if self.store is not None and self.where.rank == 0:
             self.store.set(KV_BLOCKS_KEY, f"{blocks[0]},{blocks[1]}")
         return blocks
@@ -141,12 +170,16 @@ class RankSetup:
         plan_in, plan_out = plan_channels(cfg, where, addrs, ctx, store)
         progress_in, progress_out = progress_channels(cfg, self.stage, addrs, ctx, store)
         return StageIO(
-            chan=TensorChannel(self.device), plan_in=plan_in, plan_out=plan_out,
+            chan=TensorChannel(self.device),
+            plan_in=plan_in,
+            plan_out=plan_out,
             front_in=Puller(ctx, addrs.front_in) if where.decides else None,
             front_out=Pusher(ctx, addrs.front_out) if where.decides else None,
-            alive=self.alive, report=lambda stats: ctl.send(StageStatus(where.rank, "stats", stats)),
-            progress_in=progress_in, progress_out=progress_out,
-        )  # fmt: skip
+            alive=self.alive,
+            report=lambda stats: ctl.send(StageStatus(where.rank, "stats", stats)),
+            progress_in=progress_in,
+            progress_out=progress_out,
+        )
 
     def leave(self) -> None:
         """Undo `connect`: the loop's sockets (unsent messages dropped), the shared memory of the stage's group,
@@ -170,23 +203,47 @@ class RankSetup:
         gc.collect()
 
 
-def _planner(cfg: EngineConfig, spec: ModelSpec, local: ModelConfig, blocks: BlockTable, device: torch.device, *,
-             cp: bool, flex: bool) -> Planner:  # fmt: skip
+def _planner(
+    cfg: EngineConfig,
+    spec: ModelSpec,
+    local: ModelConfig,
+    blocks: BlockTable,
+    device: torch.device,
+    *,
+    cp: bool,
+    flex: bool,
+) -> Planner:
     """Stage 0's planner over its own block table (with --cp-size, over every CP rank's: its own is the first, and it
     places each token); with --enable-dynamic-chunking, its chunk sizer from a start-up probe."""
     tables = [blocks] + [BlockTable(blocks.num_blocks, cfg.block_size) for _ in range(cfg.cp_size - 1)]
     allocator = CPBlocks(tables) if cp else blocks
     chunker = None
     if cfg.enable_dynamic_chunking:
-        cost, decode = chunk_probe.probe(local, cfg.torch_dtype, device, cfg.chunked_prefill_size, spec.context_len,
-                                         attention_backend=cfg.attention_backend)
+        cost, decode = chunk_probe.probe(
+            local,
+            cfg.torch_dtype,
+            device,
+            cfg.chunked_prefill_size,
+            spec.context_len,
+            attention_backend=cfg.attention_backend,
+        )
         chunker = chunking.ChunkSizer(cost, cfg.chunked_prefill_size, decode=decode)
     speculator = NO_DRAFTS
     if cfg.speculative_config:  # drafting is stage 0's alone; drafts are placed like the planner's tokens
         speculator = Speculator(SpeculativeConfig.parse(cfg.speculative_config), allocator, spec.context_len)
-    return Planner(allocator, cfg.micro_batch_size, cfg.max_running_requests, cfg.chunked_prefill_size, spec.eos_ids,
-                   spec.context_len, random.Random(cfg.seed), spec.config.vocab_size, flexible_cut=flex,
-                   chunker=chunker, speculator=speculator)  # fmt: skip
+    return Planner(
+        allocator,
+        cfg.micro_batch_size,
+        cfg.max_running_requests,
+        cfg.chunked_prefill_size,
+        spec.eos_ids,
+        spec.context_len,
+        random.Random(cfg.seed),
+        spec.config.vocab_size,
+        flexible_cut=flex,
+        chunker=chunker,
+        speculator=speculator,
+    )
 
 
 def _threads_and_device(cfg: EngineConfig, local_rank: int) -> torch.device:
@@ -202,8 +259,9 @@ def _threads_and_device(cfg: EngineConfig, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def _ready_info(cfg: EngineConfig, where: RankInfo, stage: StageInfo, cut_layers: int, model, pool: KVPool,
-                blocks: BlockTable) -> dict:  # fmt: skip
+def _ready_info(
+    cfg: EngineConfig, where: RankInfo, stage: StageInfo, cut_layers: int, model, pool: KVPool, blocks: BlockTable
+) -> dict:
     info = {
         "stage": where.pp,
         "tp": where.tp,
@@ -220,78 +278,12 @@ def _ready_info(cfg: EngineConfig, where: RankInfo, stage: StageInfo, cut_layers
         "cpus": allowed_cpus(),  # after the stage pinned itself
     }
     logger.info(
-        "layers %d-%d (%d), weights %.1f MiB, KV pool %.1f MiB = %d tokens", stage.start_layer,
-        stage.end_layer - 1, stage.num_layers, info["weights_bytes"] / 2**20, pool.nbytes / 2**20,
+        "layers %d-%d (%d), weights %.1f MiB, KV pool %.1f MiB = %d tokens",
+        stage.start_layer,
+        stage.end_layer - 1,
+        stage.num_layers,
+        info["weights_bytes"] / 2**20,
+        pool.nbytes / 2**20,
         blocks.capacity_tokens,
-    )  # fmt: skip
+    )
     return info
-
-
-def kv_budget_bytes(cfg: EngineConfig, device: torch.device, free: int | None = None,
-                    mcfg: ModelConfig | None = None) -> int:  # fmt: skip
-    """`--kv-cache-memory` in bytes for one stage: as given, or its fraction of the free memory this stage may
-    use (its GPU's; on CPU the node's available memory shared by the stages on this node). `free` overrides the
-    measured free memory (tests); on a GPU, with the model's config `mcfg`, `device.activation_reserve` is taken
-    off the free memory first."""
-    budget = parse_memory(cfg.kv_cache_memory)
-    if isinstance(budget, int):
-        return budget
-    if free is None and device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
-    elif free is None:
-        import psutil
-
-        free = psutil.virtual_memory().available
-    if device.type == "cuda" and mcfg is not None:  # the fraction is of what a step's activations leave
-        step = cfg.chunked_prefill_size + cfg.micro_batch_size
-        free -= activation_reserve(step, cfg.micro_batch_size, mcfg.hidden_size, mcfg.intermediate_size,
-                                   mcfg.vocab_size)  # fmt: skip
-    if device.type != "cuda":
-        free //= cfg.ranks_per_node
-    return max(int(free * budget), 0)
-
-
-def _block_table(cfg: EngineConfig, mcfg: ModelConfig, main: int, sliding: int, ring: int, follower: bool
-                 ) -> BlockTable:  # fmt: skip
-    """The stage's KV blocks: with sliding layers, the main table and the rings of the sliding pool."""
-    if ring:
-        rings = RingTable(sliding, cfg.block_size, ring, mcfg.sliding_window, follower=follower)
-        return SlidingBlockTable(main, cfg.block_size, rings, follower=follower)
-    return BlockTable(main, cfg.block_size, follower=follower, prefix_caching=cfg.enable_prefix_caching)
-
-
-def ring_of(cfg: EngineConfig, mcfg: ModelConfig) -> int:
-    """Blocks of one request's full ring of sliding KV (`kv/ring.py`; a chunk of at most --chunked-prefill-size),
-    0 for a model without sliding layers."""
-    return ring_size(mcfg.sliding_window, cfg.chunked_prefill_size, cfg.block_size) if mcfg.has_sliding else 0
-
-
-def _sliding_layers(mcfg: ModelConfig, stage: StageInfo) -> list[bool]:
-    return [bool(mcfg.window(i)) for i in range(stage.start_layer, stage.end_layer)]
-
-
-def _kv_blocks(cfg: EngineConfig, mcfg: ModelConfig, stage: StageInfo, device: torch.device,
-               context_len: int) -> tuple[int, int]:  # fmt: skip
-    """(main, sliding) pool blocks: the budget split between the full and the sliding layers (`split_budget`), the
-    smallest of every rank's. A main table no rank bounds (sliding layers only) holds every running request's whole
-    context; a model without sliding layers has no sliding pool (0)."""
-    budget = kv_budget_bytes(cfg, device, mcfg=mcfg)
-    sliding, ring = sum(_sliding_layers(mcfg, stage)), ring_of(cfg, mcfg)
-    elt = torch.empty((), dtype=cfg.torch_dtype).element_size()
-    context_blocks = -(-context_len // cfg.block_size)
-    blocks = split_budget(budget, mcfg.kv_bytes_per_token_per_layer * elt * cfg.block_size, stage.num_layers - sliding,
-                          sliding, max(ring, 1), context_blocks)  # fmt: skip
-    if cfg.world_size > 1:
-        # Stage 0 admits against the smallest pools (over every rank); every rank allocates just that much.
-        unbounded = 2**62
-        t = torch.tensor([b if b >= 0 else unbounded for b in blocks], dtype=torch.long, device=device)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
-        blocks = tuple(b if b < unbounded else -1 for b in t.tolist())
-    main, slides = blocks
-    main = main if main >= 0 else cfg.max_running_requests * context_blocks
-    if main < 1 or (ring and slides < 1):
-        raise RuntimeError(f"--kv-cache-memory {cfg.kv_cache_memory} holds no KV block; raise it")
-    if ring:
-        logger.info("KV: %d main blocks for %d full layers, %d sliding blocks (rings of up to %d) for %d sliding "
-                    "layers", main, stage.num_layers - sliding, slides, ring, sliding)  # fmt: skip
-    return main, max(slides, 0)

@@ -25,7 +25,7 @@ from ringsched.spec import ModelSpec
 from ringsched.stage import rejoin
 from ringsched.stage.channels import StageAddrs
 from ringsched.stage.loop import PeerLost
-from ringsched.stage.setup import ParentGone, RankSetup, kv_budget_bytes  # noqa: F401  (kv_budget_bytes: re-export)
+from ringsched.stage.setup import ParentGone, RankSetup
 
 logger = logging.getLogger("ringsched.layout.rank")
 
@@ -38,8 +38,9 @@ def stage_main(cfg: EngineConfig, spec: ModelSpec, where: RankInfo, addrs: Stage
         format=f"[{cfg.describe_rank(rank)}] %(asctime)s %(levelname)s %(message)s",
         force=True,
     )
-    _set_process_name(process_name(where.pp, where.tp if cfg.tp_size > 1 else None,
-                                   where.cp if cfg.cp_size > 1 else None))
+    _set_process_name(
+        process_name(where.pp, where.tp if cfg.tp_size > 1 else None, where.cp if cfg.cp_size > 1 else None)
+    )
     # Ctrl-C in a terminal, and scancel or systemd's SIGTERM, reach the whole process group; the launcher owns
     # shutdown, so a stage ignores them and stops when told to (Shutdown plan), when its parent is gone, or by
     # the launcher's SIGKILL.

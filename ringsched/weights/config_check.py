@@ -14,17 +14,25 @@ from ringsched.weights.model_config import UnsupportedModelError
 # code reads (heads, sizes, biases, RoPE scaling, hidden_act, ...) are checked where they are read, and a family
 # that honours one of these (`families.Family.reads`: Gemma's soft-capping, Mistral's window) reads it itself.
 UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[object], bool], str]] = {
-    "use_sliding_window": (bool, "sliding-window attention is not supported; set it to false to run full attention "
-                           "(exact while prompt + output stay within the window)"),
-    "layer_types": (lambda v: any(t != "full_attention" for t in v or []),
-                    "layers other than full attention (sliding windows) are not supported"),
+    "use_sliding_window": (
+        bool,
+        "sliding-window attention is not supported; set it to false to run full attention "
+        "(exact while prompt + output stay within the window)",
+    ),
+    "layer_types": (
+        lambda v: any(t != "full_attention" for t in v or []),
+        "layers other than full attention (sliding windows) are not supported",
+    ),
     "attn_logit_softcapping": (lambda v: v is not None, "attention logit soft-capping is not supported"),
     "final_logit_softcapping": (lambda v: v is not None, "final logit soft-capping is not supported"),
-    "partial_rotary_factor": (lambda v: v not in (None, 1, 1.0), "rotary embedding on part of each head is not "
-                              "supported"),
+    "partial_rotary_factor": (
+        lambda v: v not in (None, 1, 1.0),
+        "rotary embedding on part of each head is not supported",
+    ),
     "num_local_experts": (lambda v: bool(v), "mixtures of experts are not supported"),
     "num_experts": (lambda v: bool(v), "mixtures of experts are not supported"),
-}  # fmt: skip
+}
+
 
 def check_config(raw: dict) -> None:
     """Raise `UnsupportedModelError` naming the first field of config.json ringsched would not honour."""

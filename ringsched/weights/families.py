@@ -51,8 +51,9 @@ def _layer_types(cfg: dict, derive: Callable[[int], bool]) -> tuple[str, ...]:
     if given:
         unknown = sorted(set(given) - {"sliding_attention", "full_attention"})
         if unknown:
-            raise UnsupportedModelError(f"config.json: layer_types {unknown} are not supported (sliding_attention and "
-                                        "full_attention are)")  # fmt: skip
+            raise UnsupportedModelError(
+                f"config.json: layer_types {unknown} are not supported (sliding_attention and full_attention are)"
+            )
         return tuple("sliding" if t == "sliding_attention" else "full" for t in given)
     return tuple("sliding" if derive(i) else "full" for i in range(n))
 
@@ -108,8 +109,9 @@ def _gemma(cfg: dict, every: int) -> dict:
         "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", True)),
     }
     if cfg.get("use_bidirectional_attention"):
-        raise UnsupportedModelError("config.json: use_bidirectional_attention is not supported (a decoder attends "
-                                    "causally)")  # fmt: skip
+        raise UnsupportedModelError(
+            "config.json: use_bidirectional_attention is not supported (a decoder attends causally)"
+        )
     return {**out, **_window(cfg, _layer_types(cfg, lambda i: bool((i + 1) % every)))}
 
 
@@ -140,15 +142,26 @@ def _moe_layers(cfg: dict) -> tuple[int, ...]:
 
 
 def _mixtral(cfg: dict) -> dict:
-    moe = MoEConfig(int(cfg["num_local_experts"]), int(cfg["num_experts_per_tok"]), cfg["intermediate_size"], True,
-                    tuple(range(cfg["num_hidden_layers"])), ("block_sparse_moe", "w1", "w3", "w2"))  # fmt: skip
+    moe = MoEConfig(
+        int(cfg["num_local_experts"]),
+        int(cfg["num_experts_per_tok"]),
+        cfg["intermediate_size"],
+        True,
+        tuple(range(cfg["num_hidden_layers"])),
+        ("block_sparse_moe", "w1", "w3", "w2"),
+    )
     return {**_mistral(cfg), "moe": moe}
 
 
 def _qwen3_moe(cfg: dict) -> dict:
     experts = cfg.get("num_experts") or cfg.get("num_local_experts")
-    moe = MoEConfig(int(experts), int(cfg["num_experts_per_tok"]), cfg["moe_intermediate_size"],
-                    bool(cfg.get("norm_topk_prob", False)), _moe_layers(cfg))  # fmt: skip
+    moe = MoEConfig(
+        int(experts),
+        int(cfg["num_experts_per_tok"]),
+        cfg["moe_intermediate_size"],
+        bool(cfg.get("norm_topk_prob", False)),
+        _moe_layers(cfg),
+    )
     return {**_qwen3(cfg), "moe": moe}
 
 

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ringsched.weights.families import UnsupportedModelError
+from ringsched.weights.gguf_meta import Meta
 
 # Tensors llama.cpp stores that are config, not weights: per-frequency RoPE divisors.
 CONFIG_TENSORS = frozenset({"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"})
@@ -26,33 +27,6 @@ TOP_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-
-
-class Meta:
-    """A GGUF file's metadata under llama.cpp's key names, and its tensors' shapes (in numpy's order)."""
-
-    def __init__(self, reader) -> None:
-        self.reader = reader
-        self._read: dict[str, object] = {}
-        self.arch: str = self.get("general.architecture")
-        self.shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
-
-    def get(self, key: str, default=None):
-        if key not in self._read:  # read once: a vocabulary of 256k strings takes a while
-            field = self.reader.fields.get(key)
-            self._read[key] = None if field is None else field.contents()
-        value = self._read[key]
-        return default if value is None else value
-
-    def of(self, key: str, default=None):
-        """The architecture's own key: `of("block_count")` reads `llama.block_count` in a Llama file."""
-        return self.get(f"{self.arch}.{key}", default)
-
-    def values(self, tensor: str) -> list[float]:
-        import gguf
-
-        t = next(t for t in self.reader.tensors if t.name == tensor)
-        return [float(v) for v in gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1)]
 
 
 @dataclass(frozen=True)
@@ -87,8 +61,13 @@ def _rope_scaling(meta: Meta) -> dict | None:
         # llama.cpp stores Llama 3.1's scaled RoPE as each frequency's divisor, not as its parameters: longrope with
         # those divisors on both sides of the original length (and factor 1: no attention scaling) is that RoPE
         divisors = meta.values("rope_freqs.weight")
-        return {"rope_type": "longrope", "factor": 1.0, "short_factor": divisors, "long_factor": divisors,
-                "original_max_position_embeddings": int(meta.of("context_length", 4096))}  # fmt: skip
+        return {
+            "rope_type": "longrope",
+            "factor": 1.0,
+            "short_factor": divisors,
+            "long_factor": divisors,
+            "original_max_position_embeddings": int(meta.of("context_length", 4096)),
+        }
     kind = meta.of("rope.scaling.type")
     if kind in (None, "none") or "rope_factors_long.weight" in meta.shapes:  # longrope: `_phi3` reads it
         return None
@@ -97,8 +76,11 @@ def _rope_scaling(meta: Meta) -> dict | None:
         return {"rope_type": "linear", "factor": factor}
     if kind == "yarn":
         out = {"rope_type": "yarn", "factor": factor}
-        for key, name in (("original_context_length", "original_max_position_embeddings"),
-                          ("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):  # fmt: skip
+        for key, name in (
+            ("original_context_length", "original_max_position_embeddings"),
+            ("yarn_beta_fast", "beta_fast"),
+            ("yarn_beta_slow", "beta_slow"),
+        ):
             if meta.of(f"rope.scaling.{key}") is not None:
                 out[name] = meta.of(f"rope.scaling.{key}")
         return out
@@ -167,10 +149,16 @@ def _named(architecture: str, model_type: str) -> Callable[[Meta], dict]:
 def _qwen3_moe(meta: Meta) -> dict:
     # layers with a dense MLP (`ffn_gate`) among the sparse ones; llama.cpp always renormalises the top-k weights
     dense = [i for i in range(_blocks(meta)) if f"blk.{i}.ffn_gate.weight" in meta.shapes]
-    return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
-            "num_experts": int(meta.of("expert_count")), "num_experts_per_tok": int(meta.of("expert_used_count")),
-            "moe_intermediate_size": int(meta.of("expert_feed_forward_length")), "norm_topk_prob": True,
-            "decoder_sparse_step": 1, "mlp_only_layers": dense}  # fmt: skip
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "num_experts": int(meta.of("expert_count")),
+        "num_experts_per_tok": int(meta.of("expert_used_count")),
+        "moe_intermediate_size": int(meta.of("expert_feed_forward_length")),
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": dense,
+    }
 
 
 def _gemma(meta: Meta, every: int, big_layers: int) -> dict:
@@ -193,17 +181,26 @@ def _gemma(meta: Meta, every: int, big_layers: int) -> dict:
 
 def _gemma2(meta: Meta) -> dict:
     # llama.cpp's defaults where the file states no soft-caps are Gemma 2's own
-    return {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", **_gemma(meta, 2, 46),
-            "attn_logit_softcapping": float(meta.of("attn_logit_softcapping", 50.0)),
-            "final_logit_softcapping": float(meta.of("final_logit_softcapping", 30.0))}  # fmt: skip
+    return {
+        "architectures": ["Gemma2ForCausalLM"],
+        "model_type": "gemma2",
+        **_gemma(meta, 2, 46),
+        "attn_logit_softcapping": float(meta.of("attn_logit_softcapping", 50.0)),
+        "final_logit_softcapping": float(meta.of("final_logit_softcapping", 30.0)),
+    }
 
 
 def _gemma3(meta: Meta) -> dict:
     # sliding layers rotate with their own base, 10000 unless the file says (llama.cpp's fixed value)
-    return {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", **_gemma(meta, 6, 62),
-            "rope_theta": float(meta.of("rope.freq_base", 1_000_000.0)),
-            "rope_local_base_freq": float(meta.of("rope.freq_base_swa", 10000.0)),
-            "attn_logit_softcapping": None, "final_logit_softcapping": meta.of("final_logit_softcapping")}  # fmt: skip
+    return {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        **_gemma(meta, 6, 62),
+        "rope_theta": float(meta.of("rope.freq_base", 1_000_000.0)),
+        "rope_local_base_freq": float(meta.of("rope.freq_base_swa", 10000.0)),
+        "attn_logit_softcapping": None,
+        "final_logit_softcapping": meta.of("final_logit_softcapping"),
+    }
 
 
 def _phi3(meta: Meta) -> dict:
@@ -220,8 +217,11 @@ def _phi3(meta: Meta) -> dict:
     if "rope_factors_long.weight" in meta.shapes:
         original = int(meta.of("rope.scaling.original_context_length"))
         out["original_max_position_embeddings"] = original
-        out["rope_scaling"] = {"type": "longrope", "short_factor": meta.values("rope_factors_short.weight"),
-                               "long_factor": meta.values("rope_factors_long.weight")}  # fmt: skip
+        out["rope_scaling"] = {
+            "type": "longrope",
+            "short_factor": meta.values("rope_factors_short.weight"),
+            "long_factor": meta.values("rope_factors_long.weight"),
+        }
     return out
 
 
@@ -234,9 +234,13 @@ _ATTENTION = {
 _MLP = {f"ffn_{p}.{k}": f"mlp.{p}_proj.{k}" for p in ("gate", "up", "down") for k in ("weight", "bias")}
 _QK_NORM = {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
 _LLAMA = {**_ATTENTION, **_MLP, "ffn_norm.weight": "post_attention_layernorm.weight"}
-_GEMMA = {**_ATTENTION, **_MLP, "post_attention_norm.weight": "post_attention_layernorm.weight",
-          "ffn_norm.weight": "pre_feedforward_layernorm.weight",
-          "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}  # fmt: skip
+_GEMMA = {
+    **_ATTENTION,
+    **_MLP,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
 _PHI3 = {**_LLAMA, "attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"}
 
 GGUF_FAMILIES: dict[str, GGUFFamily] = {
@@ -262,8 +266,9 @@ GGUF_FAMILIES: dict[str, GGUFFamily] = {
 def family_of(meta: Meta, source: str) -> GGUFFamily:
     """The family of the file `source` names; `UnsupportedModelError` naming its architecture otherwise."""
     if meta.arch not in GGUF_FAMILIES:
-        raise UnsupportedModelError(f"{source}: GGUF architecture {meta.arch!r} is not supported; ringsched converts "
-                                    f"{', '.join(GGUF_FAMILIES)}")  # fmt: skip
+        raise UnsupportedModelError(
+            f"{source}: GGUF architecture {meta.arch!r} is not supported; ringsched converts {', '.join(GGUF_FAMILIES)}"
+        )
     return GGUF_FAMILIES[meta.arch]
 
 

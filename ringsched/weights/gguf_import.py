@@ -21,7 +21,8 @@ from safetensors.torch import save_file
 
 from ringsched.weights.config_check import check_config
 from ringsched.weights.families import UnsupportedModelError
-from ringsched.weights.gguf_families import CONFIG_TENSORS, TOP_NAMES, GGUFFamily, Meta, family_of, hf_config
+from ringsched.weights.gguf_families import CONFIG_TENSORS, TOP_NAMES, GGUFFamily, family_of, hf_config
+from ringsched.weights.gguf_meta import Meta
 from ringsched.weights.gguf_tokenizer import stop_ids, write_gguf_tokenizer
 from ringsched.weights.model_config import ModelConfig
 
@@ -50,8 +51,10 @@ def hf_tensors(family: GGUFFamily, gguf_name: str, arr: np.ndarray, arch: str) -
         block, gate, up, down = family.experts
         proj = {"gate": gate, "up": up, "down": down}[stacked.group(1)]
         return {f"{layer}{block}.experts.{e}.{proj}.weight": arr[e] for e in range(arr.shape[0])}
-    raise UnsupportedModelError(f"unexpected tensor {gguf_name!r} in a GGUF file of architecture {arch!r}: "
-                                "ringsched does not know where it goes")  # fmt: skip
+    raise UnsupportedModelError(
+        f"unexpected tensor {gguf_name!r} in a GGUF file of architecture {arch!r}: "
+        "ringsched does not know where it goes"
+    )
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, quiet: bool = False) -> Path:
@@ -63,8 +66,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path, quiet: bool = False) -> Path:
     meta = Meta(gguf.GGUFReader(str(gguf_path)))
     family = family_of(meta, gguf_path.name)
     if int(meta.get("split.count", 1)) > 1:
-        raise UnsupportedModelError(f"{gguf_path.name} is one part of a split GGUF file ({meta.get('split.count')} "
-                                    "parts); merge them with llama.cpp's `llama-gguf-split --merge` first")  # fmt: skip
+        raise UnsupportedModelError(
+            f"{gguf_path.name} is one part of a split GGUF file ({meta.get('split.count')} "
+            "parts); merge them with llama.cpp's `llama-gguf-split --merge` first"
+        )
     config = hf_config(meta, family)
     check_config(config)
     ModelConfig.from_dict(config)  # refuses what the model code does not run, naming it

@@ -107,8 +107,22 @@ class GGUFParts(GGUFWeights, Linear):
             y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
             xb = int(x.dtype == torch.bfloat16)
             b = None if self.bias_f32 is None else self.bias_f32.data_ptr()
-            if lib.gguf_linear_parts(x.data_ptr(), x.stride(0), xb, x.shape[0], x.shape[1], self.desc.data_ptr(),
-                                     len(self.parts), b, y.data_ptr(), xb, torch.get_num_threads()) == 0:  # fmt: skip
+            if (
+                lib.gguf_linear_parts(
+                    x.data_ptr(),
+                    x.stride(0),
+                    xb,
+                    x.shape[0],
+                    x.shape[1],
+                    self.desc.data_ptr(),
+                    len(self.parts),
+                    b,
+                    y.data_ptr(),
+                    xb,
+                    torch.get_num_threads(),
+                )
+                == 0
+            ):
                 return y
         w = torch.cat([dequantize(p.weight, p.qtype, self.in_features, x.dtype) for p in self.parts])[rows]
         return F.linear(x, w, self.bias if rows == slice(None) else None)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ringsched.weights.families import UnsupportedModelError
-from ringsched.weights.gguf_families import Meta
+from ringsched.weights.gguf_meta import Meta
 from ringsched.weights.tokenizer_build import build_bpe_tokenizer, build_spm_tokenizer, write_tokenizer_files
 
 _TAIL = r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -24,8 +24,17 @@ _O200K_TAIL = r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _GPT4O = "|".join(w + _CONTRACTIONS + "?" for w in _CASED) + r"|\p{N}{1,3}" + _O200K_TAIL  # Phi-4-mini
 _TEKKEN = "|".join(_CASED) + r"|\p{N}" + _O200K_TAIL  # Mistral Nemo and later
 # `tokenizer.ggml.pre` -> the regex its words are cut by; any other (SmolLM's, GPT-2's) takes GPT-2's own
-SPLITS = {"llama-bpe": _LLAMA3, "llama3": _LLAMA3, "llama-v3": _LLAMA3, "smaug-bpe": _LLAMA3, "dbrx": _LLAMA3,
-          "qwen2": _QWEN2, "deepseek-r1-qwen": _QWEN2, "gpt-4o": _GPT4O, "tekken": _TEKKEN}  # fmt: skip
+SPLITS = {
+    "llama-bpe": _LLAMA3,
+    "llama3": _LLAMA3,
+    "llama-v3": _LLAMA3,
+    "smaug-bpe": _LLAMA3,
+    "dbrx": _LLAMA3,
+    "qwen2": _QWEN2,
+    "deepseek-r1-qwen": _QWEN2,
+    "gpt-4o": _GPT4O,
+    "tekken": _TEKKEN,
+}
 # Control tokens that end a turn, which llama.cpp stops at whatever the file's eos: Llama 3's, ChatML's, Phi-3's,
 # Gemma's. `<|endoftext|>` is not among them: in ChatML vocabularies it separates documents, not turns.
 END_OF_TURN = frozenset({"<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|im_end|>", "<|end|>", "<end_of_turn>"})
@@ -46,8 +55,10 @@ def write_gguf_tokenizer(meta: Meta, out_dir: Path, max_len: int) -> None:
         unk = meta.get("tokenizer.ggml.unknown_token_id")
         tok = build_spm_tokenizer(tokens, scores, types, unk, prefix, merges or None)
     else:
-        raise UnsupportedModelError(f"GGUF tokenizer model {model!r} is not supported; ringsched builds 'gpt2' "
-                                    "(byte-level BPE) and 'llama' (SentencePiece BPE) tokenizers")  # fmt: skip
+        raise UnsupportedModelError(
+            f"GGUF tokenizer model {model!r} is not supported; ringsched builds 'gpt2' "
+            "(byte-level BPE) and 'llama' (SentencePiece BPE) tokenizers"
+        )
     write_tokenizer_files(
         out_dir,
         tok,
@@ -69,6 +80,9 @@ def stop_ids(meta: Meta) -> list[int]:
     ids = {meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")} - {None}
     tokens = meta.get("tokenizer.ggml.tokens") or []
     types = meta.get("tokenizer.ggml.token_type") or []
-    ids.update(i for i, (t, k) in enumerate(zip(tokens, types, strict=False))
-               if k in (_CONTROL, _USER_DEFINED) and t in END_OF_TURN)  # fmt: skip
+    ids.update(
+        i
+        for i, (t, k) in enumerate(zip(tokens, types, strict=False))
+        if k in (_CONTROL, _USER_DEFINED) and t in END_OF_TURN
+    )
     return sorted(int(i) for i in ids)

@@ -46,8 +46,9 @@ class GGUFCheckpoint:
     def __init__(self, path: Path, model_dir: Path) -> None:
         import gguf
 
-        from ringsched.weights.gguf_families import CONFIG_TENSORS, Meta, family_of
+        from ringsched.weights.gguf_families import CONFIG_TENSORS, family_of
         from ringsched.weights.gguf_import import hf_tensors
+        from ringsched.weights.gguf_meta import Meta
 
         self.path = path
         self.reader = gguf.GGUFReader(str(path))
@@ -59,11 +60,20 @@ class GGUFCheckpoint:
             if t.name not in CONFIG_TENSORS:
                 for name, arr in hf_tensors(self.family, t.name, t.data, meta.arch).items():
                     self.tensors[name] = (arr, int(t.tensor_type))
-        self.unrun = sorted({gguf.GGMLQuantizationType(q).name for _, q in self.tensors.values()
-                             if q not in TYPES and q not in FLOAT_TYPES})  # fmt: skip
+        self.unrun = sorted(
+            {
+                gguf.GGMLQuantizationType(q).name
+                for _, q in self.tensors.values()
+                if q not in TYPES and q not in FLOAT_TYPES
+            }
+        )
         if self.unrun:
-            logger.warning("%s: %s tensors are dequantized to float at load (the kernels run %s)", path.name,
-                           ", ".join(self.unrun), ", ".join(v[0] for v in TYPES.values()))  # fmt: skip
+            logger.warning(
+                "%s: %s tensors are dequantized to float at load (the kernels run %s)",
+                path.name,
+                ", ".join(self.unrun),
+                ", ".join(v[0] for v in TYPES.values()),
+            )
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
@@ -98,8 +108,9 @@ class GGUFCheckpoint:
             return np.ascontiguousarray(arr, dtype=np.float32)
         import gguf
 
-        return np.ascontiguousarray(gguf.quants.dequantize(np.asarray(arr), gguf.GGMLQuantizationType(qtype)),
-                                    dtype=np.float32)  # fmt: skip
+        return np.ascontiguousarray(
+            gguf.quants.dequantize(np.asarray(arr), gguf.GGMLQuantizationType(qtype)), dtype=np.float32
+        )
 
 
 ROW_PARALLEL = re.compile(r"\.(attn_output|ffn_down|ffn_down_exps)\.weight$")  # the tensors TP splits by columns
@@ -113,8 +124,10 @@ def check_kept(model_dir: Path, mcfg: ModelConfig, tp_size: int) -> None:
 
     path = gguf_file(model_dir)
     if path is None:
-        raise ValueError(f"--quantization gguf: {model_dir} was not made from a GGUF file; give --model FILE.gguf "
-                         "(or the default model), or another --quantization")  # fmt: skip
+        raise ValueError(
+            f"--quantization gguf: {model_dir} was not made from a GGUF file; give --model FILE.gguf "
+            "(or the default model), or another --quantization"
+        )
     if tp_size == 1:
         return
     blocks = {}  # row-parallel tensor -> its block's values
@@ -125,8 +138,10 @@ def check_kept(model_dir: Path, mcfg: ModelConfig, tp_size: int) -> None:
     if cut:
         fits = [n for n in range(1, 9) if _tp_fits(mcfg, n) and not _cut_block(mcfg, n, blocks)]
         name, values = cut
-        raise ValueError(f"--tp-size {tp_size}: {name} is quantized in blocks of {values} inputs, which {tp_size} "
-                         f"ranks would cut; --tp-size {fits} keep them whole (or --quantization none)")  # fmt: skip
+        raise ValueError(
+            f"--tp-size {tp_size}: {name} is quantized in blocks of {values} inputs, which {tp_size} "
+            f"ranks would cut; --tp-size {fits} keep them whole (or --quantization none)"
+        )
 
 
 def _tp_fits(mcfg: ModelConfig, tp: int) -> bool:

@@ -50,8 +50,9 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.hidden_act not in ACTIVATIONS:
-            raise UnsupportedModelError(f"hidden_act {self.hidden_act!r} is not supported; ringsched runs "
-                                        f"{', '.join(ACTIVATIONS)}")  # fmt: skip
+            raise UnsupportedModelError(
+                f"hidden_act {self.hidden_act!r} is not supported; ringsched runs {', '.join(ACTIVATIONS)}"
+            )
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
                 f"architecture {self.architecture!r} is not supported; ringsched runs "
@@ -59,8 +60,7 @@ class ModelConfig:
             )
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedModelError(
-                f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads "
-                f"{self.num_kv_heads}"
+                f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}"
             )
 
     def window(self, layer: int) -> int:
@@ -82,8 +82,9 @@ class ModelConfig:
         archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
         arch = archs[0]
         if arch not in FAMILIES:
-            raise UnsupportedModelError(f"architecture {arch!r} is not supported; ringsched runs "
-                                        f"{', '.join(SUPPORTED_ARCHITECTURES)}")  # fmt: skip
+            raise UnsupportedModelError(
+                f"architecture {arch!r} is not supported; ringsched runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
         try:
             theta, scaling = RopeScaling.from_config(cfg)
         except RopeConfigError as e:
@@ -115,9 +116,7 @@ class ModelConfig:
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.exists():
-            raise FileNotFoundError(
-                f"{path} does not exist; --model needs a model directory with config.json"
-            )
+            raise FileNotFoundError(f"{path} does not exist; --model needs a model directory with config.json")
         return cls.from_dict(json.loads(path.read_text()))
 
 

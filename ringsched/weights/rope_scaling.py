@@ -33,8 +33,18 @@ import torch
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 # rope_scaling's fields `from_config` reads itself (the others of `RopeScaling`'s fields are taken as they are)
-_READ = frozenset({"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings",
-                   "partial_rotary_factor", "short_factor", "long_factor"})  # fmt: skip
+_READ = frozenset(
+    {
+        "rope_type",
+        "type",
+        "rope_theta",
+        "factor",
+        "original_max_position_embeddings",
+        "partial_rotary_factor",
+        "short_factor",
+        "long_factor",
+    }
+)
 
 
 class RopeConfigError(ValueError):
@@ -89,8 +99,13 @@ class RopeScaling:
         extra = {k: v for k, v in params.items() if k in cls.__dataclass_fields__ and k not in _READ and v is not None}
         if kind == "longrope":
             extra.update(_longrope_factors(cfg, params, partial, f"{field} of type {written!r}"))
-        return theta, cls(rope_type=kind, factor=float(factor), original_max_position_embeddings=original,
-                          partial_rotary_factor=partial, **extra)  # fmt: skip
+        return theta, cls(
+            rope_type=kind,
+            factor=float(factor),
+            original_max_position_embeddings=original,
+            partial_rotary_factor=partial,
+            **extra,
+        )
 
     @property
     def long_from(self) -> int | None:
@@ -163,8 +178,10 @@ def _partial_factor(cfg: dict, params: dict) -> float:
     (see the module's docstring)."""
     top, nested = cfg.get("partial_rotary_factor"), params.get("partial_rotary_factor")
     if top is None and nested not in (None, 1, 1.0):
-        raise RopeConfigError(f"rope_parameters: partial_rotary_factor = {nested}: rotary embedding on part of each "
-                              "head is not supported for this architecture")  # fmt: skip
+        raise RopeConfigError(
+            f"rope_parameters: partial_rotary_factor = {nested}: rotary embedding on part of each "
+            "head is not supported for this architecture"
+        )
     return float(top if top is not None else 1.0)
 
 

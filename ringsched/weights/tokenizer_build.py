@@ -33,9 +33,7 @@ def build_bpe_tokenizer(
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     special = [
-        AddedToken(tokens[i], special=True, normalized=False)
-        for i, t in enumerate(token_types)
-        if t in _SPECIAL_TYPES
+        AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(token_types) if t in _SPECIAL_TYPES
     ]
     tok.add_special_tokens(special)
     return tok

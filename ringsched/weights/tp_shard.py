@@ -105,8 +105,12 @@ class TPShard:
         if self.size == 1:
             return cfg
         return dataclasses.replace(
-            cfg, num_heads=self.heads(cfg)[1], num_kv_heads=self.kv_heads(cfg)[1],
-            intermediate_size=self.intermediate(cfg)[1], vocab_size=self.vocab(cfg)[1],
-            moe=None if cfg.moe is None else dataclasses.replace(cfg.moe,
-                                                                 intermediate=self.expert_intermediate(cfg)[1]),
-        )  # fmt: skip
+            cfg,
+            num_heads=self.heads(cfg)[1],
+            num_kv_heads=self.kv_heads(cfg)[1],
+            intermediate_size=self.intermediate(cfg)[1],
+            vocab_size=self.vocab(cfg)[1],
+            moe=None
+            if cfg.moe is None
+            else dataclasses.replace(cfg.moe, intermediate=self.expert_intermediate(cfg)[1]),
+        )
