@@ -213,7 +213,7 @@ class DecoderLayer(nn.Module):
         self.small_ops = plain and same and layer_ops.usable(w.dtype, w.device)
 
     def forward(self, hidden, residual, batch: ForwardBatch, kv):
-        small = self.small_ops and kv is not None and hidden.shape[0] <= self.small_rows
+        small = self.small_ops and kv is not None and 0 < hidden.shape[0] <= self.small_rows  # CP: a rank may hold none
         if small and hidden.is_contiguous() and (residual is None or residual.is_contiguous()):
             return self._small_step(hidden, residual, batch, kv)
         h, residual = self.input_layernorm.add_forward(hidden, residual)
