@@ -39,7 +39,13 @@ class _Sent:
 
 class FixedCut:
     """The cut strategy without `--pp-flex-layers`: the partition's layers, nothing mirrored, the sampled tokens
-    alone on the way back. `FlexRing` has the same methods; the stage loop calls them without asking which."""
+    alone on the way back. `FlexRing` has the same methods; the stage and its parts call them without asking which:
+
+    - stage 0 plans: `choose` a plan's cut; `note_overhead` of a step; `tokens_of` an output message;
+    - every stage computes: the `layers` a plan runs here (taking in what the proxy brings), the K/V rows to send
+      `after_layers`, what it `computed` (the layers it ran);
+    - the last stage answers: `head_took`, the output message's `payload`;
+    - `stats`."""
 
     def __init__(self, stage: StageInfo, device: torch.device) -> None:
         self.stage, self.device = stage, device
@@ -47,10 +53,9 @@ class FixedCut:
     def choose(self, plan: BatchPlan) -> None:
         pass
 
-    def before_layers(self, plan: BatchPlan, proxy: dict | None, slots: torch.Tensor) -> None:
-        pass
-
-    def layers(self, plan: BatchPlan, one_call: bool = False) -> Iterator[int] | range | None:
+    def layers(
+        self, plan: BatchPlan, one_call: bool = False, proxy: dict | None = None, slots: torch.Tensor | None = None
+    ) -> Iterator[int] | range | None:
         return None  # all of this stage's layers
 
     def after_layers(self, plan: BatchPlan, slots: torch.Tensor) -> list[torch.Tensor]:
@@ -59,11 +64,9 @@ class FixedCut:
     def head_took(self, rows: int, seconds: float) -> None:
         pass
 
-    def computed(self, plan: BatchPlan, seconds: float, slots: torch.Tensor, rows: list[torch.Tensor]) -> None:
-        pass
-
-    def done(self, plan: BatchPlan) -> None:
-        pass
+    def computed(self, plan: BatchPlan, seconds: float, slots: torch.Tensor, rows: list[torch.Tensor]) -> int:
+        """The layers the plan ran here."""
+        return self.stage.num_layers
 
     def payload(self, plan: BatchPlan, tokens: torch.Tensor) -> list[torch.Tensor]:
         """Last stage: the output message of `plan` (NCCL sends device tensors only)."""
@@ -74,9 +77,6 @@ class FixedCut:
     def tokens_of(self, seq: int, tensors: list[torch.Tensor]) -> torch.Tensor:
         """Stage 0: the sampled tokens in an output message."""
         return tensors[0].cpu() if tensors else torch.empty(0, dtype=torch.long)
-
-    def layers_run(self, plan: BatchPlan) -> int:
-        return self.stage.num_layers
 
     def note_overhead(self, seconds: float) -> None:
         pass
@@ -179,12 +179,18 @@ class FlexRing:
             self.reporter.done(plan)
 
     # -- both -----------------------------------------------------------------------------------------------
-    def layers(self, plan: BatchPlan, one_call: bool = False) -> Iterator[int] | range:
+    def layers(
+        self, plan: BatchPlan, one_call: bool = False, proxy: dict | None = None, slots: torch.Tensor | None = None
+    ) -> Iterator[int] | range:
         """The layers this stage runs for `plan`, in order: a range when the cut is known before they run (the
         model may then run them in one native call), else an iterator (policy `ready`: stage 0 sets `plan.cut`
         once the last one has been asked for). `one_call`: the step can take the one-call decode layers, so
         `ready` does not decide as it goes: stage 0 cuts at the base cut (a step of a few decodes is short, and
-        a ring holding few requests gains little from moving its cut), stage 1 sends no forecast for it."""
+        a ring holding few requests gains little from moving its cut), stage 1 sends no forecast for it. Stage 1
+        first learns the cut from the K/V rows stage 0 sent in the `proxy` and writes them at `slots`."""
+        if proxy is not None:
+            self.take_cut(plan, proxy["kv"])
+            self.mirror_in(plan, proxy["kv"], slots)
         if self.ready_cut:
             if not one_call:
                 return self.ready_cut.layers(plan, self._cap(plan))
@@ -206,32 +212,26 @@ class FlexRing:
         meta = torch.tensor([tokens.numel(), spent_us], dtype=torch.long, device=self.device)
         return [meta] + ([tokens.to(self.device)] if tokens.numel() else []) + rows
 
-    # -- the cut strategy, as the stage loop calls it (see FixedCut) ----------------------------------------
-    def before_layers(self, plan: BatchPlan, proxy: dict | None, slots: torch.Tensor) -> None:
-        """Stage 1: learn the cut from the K/V rows stage 0 sent, and write them into this stage's cache."""
-        if proxy is not None:
-            self.take_cut(plan, proxy["kv"])
-            self.mirror_in(plan, proxy["kv"], slots)
-
+    # -- the cut strategy, as the stage calls it (see FixedCut) ---------------------------------------------
     def after_layers(self, plan: BatchPlan, slots: torch.Tensor) -> list[torch.Tensor]:
         return self.mirror_out(plan, slots)
 
-    def computed(self, plan: BatchPlan, seconds: float, slots: torch.Tensor, rows: list[torch.Tensor]) -> None:
+    def computed(self, plan: BatchPlan, seconds: float, slots: torch.Tensor, rows: list[torch.Tensor]) -> int:
         """Stage 0: remember the micro-batch for when its outputs return; stage 1: its time and K/V rows go
-        back with its tokens."""
+        back with its tokens. The layers the plan ran here."""
         if self.stage.is_first:
             self.sent(plan, seconds, slots)
         else:
             self._out[plan.seq] = (seconds, rows)
+        return len(self.b.run_range(self.stage.rank, plan.cut))
 
     def payload(self, plan: BatchPlan, tokens: torch.Tensor) -> list[torch.Tensor]:
+        """Stage 1, its micro-batch done (policy `ready`: stage 0 may cut the next one): the output message."""
+        self.done(plan)
         return self.output_payload(tokens, *self._out.pop(plan.seq, (0.0, [])))
 
     def tokens_of(self, seq: int, tensors: list[torch.Tensor]) -> torch.Tensor:
         return self.on_output(seq, tensors)
-
-    def layers_run(self, plan: BatchPlan) -> int:
-        return len(self.b.run_range(self.stage.rank, plan.cut))
 
     def stats(self) -> dict:
         """Stage 0: how many micro-batches were cut where (msgpack keys are strings)."""

@@ -199,19 +199,19 @@ class StageLoop:
             return self.head.empty()
         with self.times.measure("compute") as took:
             batch, ids = self.attention.forward_batch(plan, self.blocks, self.device)
-            self.cut.before_layers(plan, proxy, batch.slot_mapping)
             out = self.model(
                 batch,
                 input_ids=ids if proxy is None else None,
                 proxy=proxy,
                 kv_caches=self.pool.caches,
-                layers=self.cut.layers(plan, self.model.one_call(batch)),  # policy ready: may set plan.cut as it runs
+                # policy ready: may set plan.cut as it runs
+                layers=self.cut.layers(plan, self.model.one_call(batch), proxy, batch.slot_mapping),
             )
             rows = self.cut.after_layers(plan, batch.slot_mapping)
             out = self.head(plan, out, rows)
-        self.cut.computed(plan, took.seconds, batch.slot_mapping, rows)
+        layers_run = self.cut.computed(plan, took.seconds, batch.slot_mapping, rows)
         self.plans.computed(plan, took.seconds)
-        self.times.count(batch.num_tokens, self.cut.layers_run(plan))
+        self.times.count(batch.num_tokens, layers_run)
         return out
 
     def stage_stats(self) -> dict:

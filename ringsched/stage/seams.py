@@ -126,5 +126,4 @@ class HoldTokens:
 
     def send(self, plan: BatchPlan, tokens: torch.Tensor) -> None:
         with self.times.measure("comm"):
-            self.cut.done(plan)
             self.outputs.hold(plan.seq, self.cut.payload(plan, tokens))
