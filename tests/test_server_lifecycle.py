@@ -56,9 +56,11 @@ def test_queue_full_then_sigterm_drains_and_exits():
 
         async def scenario() -> tuple[list[dict], float]:
             async with httpx.AsyncClient(timeout=60) as hc:
-                # Two run (one short enough to finish while draining), then two wait behind them.
+                # Two run (one short enough to finish while draining, long enough to outlast the queue's filling
+                # on a loaded host: when it finished first, a waiting request took its place and the queue had
+                # room), then two wait behind them.
                 firsts = [asyncio.Event() for _ in range(4)]
-                lengths = [20, 400, 400, 400]
+                lengths = [40, 400, 400, 400]
                 tasks = [
                     asyncio.create_task(read_sse(hc, url, {**body, "max_tokens": n}, ev))
                     for n, ev in zip(lengths[:2], firsts, strict=False)
@@ -68,6 +70,7 @@ def test_queue_full_then_sigterm_drains_and_exits():
                 deadline = time.monotonic() + 10
                 while waiting(srv) < 2 and time.monotonic() < deadline:
                     await asyncio.sleep(0.1)
+                assert not tasks[0].done(), "the short request finished before the queue filled"
                 r = await hc.post(url, json={**body, "max_tokens": 4})
                 assert r.status_code == 503, r.text
                 assert r.headers["retry-after"] == "1"
