@@ -1,6 +1,7 @@
 """`EngineConfig`'s validation: one named check per concern, each raising `ConfigError` with a message that
-names the flag and the fix. `EngineConfig.__post_init__` fills in the derived defaults, then runs `CHECKS` in
-order; the checks only read the config."""
+names the flag and the fix; a feature refused beside another raises `refusals.REFUSALS`' message.
+`EngineConfig.__post_init__` fills in the derived defaults, then runs `CHECKS` in order (`ConfigChecks`, mixed
+into it); the checks only read the config."""
 
 from __future__ import annotations
 

@@ -8,8 +8,9 @@
   dtype, else `torch` (what a CPU stage did before the choice existed).
 
 A backend builds each micro-batch's description (`forward_batch`) and sets on it the function its layers attend
-with (`ForwardBatch.attend`): the model's attention (`attention.paged_attention`) never asks which backend runs.
-Context parallelism keeps its own attention (`attention/cp.py`) and takes only `native_decode`.
+with (`ForwardBatch.attend`): the model's attention (`paged.paged_attention`) never asks which backend runs.
+Under `--cp-size` the stage attends through `attention/cp_backend.py`'s `CPBackend`, which keeps the chosen
+backend's `native_decode` for the decodes a rank holds.
 """
 
 from __future__ import annotations

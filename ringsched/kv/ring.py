@@ -14,11 +14,14 @@ one. Stage 0 takes the new ring blocks when it grows the request's main table (`
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 
 from ringsched.comm.messages import PlanEntry
-from ringsched.kv.cache import BlockTable, T
+from ringsched.kv.cache import BlockTable
+
+T = TypeVar("T")
 
 
 def ring_size(window: int, max_chunk: int, block_size: int) -> int:

@@ -147,7 +147,8 @@ class RankSetup:
     def _attention(self) -> AttentionBackend:
         """How the stage's layers attend, chosen once: the backend `--attention-backend` names for its KV dtype, or
         under `--cp-size` the context-parallel group's attention (which keeps the backend's CPU decode kernel)."""
-        backend = select_backend(self.cfg.attention_backend, self.device, self.pool.caches[0][0].dtype)
+        kv_dtype = self.pool.caches[0][0].dtype if self.pool.caches else self.cfg.torch_dtype
+        backend = select_backend(self.cfg.attention_backend, self.device, kv_dtype)
         return CPBackend(self.cp, backend.native_decode) if self.cp else backend
 
     def _kv_blocks(self, local: ModelConfig, generation: int) -> tuple[int, int]:
