@@ -103,3 +103,19 @@ def test_the_helper_is_confined(pool):
     proc = psutil.Process(helper.proc.pid)
     assert proc.rlimit(psutil.RLIMIT_AS) == (1024 * 2**20, 1024 * 2**20)
     assert proc.nice() > psutil.Process().nice()
+
+
+def test_closing_while_helpers_start_ends_and_reaps_them(pool, monkeypatch):
+    import psutil
+
+    # Helpers that never say they are ready: close() comes while both are starting, as at a SIGTERM right after start.
+    monkeypatch.setattr(PoolConfig, "argv", lambda cfg: ["sleep", "600"])
+    pool.cfg = PoolConfig(pool.cfg.model_dir, 49152, (2,), workers=2)
+    loop = asyncio.get_event_loop()
+    pool.start()
+    me = psutil.Process()
+    loop.run_until_complete(asyncio.sleep(0.5))
+    assert len([c for c in me.children() if c.name() == "sleep"]) == 2
+    loop.run_until_complete(pool.close())
+    left = [c for c in me.children() if c.name() == "sleep"]
+    assert left == [], [(c.pid, c.status()) for c in left]  # neither running nor a zombie

@@ -73,6 +73,9 @@ class _Helper:
             line = await asyncio.wait_for(proc.stdout.readline(), _READY_S)
         except asyncio.TimeoutError:
             line = b""
+        except BaseException:  # cancelled while starting (the server closing): end and reap it before we go
+            await asyncio.shield(helper.kill())
+            raise
         if json.loads(line or b"{}").get("ready") is not True:
             await helper.kill()
             raise RuntimeError(f"a grammar helper did not start (exit code {proc.returncode})")
