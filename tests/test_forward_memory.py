@@ -47,7 +47,7 @@ def test_rotary_is_rotate_half_bit_for_bit():
     rot = Rotary(64, 10000.0)
     q, k = torch.randn(23, 4, 64), torch.randn(23, 2, 64)
     positions = torch.randint(0, 300, (23,))
-    cos, sin = rot._cos_sin(positions, q.dtype, q.device)
+    cos, sin = rot._cos_sin(positions, q.dtype, None)
 
     def half(x):
         x1, x2 = x.chunk(2, dim=-1)

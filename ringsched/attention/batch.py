@@ -138,6 +138,7 @@ def _flatten(plan: BatchPlan, blocks: BlockTable, device) -> tuple[ForwardBatch,
         positions=on_device(positions, device, torch.long),
         logit_rows=on_device(logit_rows, device, torch.long),
         slot_mapping=on_device(torch.cat(slot_parts), device),
+        position_bound=max((e.start + len(e.token_ids) - 1 for e in plan.entries), default=-1),
     )
     batch.contexts = _contexts(decs, chunks, lambda rid, ctx, n: blocks.slots(rid, 0, ctx), device)
     return batch, on_device(ids, device, torch.long), decs, chunks

@@ -1,5 +1,6 @@
-"""`python -m ringsched.bench {offline,serve,sweep,hf,cores}`: the offline engine, a running server, a ladder of
-request rates against launched servers, transformers on the same requests, or the CPUs."""
+"""`python -m ringsched.bench {offline,serve,sweep,hf,cores,overhead}`: the offline engine, a running server, a
+ladder of request rates against launched servers, transformers on the same requests, the CPUs, or the engine's own
+work per step."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ COMMANDS = {
     "sweep": ("ringsched.bench.sweep", "launch servers per configuration and run `serve` at a ladder of rates"),
     "hf": ("ringsched.bench.hf", "transformers' generate and generate_batch on the same requests"),
     "cores": ("ringsched.bench.cores", "how much parallel compute this machine's CPUs give"),
+    "overhead": ("ringsched.bench.overhead", "the engine's own work per step, on a model of almost no compute"),
 }
 
 

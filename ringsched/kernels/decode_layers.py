@@ -9,10 +9,10 @@ Python path's bit for bit (`tests/test_decode_layers.py`).
 
 It applies where every row is a decode that the attention kernel reads in place (`NativeDecode.all_rows`), at a
 row count for which every linear layer's path (`Linear.paths`: fixed thresholds, or the stage's measured choice,
-`kernels/linear_tuning.py`) is the kernel and at most `layer_ops.MAX_ROWS`, with layers that take the small step
-(`DecoderLayer.small_ops`), without tensor or context parallelism. Anything else takes the per-layer path.
-`RINGSCHED_DECODE_LAYERS=0` turns it off (the per-layer path runs the same kernels); `RINGSCHED_NATIVE_LINEAR=0`
-turns it off with the kernels.
+`kernels/linear_tuning.py`) is the kernel and at most `layer_ops.MAX_ROWS`, with layers whose small step takes the
+native `layer_ops` (`DecoderLayer.step_ops`), without tensor or context parallelism. Anything else takes the
+per-layer path. `RINGSCHED_DECODE_LAYERS=0` turns it off (the per-layer path runs the same kernels);
+`RINGSCHED_NATIVE_LINEAR=0` turns it off with the kernels.
 """
 
 from __future__ import annotations
@@ -81,7 +81,8 @@ class DecodeLayers:
         self.start = stage.start_layer
         held = [model.model.layers[i] for i in range(stage.start_layer, stage.end_layer)]
         self.layers = held
-        self.ok = bool(held) and all(getattr(y, "small_ops", False) for y in held)  # plain layers (not MoE, Gemma)
+        # plain layers (not MoE, Gemma) on the native layer ops
+        self.ok = bool(held) and all(getattr(y, "step_ops", None) is layer_ops for y in held)
         if not self.ok:
             return
         attn = held[0].self_attn
@@ -165,7 +166,7 @@ class DecodeLayers:
         )
         dims = [self.hidden, self.heads, self.kv_heads, self.head_dim, self.inter]
         dims = torch.tensor([*dims, nd.block_size, nd.tables.shape[1], nd.max_len], dtype=torch.int64)
-        cos, sin = self.rotary.tables(batch.positions)
+        cos, sin = self.rotary.tables(batch.positions, batch.position_bound)
         step = [batch.positions, batch.slot_mapping, nd.tables, nd.lens, cos, sin]
         step = torch.tensor([x.data_ptr() for x in step], dtype=torch.int64)
         rc = lib.decode_layers(

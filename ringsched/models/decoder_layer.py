@@ -15,7 +15,7 @@ from torch import nn
 
 from ringsched.attention import window as window_attention
 from ringsched.attention.paged import ForwardBatch, paged_attention
-from ringsched.kernels import layer_ops
+from ringsched.kernels import layer_ops, triton_layer_ops
 from ringsched.kernels.quantize import quantize_projection
 from ringsched.kernels.small_linear import Linear
 from ringsched.models.fused_linear import fuse_linears, share_rows
@@ -87,7 +87,7 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(batch.positions, q, k)
+        q, k = self.rotary(batch.positions, q, k, batch.position_bound)
         k_cache, v_cache = kv if kv is not None else (None, None)
         if self.slides and batch.sliding is not None:
             batch = batch.sliding
@@ -188,8 +188,10 @@ class DecoderLayer(nn.Module):
         """The MLP or the mixture of experts."""
         return getattr(self, self.ffn_name)
 
-    small_ops = False  # `prepare_linears` turns it on where `layer_ops` can run this layer's small steps
-    small_rows = layer_ops.MAX_ROWS  # steps of up to this many rows take them (every step: `batch_invariant`)
+    # What runs this layer's small steps (`_small_step`), set by `prepare_linears`: the CPU's native `layer_ops`,
+    # the GPU's `triton_layer_ops`, or None (the torch path only)
+    step_ops = None
+    small_rows = 0  # steps of up to this many rows take them (every step: `batch_invariant`)
 
     def linears(self) -> list[Linear]:
         """The linear layers a step calls (after `prepare_linears`)."""
@@ -203,17 +205,18 @@ class DecoderLayer(nn.Module):
 
     def prepare_linears(self, quantization: str = "none") -> None:
         """After the weights are in: fuse q/k/v and gate/up, quantise the projections (`int8`:
-        `kernels/quantize.py`), let each linear layer pick its kernel, and decide `small_ops`."""
+        `kernels/quantize.py`), let each linear layer pick its kernel, and decide `step_ops`."""
         self.self_attn.prepare_linears(quantization)
         self.ffn.prepare_linears(quantization)
         w = self.input_layernorm.weight
         same = self.post_attention_layernorm.weight.dtype == w.dtype
         plain = self.self_attn.plain and type(self.ffn) is MLP and self.ffn.act == "silu"
         plain = plain and self.self_attn.qkv is not None and self.ffn.gate_up is not None  # fused (kept GGUF types)
-        self.small_ops = plain and same and layer_ops.usable(w.dtype, w.device)
+        self.step_ops = step_ops_for(w.dtype, w.device) if plain and same else None
+        self.small_rows = self.step_ops.MAX_ROWS if self.step_ops is not None else 0
 
     def forward(self, hidden, residual, batch: ForwardBatch, kv):
-        small = self.small_ops and kv is not None and 0 < hidden.shape[0] <= self.small_rows  # CP: a rank may hold none
+        small = kv is not None and 0 < hidden.shape[0] <= self.small_rows  # CP: a rank may hold none
         if small and hidden.is_contiguous() and (residual is None or residual.is_contiguous()):
             return self._small_step(hidden, residual, batch, kv)
         h, residual = self.input_layernorm.add_forward(hidden, residual)
@@ -222,16 +225,17 @@ class DecoderLayer(nn.Module):
         return self.ffn(h), residual
 
     def _small_step(self, hidden, residual, batch: ForwardBatch, kv):
-        """The same layer for a step of a few rows: each elementwise stage one native call (`layer_ops`)."""
-        attn, mlp = self.self_attn, self.mlp
-        h, residual = layer_ops.add_rmsnorm(hidden, residual, self.input_layernorm.weight, self.input_layernorm.eps)
-        q = layer_ops.rope_store(
+        """The same layer for a step of a few rows: each elementwise stage one call of `step_ops` (a native call
+        on CPU, a Triton launch on a GPU)."""
+        attn, mlp, ops = self.self_attn, self.mlp, self.step_ops
+        h, residual = ops.add_rmsnorm(hidden, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+        q = ops.rope_store(
             attn.qkv(h),
             attn.num_heads,
             attn.num_kv_heads,
             attn.head_dim,
             batch.positions,
-            attn.rotary.tables(batch.positions),
+            attn.rotary.tables(batch.positions, batch.position_bound),
             kv[0],
             kv[1],
             batch.slot_mapping,
@@ -239,8 +243,16 @@ class DecoderLayer(nn.Module):
         out = paged_attention(q, None, None, batch, kv[0], kv[1], attn.scale)  # k and v are in the cache
         out = attn.o_proj(out.view(q.shape[0], -1))
         norm = self.post_attention_layernorm
-        h, residual = layer_ops.add_rmsnorm(out, residual, norm.weight, norm.eps)
-        return mlp.down_proj(layer_ops.silu_mul(mlp.gate_up(h))), residual
+        h, residual = ops.add_rmsnorm(out, residual, norm.weight, norm.eps)
+        return mlp.down_proj(ops.silu_mul(mlp.gate_up(h))), residual
+
+
+def step_ops_for(dtype: torch.dtype, device: torch.device):
+    """The module whose three calls run a plain layer's elementwise stages on `device` (`_small_step`), or None."""
+    for ops in (layer_ops, triton_layer_ops):
+        if ops.usable(dtype, device):
+            return ops
+    return None
 
 
 def prepare_fused(parts: list[nn.Linear], quantization: str) -> Linear | None:

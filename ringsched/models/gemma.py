@@ -56,7 +56,7 @@ class GemmaDecoderLayer(DecoderLayer):
 
     def prepare_linears(self, quantization: str = "none") -> None:
         self.self_attn.prepare_linears(quantization)
-        self.ffn.prepare_linears(quantization)  # `small_ops` stays off: the native small step is Llama's layer
+        self.ffn.prepare_linears(quantization)  # `step_ops` stays None: the native small step is Llama's layer
 
     def forward(self, hidden, residual, batch: ForwardBatch, kv):
         h, residual = self.input_layernorm.add_forward(hidden, residual)

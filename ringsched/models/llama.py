@@ -140,7 +140,7 @@ class StageModel(nn.Module):
         names = {id(m): n for n, m in self.named_modules()}
         left = [names.get(id(lin), "lm_head") for lin in self.linears() if not lin.batch_invariant()]
         for layer in self.model.layers:
-            if isinstance(layer, DecoderLayer) and layer.small_ops:
+            if isinstance(layer, DecoderLayer) and layer.step_ops is not None:
                 layer.small_rows = sys.maxsize
         self.paths_chosen()
         return left

@@ -39,31 +39,39 @@ class Rotary(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self._cos, self._sin = (emb.cos() * factor).to(device), (emb.sin() * factor).to(device)
 
-    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, device: torch.device):
+    def _cover(self, positions: torch.Tensor, bound: int | None) -> None:
+        """The tables grown to cover `positions` (`bound`: their largest, known on the host; else read from the
+        device, a wait on a GPU)."""
+        if bound is None:
+            bound = int(positions.max()) if positions.numel() else -1
+        if bound >= self._cos.shape[0] or self._cos.device != positions.device:
+            self._table(bound + 1, positions.device)
+
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, bound: int | None):
         # Every layer of one forward passes the same `positions` tensor: gather its rows for the first only.
         if self._rows is not None and self._rows[0] is positions and self._rows[1] == dtype:
             return self._rows[2], self._rows[3]
-        need = int(positions.max()) + 1 if positions.numel() else 0
-        if need > self._cos.shape[0] or self._cos.device != device:
-            self._table(need, device)
+        self._cover(positions, bound)
         cos = self._cos[positions].unsqueeze(1).to(dtype)  # [T, 1, D]
         sin = self._sin[positions].unsqueeze(1).to(dtype)
         self._rows = (positions, dtype, cos, sin)
         return cos, sin
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self._cos_sin(positions, q.dtype, q.device)
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, bound: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`q`, `k` rotated for `positions` (`bound`: the largest of them, if the host knows it)."""
+        cos, sin = self._cos_sin(positions, q.dtype, bound)
         if self.partial:
             return _rotate_part(q, cos, sin), _rotate_part(k, cos, sin)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
-    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def tables(self, positions: torch.Tensor, bound: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole float32 cos and sin tables `[P, rotary_dim]`, grown to cover `positions` (checked once per
-        forward). The native small step rotates whole heads with them: not for a `partial` rotary."""
+        forward; `bound` as in `forward`). The small step rotates whole heads with them: not for a `partial`
+        rotary."""
         if self._covered is not positions:
-            need = int(positions.max()) + 1 if positions.numel() else 0
-            if need > self._cos.shape[0] or self._cos.device != positions.device:
-                self._table(need, positions.device)
+            self._cover(positions, bound)
             self._covered = positions
         return self._cos, self._sin
 
