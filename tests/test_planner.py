@@ -6,6 +6,7 @@ from ringsched.kv.cache import BlockTable
 from ringsched.sampling.params import SamplingParams
 from ringsched.scheduler.chunking import ChunkCost, ChunkSizer
 from ringsched.scheduler.planner import Planner
+from ringsched.scheduler.request import Request
 
 
 def planner(blocks=64, mbs=4, running=8, budget=64, max_len=4096):
@@ -228,3 +229,10 @@ def test_dynamic_chunks_come_from_the_sizer():
         sizes += [len(e.token_ids) for e in p.plan(seq % 4, seq).entries]
     assert sizes == sizer.plan(600) and sum(sizes) == 600
     assert sizes[0] == 100 and sizes[-1] < sizes[0]
+
+
+def test_request_ids_are_a_slice_of_prompt_and_outputs():
+    r = Request("a", [1, 2, 3], SamplingParams(), 0, [4, 5])
+    for start in range(6):
+        for end in range(start, 6):
+            assert r.ids(start, end) == r.all_ids[start:end], (start, end)

@@ -117,7 +117,7 @@ def _flatten(plan: BatchPlan, blocks: BlockTable, device) -> tuple[ForwardBatch,
     new tokens)`."""
     ids: list[int] = []
     positions: list[int] = []
-    slot_parts: list[torch.Tensor] = []
+    slots: list[int] = []
     logit_rows: list[int] = []
     decs: list[tuple[int, str, int]] = []
     chunks: list[tuple[int, str, int, int]] = []
@@ -126,7 +126,7 @@ def _flatten(plan: BatchPlan, blocks: BlockTable, device) -> tuple[ForwardBatch,
         n = len(e.token_ids)
         ids += e.token_ids
         positions += range(e.start, e.start + n)
-        slot_parts.append(blocks.slots(e.rid, e.start, e.start + n))
+        slots += blocks.slot_list(e.rid, e.start, e.start + n)
         if n == 1:
             decs.append((row, e.rid, e.start + 1))
         else:
@@ -137,7 +137,7 @@ def _flatten(plan: BatchPlan, blocks: BlockTable, device) -> tuple[ForwardBatch,
     batch = ForwardBatch(
         positions=on_device(positions, device, torch.long),
         logit_rows=on_device(logit_rows, device, torch.long),
-        slot_mapping=on_device(torch.cat(slot_parts), device),
+        slot_mapping=on_device(slots, device, torch.long),
         position_bound=max((e.start + len(e.token_ids) - 1 for e in plan.entries), default=-1),
     )
     batch.contexts = _contexts(decs, chunks, lambda rid, ctx, n: blocks.slots(rid, 0, ctx), device)

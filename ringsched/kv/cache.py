@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from ringsched.weights.model_config import ModelConfig
 
 T = TypeVar("T")
+SLOTS_BY_LIST = 256  # `BlockTable.slots` of up to this many positions built as a list (fewer, smaller calls)
 
 
 def block_hashes(ids: Sequence[int], block_size: int, have: list[bytes]) -> list[bytes]:
@@ -220,9 +221,18 @@ class BlockTable:
 
     def slots(self, rid: str, start: int, end: int) -> torch.Tensor:
         """Cache slot of each position in `[start, end)`."""
+        if end - start <= SLOTS_BY_LIST:
+            return torch.tensor(self.slot_list(rid, start, end), dtype=torch.long)
         table = torch.tensor(self.tables[rid], dtype=torch.long)
         pos = torch.arange(start, end)
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def slot_list(self, rid: str, start: int, end: int) -> list[int]:
+        """`slots` as a list (what a step's batch gathers its new tokens' slots into: one tensor for them all)."""
+        table, bs = self.tables[rid], self.block_size
+        if end - start == 1:
+            return [table[start // bs] * bs + start % bs]
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
     def sliding_view(self, make: Callable[..., T]) -> T | None:
         """What `make` builds of the sliding layers' rings, where this pool has them (`SlidingBlockTable`); None:
@@ -231,13 +241,14 @@ class BlockTable:
 
     def padded_blocks(self, rids: list[str], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """`[B, nblk]` blocks holding positions `0..len-1` per request (padding points at block 0) and the
-        `[B, nblk * block_size]` mask of the positions that are real."""
-        nblk = -(-max(lengths) // self.block_size)
-        tables = torch.zeros(len(rids), nblk, dtype=torch.long)
-        for i, (rid, n) in enumerate(zip(rids, lengths, strict=True)):
-            t = self.tables[rid][: -(-n // self.block_size)]
-            tables[i, : len(t)] = torch.tensor(t, dtype=torch.long)
-        pos = torch.arange(nblk * self.block_size)
+        `[B, nblk * block_size]` mask of the positions that are real. Built as lists, one tensor at the end: a
+        step of many decodes pays a few list operations a request, not a tensor each."""
+        bs = self.block_size
+        counts = [-(-n // bs) for n in lengths]
+        nblk = max(counts)
+        rows = [self.tables[rid][:k] + [0] * (nblk - k) for rid, k in zip(rids, counts, strict=True)]
+        tables = torch.tensor(rows, dtype=torch.long).view(len(rids), nblk)
+        pos = torch.arange(nblk * bs)
         mask = pos.unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
         return tables, mask
 

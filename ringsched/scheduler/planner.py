@@ -203,14 +203,14 @@ class Planner:
         self.prefill_tokens += max(min(start + n, len(r.prompt_ids)) - start, 0)
         samples = start + n == r.num_tokens
         if cached:
-            blocks.update(cached_blocks=cached, cached_ids=r.all_ids[:start])
-        plan.entries.append(PlanEntry(r.rid, start, r.all_ids[start : start + n], samples, **blocks))
+            blocks.update(cached_blocks=cached, cached_ids=r.ids(0, start))
+        plan.entries.append(PlanEntry(r.rid, start, r.ids(start, start + n), samples, **blocks))
         r.num_computed = start + n
         if r.in_flight:  # its earlier chunks are still on the ring
             plan.reads.extend(s for s in r.in_flight if s not in plan.reads)
             self.pipelined_chunks += 1
         r.in_flight.add(seq)
-        decode = n == 1 and start == len(r.all_ids) - 1 and bool(r.output_ids)
+        decode = n == 1 and start == r.num_tokens - 1 and bool(r.output_ids)
         if not decode and logger.isEnabledFor(logging.DEBUG):
             r.chunks.append(n)
             if samples:

@@ -32,7 +32,7 @@ class PrefixIndex:
         """The chained hashes of `r`'s first `full` blocks (kept on the request: its tokens never change)."""
         if len(r.block_hashes) < full:
             bs = self.blocks.block_size
-            r.block_hashes = block_hashes(r.all_ids[: full * bs], bs, r.block_hashes)
+            r.block_hashes = block_hashes(r.ids(0, full * bs), bs, r.block_hashes)
         return r.block_hashes[:full]
 
     def cached_prefix(self, r: Request) -> list[int]:

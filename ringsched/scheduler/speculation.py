@@ -99,7 +99,7 @@ class Speculator:
                 index = self._ngrams[r.rid] = NgramIndex(
                     [], self.config.prompt_lookup_min, self.config.prompt_lookup_max
                 )
-            index.extend(r.all_ids[len(index.tokens) :])
+            index.extend(r.ids(len(index.tokens), r.num_tokens))
             return index.propose(k)
         given = self._given.get(r.rid)
         if given is None:
