@@ -4,6 +4,7 @@ Every field mirrors a launcher flag (`pp_async_batch_depth` is `--pp-async-batch
 and say what to do. The checks are `config_checks.py`'s (mixed in; import `ConfigError` and `parse_memory` from
 here); values that depend on the model (layer count, context length) are checked once the model is known.
 """
+# size: one field per launcher flag, each with its help; split by concern it would be several tables of one thing
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from ringsched.layout.flex import FLEX_POLICIES, FlexBoundary
 from ringsched.layout.partition import ENV_OVERRIDE, PartitionError, resolve_partition
 from ringsched.layout.rank import Layout
 
+STATIC_BATCHES_ENV = "RINGSCHED_STATIC_BATCHES"
 DEFAULT_MODEL = "smollm2-135m-instruct"  # what `--model` serves when not given (fetched from PyPI)
 
 
@@ -95,6 +97,12 @@ class EngineConfig(ConfigChecks):
                                    "where it builds, else torch), torch, native, triton (on CPU it runs under "
                                    "triton's interpreter: for tests only, very slow)",
                                    choices=ATTENTION_BACKENDS)  # fmt: skip
+    enforce_eager: bool = _flag(False, "CUDA: run every step eagerly; by default a decode step of up to "
+                                "--cuda-graph-max-bs requests replays the stage's CUDA graph for its row bucket, "
+                                "which removes most of a step's launch cost")  # fmt: skip
+    cuda_graph_max_bs: int = _flag(256, "CUDA: the largest decode step (requests per micro-batch) that replays a "
+                                   "CUDA graph; larger steps run eagerly. Each bucket's graph is captured on first "
+                                   "use")  # fmt: skip
     quantization: str | None = _flag(
         None, "int8: weight-only int8 projections and lm_head (a float32 scale per output row), a quarter of float32's "
         "weight bytes; a step of a few requests reads every weight, so one request decodes ~2x faster than float32 on "
@@ -252,6 +260,14 @@ class EngineConfig(ConfigChecks):
     @property
     def backend(self) -> str:
         return "nccl" if self.resolved_device == "cuda" else "gloo"
+
+    @property
+    def static_batches(self) -> bool:
+        """Whether decode steps may run on per-bucket static buffers (`stage/static_batches.py`): CUDA graphs unless
+        --enforce-eager; on CPU only with RINGSCHED_STATIC_BATCHES=1 (the same path without capture, for tests)."""
+        if self.resolved_device == "cuda":
+            return not self.enforce_eager
+        return os.environ.get(STATIC_BATCHES_ENV) == "1" and not self.enforce_eager
 
     @property
     def threads(self) -> int:

@@ -158,6 +158,10 @@ def check_device(cfg: ConfigChecks) -> None:
     )
     if cfg.threads_per_stage is not None:
         _require(cfg.threads_per_stage >= 1, f"--threads-per-stage must be >= 1, got {cfg.threads_per_stage}")
+    _require(
+        cfg.cuda_graph_max_bs >= 1,
+        f"--cuda-graph-max-bs must be >= 1 (requests), got {cfg.cuda_graph_max_bs}; use --enforce-eager for no graphs",
+    )
 
 
 def check_auto_partition(cfg: ConfigChecks) -> None:

@@ -21,6 +21,7 @@ from ringsched.config import ConfigError, EngineConfig, parse_memory
         ({"device": "tpu"}, "--device 'tpu'"),
         ({"dtype": "float16", "device": "cpu"}, "float16 is for GPUs"),
         ({"threads_per_stage": 0}, "--threads-per-stage"),
+        ({"cuda_graph_max_bs": 0}, "--cuda-graph-max-bs"),
         ({"pp_auto_output_len": 0}, "--pp-auto-output-len must be >= 1"),
         ({"kv_cache_memory": "lots"}, "--kv-cache-memory"),
         ({"nnodes": 2, "pp_size": 3, "dist_init_addr": "h:1"}, "--nnodes 2 must divide --pp-size 3"),

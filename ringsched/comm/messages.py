@@ -73,6 +73,9 @@ class BatchPlan:
     # Micro-batches still in flight when this one was planned whose KV it reads (a request's earlier prompt chunks):
     # with a flexible cut stage 0 cuts this one no later than those (it holds their KV up to their cut only).
     reads: list[int] = field(default_factory=list)
+    # A decode step on static buffers (`stage/static_batches.py`): the row bucket every stage pads it to (and replays
+    # the CUDA graph of); 0: eager. Stage 0 decides, so no two stages can disagree on graph or eager.
+    graph_rows: int = 0
 
     @property
     def num_tokens(self) -> int:

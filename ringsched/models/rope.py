@@ -57,6 +57,10 @@ class Rotary(nn.Module):
         self._rows = (positions, dtype, cos, sin)
         return cos, sin
 
+    def forget(self) -> None:
+        """Drop the rows gathered for the last `positions`: a static step refills the same tensor in place."""
+        self._rows = None
+
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, bound: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:

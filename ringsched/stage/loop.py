@@ -45,6 +45,8 @@ from ringsched.stage.plans import FollowPlans, LeadPlans
 from ringsched.stage.profiler import ProfileWindow, StepProfiler
 from ringsched.stage.sampler_state import SamplerState
 from ringsched.stage.seams import Embed, HoldTokens, PassOn, ReceiveProxy, SamplingHead, SendProxy
+from ringsched.stage.static_batches import NO_BUCKETS, Buckets, EagerForward, StaticForward
+from ringsched.stage.static_batches import buckets as static_buckets
 from ringsched.stage.times import StageTimes, peak_rss_bytes
 
 logger = logging.getLogger(__name__)
@@ -90,6 +92,7 @@ class StageLoop:
         where: RankInfo | None = None,
         tp: TPGroup | None = None,
         attention: AttentionBackend | None = None,
+        static: tuple[int, int] | None = None,
     ) -> None:
         self.cfg, self.stage, self.model, self.blocks, self.pool, self.io = cfg, stage, model, blocks, pool, io
         self.where = where or rank_infos(Layout(stage.size), [1] * stage.size)[stage.rank]
@@ -107,9 +110,9 @@ class StageLoop:
         # Read by the heartbeat thread (stage/worker.py): micro-batches done, and whether one is under way now.
         self.steps = 0
         self.in_step = False
-        self._compose(flex, eos_ids)
+        self._compose(flex, eos_ids, static)
 
-    def _compose(self, flex: FlexBoundary | None, eos_ids: tuple[int, ...]) -> None:
+    def _compose(self, flex: FlexBoundary | None, eos_ids: tuple[int, ...], static: tuple[int, int] | None) -> None:
         cfg, stage, io, times, where = self.cfg, self.stage, self.io, self.times, self.where
         self.cut = (
             FlexRing(flex, stage, self.pool.caches, self.device, cfg.pp_flex_policy, io.progress_in, io.progress_out)
@@ -117,9 +120,16 @@ class StageLoop:
             else FixedCut(stage, self.device)
         )
         prev, next_ = where.pp_group[stage.prev], where.pp_group[stage.next]  # the same TP index, next door
+        # The forward pass: eager, or decode steps on static buffers (`static`: the scratch block the pool set aside
+        # for their padding rows, and the context length)
+        self.forward = EagerForward(self.model, self.attention, self.blocks, self.pool, self.cut, self.device)
+        buckets = NO_BUCKETS
+        if static is not None:
+            self.forward = StaticForward(self.forward, *static)
+            buckets = Buckets(static_buckets(cfg.cuda_graph_max_bs))
         self.outputs = outputs_for(cfg, where, io.chan, times, self.peer, self.planner, io.front_out, self.cut)
         if where.decides:
-            self.plans = LeadPlans(cfg, io, self.planner, times, self.gc, self.cut, self.outputs)
+            self.plans = LeadPlans(cfg, io, self.planner, times, self.gc, self.cut, self.outputs, buckets)
         else:
             self.plans = FollowPlans(where, io, self.blocks, times, self.gc, self.outputs, self.maybe_report)
         if stage.is_first:
@@ -198,16 +208,7 @@ class StageLoop:
         if not plan.entries:
             return self.head.empty()
         with self.times.measure("compute") as took:
-            batch, ids = self.attention.forward_batch(plan, self.blocks, self.device)
-            out = self.model(
-                batch,
-                input_ids=ids if proxy is None else None,
-                proxy=proxy,
-                kv_caches=self.pool.caches,
-                # policy ready: may set plan.cut as it runs
-                layers=self.cut.layers(plan, self.model.one_call(batch), proxy, batch.slot_mapping),
-            )
-            rows = self.cut.after_layers(plan, batch.slot_mapping)
+            batch, out, rows = self.forward(plan, proxy)
             out = self.head(plan, out, rows)
         layers_run = self.cut.computed(plan, took.seconds, batch.slot_mapping, rows)
         self.plans.computed(plan, took.seconds)
@@ -231,6 +232,7 @@ class StageLoop:
             "seam_tokens_sent": getattr(self.outbound, "tokens", 0),
             **(self.tp.stats() if self.tp else {}),
             **self.attention.stats(),
+            **self.forward.stats(),
         }
 
     def maybe_report(self, period: float = 0.5) -> None:

@@ -19,6 +19,7 @@ from ringsched.layout.rank import RankInfo
 from ringsched.scheduler.planner import Planner
 from ringsched.stage.flex_ring import FixedCut, FlexRing
 from ringsched.stage.gc_policy import GcPolicy
+from ringsched.stage.static_batches import NO_BUCKETS, Buckets
 from ringsched.stage.times import StageTimes
 
 
@@ -32,9 +33,10 @@ class LeadPlans:
         gc: GcPolicy,
         cut: FixedCut | FlexRing,
         outputs,
+        buckets: Buckets = NO_BUCKETS,
     ) -> None:
         self.cfg, self.io, self.planner, self.times, self.gc = cfg, io, planner, times, gc
-        self.cut, self.outputs = cut, outputs
+        self.cut, self.outputs, self.buckets = cut, outputs, buckets
         self.stopping = False
 
     def next(self, t: int) -> BatchPlan | None:
@@ -53,6 +55,7 @@ class LeadPlans:
         else:
             with self.times.measure("sched"):
                 plan = self.planner.plan(t % self.cfg.pp_loop_size, t)
+                self.buckets.choose(plan)  # static buffers (CUDA graphs) or eager: decided here, for every stage
             self.cut.choose(plan)
         if self.io.plan_out:
             with self.times.measure("comm"):

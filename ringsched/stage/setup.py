@@ -34,7 +34,7 @@ from ringsched.scheduler.planner import Planner
 from ringsched.scheduler.speculation import NO_DRAFTS, Speculator
 from ringsched.spec import ModelSpec
 from ringsched.speculative.config import SpeculativeConfig
-from ringsched.stage import chunk_probe, rejoin
+from ringsched.stage import chunk_probe, rejoin, static_batches
 from ringsched.stage.affinity import allowed_cpus, stage_cpus
 from ringsched.stage.channels import generation_store, plan_channels, progress_channels
 from ringsched.stage.groups import process_groups
@@ -84,17 +84,11 @@ class RankSetup:
         num_blocks, ring_blocks = self.num_blocks = self._kv_blocks(local, generation)
         ring = ring_of(cfg, local)
         if self.pool is None:
-            self.pool = KVPool(
-                local,
-                self.stage.num_layers,
-                num_blocks,
-                cfg.block_size,
-                cfg.torch_dtype,
-                self.device,
-                sliding=sliding_layers(local, self.stage),
-                ring_blocks=ring_blocks,
-            )
-        blocks = block_table(cfg, local, num_blocks, ring_blocks, ring, follower=not where.decides)
+            self.pool = self._pool(local, num_blocks, ring_blocks)
+        attention = self._attention()
+        static = static_batches.eligible(cfg.static_batches, attention, self.flex is not None, bool(ring))
+        # Static decode steps (CUDA graphs): their padding rows write one block the table never hands out
+        blocks = block_table(cfg, local, num_blocks - static, ring_blocks, ring, follower=not where.decides)
         if cfg.enable_prefix_caching and ring and where.decides and generation == 0:
             logger.info("prefix caching off: a cached prefix would have no KV in the sliding layers' rings")
         planner = (
@@ -115,10 +109,23 @@ class RankSetup:
             self.flex,
             where=where,
             tp=self.tp,
-            attention=self._attention(),
+            attention=attention,
+            static=(num_blocks - 1, self.spec.context_len) if static else None,
         )
         info = _ready_info(cfg, where, self.stage, self.spec.partition[self.stage.rank], self.model, self.pool, blocks)
         return self.loop, {**info, "generation": generation}
+
+    def _pool(self, local: ModelConfig, num_blocks: int, ring_blocks: int) -> KVPool:
+        return KVPool(
+            local,
+            self.stage.num_layers,
+            num_blocks,
+            self.cfg.block_size,
+            self.cfg.torch_dtype,
+            self.device,
+            sliding=sliding_layers(local, self.stage),
+            ring_blocks=ring_blocks,
+        )
 
     def _load(self) -> None:
         cfg, where, mcfg = self.cfg, self.where, self.spec.config
