@@ -1,11 +1,15 @@
 """The body of scripts/gpu_check.sh: ringsched on this machine's GPUs against its CPU and against plain PyTorch.
 
 1. Greedy: the same prompts through ringsched on the CPU (float32) and on CUDA (float32, TF32 off, so the two
-   compute the same function): PP=1, and with two GPUs or more PP=2 and TP=2. Random weights have near-ties, so
-   the check reports matching tokens out of the total instead of failing on the first difference.
-2. Speed: TPOT at one request and output tokens/s at `--concurrency` requests, ringsched PP=1 (its default
-   attention on CUDA, the Triton kernels, and the plain torch path) against transformers'
-   `AutoModelForCausalLM.generate` (eager, greedy) on the same weights, GPU and dtype.
+   compute the same function): PP=1 with CUDA graphs (the default) and with --enforce-eager, and with two GPUs or
+   more PP=2 and TP=2. Random weights have near-ties, so the check reports matching tokens out of the total
+   instead of failing on the first difference.
+2. The op counter (`bench/op_count.py`) on CUDA: launches per decode layer with the Triton layer ops and with
+   torch's operators, and the host waits between a step's first launch and its sampled tokens.
+3. Speed: TPOT at one request and output tokens/s at `--concurrency` requests, ringsched PP=1 (CUDA graphs,
+   --enforce-eager, the plain torch attention) against transformers' `AutoModelForCausalLM.generate` (eager,
+   greedy) on the same weights, GPU and dtype; and with `--big-model` (an 8B model's shape, 4 layers) ringsched
+   with and without graphs.
 
 Prints one table (and writes it to `--out`). The timings are benchmark output, not tests.
 """
@@ -32,6 +36,14 @@ def ringsched_greedy(model: str, prompts: list[str], max_tokens: int, **kw) -> l
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     with Engine(model=model, dtype="float32", kv_cache_memory="2G", **kw) as llm:
         return [r.token_ids for r in llm.generate(prompts, params)]
+
+
+def op_count(model: str) -> str:
+    from ringsched.bench.op_count import count_decode_ops
+
+    fused, plain = (count_decode_ops(model, fused=f, device="cuda") for f in (True, False))
+    return (f"{fused['launches_per_layer']:g} launches with the Triton layer ops, {plain['launches_per_layer']:g} "
+            f"with torch's; {len(fused['waits'])} host waits ({', '.join(fused['waits']) or 'none'})")  # fmt: skip
 
 
 def matching(ref: list[list[int]], got: list[list[int]]) -> tuple[int, int]:
@@ -87,6 +99,7 @@ def eager_speed(model: str, dtype: str, prompt: list[int], out_len: int, concurr
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="a model directory (config.json, model.safetensors, tokenizer)")
+    ap.add_argument("--big-model", default=None, help="a second model directory, timed by ringsched only")
     ap.add_argument("--gpus", type=int, default=torch.cuda.device_count())
     ap.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt")
     ap.add_argument("--out-len", type=int, default=128, help="output tokens per request in the speed runs")
@@ -106,7 +119,8 @@ def main() -> int:
         print(f"{rows[-1][0]}: {rows[-1][1]}", flush=True)
 
     ref = ringsched_greedy(args.model, PROMPTS, args.max_tokens, device="cpu")
-    layouts = [("PP=1", {}), ("PP=1 torch attention", {"attention_backend": "torch"})]
+    layouts = [("PP=1", {}), ("PP=1 --enforce-eager", {"enforce_eager": True})]
+    layouts += [("PP=1 torch attention", {"attention_backend": "torch"})]
     layouts += [("PP=2", {"pp_size": 2}), ("TP=2", {"tp_size": 2})] if args.gpus >= 2 else []
     for name, kw in layouts:
         def greedy(kw=kw) -> str:
@@ -114,14 +128,21 @@ def main() -> int:
             return f"{same}/{total} tokens match the CPU (float32, TF32 off)"
 
         check(f"greedy {name} cuda vs cpu", greedy)
+    check("op count, a decode layer", lambda: op_count(args.model))
     os.environ["RINGSCHED_TF32"] = "1"
     prompt = list(range(300, 300 + 32))  # 32 prompt tokens (ids every vocabulary of interest has)
     speeds = {}
+    eager = functools.partial(ringsched_speed, enforce_eager=True)
     torch_attention = functools.partial(ringsched_speed, attention_backend="torch")
-    for name, fn in (("ringsched PP=1", ringsched_speed), ("ringsched PP=1 torch attention", torch_attention),
-                     ("transformers eager", eager_speed)):  # fmt: skip
-        def speed(fn=fn, name=name) -> str:
-            tpot, tput = speeds[name] = fn(args.model, args.bench_dtype, prompt, args.out_len, args.concurrency)
+    runs = [("ringsched PP=1", ringsched_speed, args.model), ("ringsched PP=1 --enforce-eager", eager, args.model),
+            ("ringsched PP=1 torch attention", torch_attention, args.model),
+            ("transformers eager", eager_speed, args.model)]  # fmt: skip
+    if args.big_model:
+        runs += [("big model, ringsched PP=1", ringsched_speed, args.big_model),
+                 ("big model, ringsched PP=1 --enforce-eager", eager, args.big_model)]  # fmt: skip
+    for name, fn, model in runs:
+        def speed(fn=fn, name=name, model=model) -> str:
+            tpot, tput = speeds[name] = fn(model, args.bench_dtype, prompt, args.out_len, args.concurrency)
             return f"TPOT {tpot:.2f} ms at 1 request; {tput:.0f} output tok/s at {args.concurrency}"
 
         check(f"{name} ({args.bench_dtype})", speed)

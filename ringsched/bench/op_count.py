@@ -75,14 +75,17 @@ class OpCounter(TorchDispatchMode):
 @contextlib.contextmanager
 def _hooks(counter: OpCounter, layers):
     """Triton launches and host reads reported to `counter`, and each layer named as its region."""
-    from triton.runtime import interpreter
+    from triton.runtime import interpreter, jit
 
-    run = interpreter.InterpretedFunction.run
+    runs = {cls: cls.run for cls in (interpreter.InterpretedFunction, jit.JITFunction)}  # interpreted, compiled
 
-    def counted_run(self, *args, **kwargs):
-        counter.triton_launch(self.fn.__name__)
-        with counter.pause():
-            return run(self, *args, **kwargs)
+    def counted(run):
+        def counted_run(self, *args, **kwargs):
+            counter.triton_launch(self.fn.__name__ if hasattr(self, "fn") else self.__name__)
+            with counter.pause():
+                return run(self, *args, **kwargs)
+
+        return counted_run
 
     def reader(name: str, orig):
         def read(t, *args, **kwargs):
@@ -97,13 +100,15 @@ def _hooks(counter: OpCounter, layers):
     for i, layer in enumerate(layers):
         handles.append(layer.register_forward_pre_hook(lambda m, a, i=i: setattr(counter, "region", f"layer {i}")))
         handles.append(layer.register_forward_hook(lambda m, a, o: setattr(counter, "region", "other")))
-    interpreter.InterpretedFunction.run = counted_run
+    for cls, run in runs.items():
+        cls.run = counted(run)
     for name, orig in saved.items():
         setattr(torch.Tensor, name, reader(name, orig))
     try:
         yield
     finally:
-        interpreter.InterpretedFunction.run = run
+        for cls, run in runs.items():
+            cls.run = run
         for name, orig in saved.items():
             setattr(torch.Tensor, name, orig)
         for h in handles:
@@ -124,10 +129,14 @@ def device_path(model, fused: bool = True) -> None:
     model.__dict__.pop("decode_layers", None)
 
 
-def count_decode_ops(model_dir: str, rows: int = 4, context: int = 24, fused: bool = True) -> dict:
+def count_decode_ops(
+    model_dir: str, rows: int = 4, context: int = 24, fused: bool = True, device: str = "cpu"
+) -> dict:
     """Counts of one greedy decode step of `rows` requests at `context` tokens each, on the device path (`fused`:
-    with the Triton layer ops, as a GPU stage runs; else with torch's operators)."""
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton's first import
+    with the Triton layer ops, as a GPU stage runs; else with torch's operators), on `device` (CPU: Triton
+    interpreted; `cuda`: the real launches, `scripts/gpu_check.py`)."""
+    if device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton's first import
     from ringsched.attention.backend import select_backend
     from ringsched.comm.messages import BatchPlan, PlanEntry
     from ringsched.kv.cache import BlockTable, KVPool
@@ -136,21 +145,21 @@ def count_decode_ops(model_dir: str, rows: int = 4, context: int = 24, fused: bo
     from ringsched.weights.model_config import ModelConfig
 
     cfg = ModelConfig.from_dir(model_dir)
-    model = load_stage_model(model_dir, StageInfo(0, 1, 0, cfg.num_layers))
+    model = load_stage_model(model_dir, StageInfo(0, 1, 0, cfg.num_layers), device=device)
     device_path(model, fused)
-    backend = select_backend("triton", "cpu", torch.float32)
-    blocks, pool = BlockTable(rows * 4, 16), KVPool(cfg, cfg.num_layers, rows * 4, 16, torch.float32, "cpu")
+    backend = select_backend("triton", device, torch.float32)
+    blocks, pool = BlockTable(rows * 4, 16), KVPool(cfg, cfg.num_layers, rows * 4, 16, torch.float32, device)
     entries = []
     for r in range(rows):
         blocks.ensure(f"r{r}", context)
         entries.append(PlanEntry(f"r{r}", context - 1, [1 + r], True))
-    batch, ids = backend.forward_batch(BatchPlan(slot=0, seq=0, entries=entries), blocks, torch.device("cpu"))
+    batch, ids = backend.forward_batch(BatchPlan(slot=0, seq=0, entries=entries), blocks, torch.device(device))
     counter = OpCounter()
     with torch.no_grad():
         model(batch, input_ids=ids, kv_caches=pool.caches)  # warm: the rotary tables built once per stage
         with _hooks(counter, model.model.layers), counter:
             model.compute_logits(model(batch, input_ids=ids, kv_caches=pool.caches)).argmax(dim=-1)
-    return _summary(counter, cfg.num_layers, rows) | {"fused": fused}
+    return _summary(counter, cfg.num_layers, rows) | {"fused": fused, "device": device}
 
 
 def _summary(counter: OpCounter, layers: int, rows: int) -> dict:
@@ -172,7 +181,8 @@ def _summary(counter: OpCounter, layers: int, rows: int) -> dict:
 
 def print_ops(ops: dict) -> None:
     how = "the Triton layer ops" if ops["fused"] else "torch's operators"
-    print(f"\none decode step of {ops['rows']} rows on the device path, with {how} (Triton interpreted on CPU):")
+    where = "Triton interpreted on CPU" if ops["device"] == "cpu" else ops["device"]
+    print(f"\none decode step of {ops['rows']} rows on the device path, with {how} ({where}):")
     print(f"  launches a layer: {ops['launches_per_layer']:g} (allocations {ops['allocations_per_layer']:g})")
     for name, n in ops["layer_ops"].items():
         print(f"    {n:g} x {name}")
