@@ -99,6 +99,9 @@ class StaticForward:
         eager.blocks.tables[SCRATCH_RID] = [scratch_block]  # held by no request: the pool set it aside
         self.steps: dict[int, StaticStep] = {}
         self.counts: collections.Counter = collections.Counter()
+        # One memory pool for every bucket's graph: a step's outputs are taken (sampled, or copied to send) before
+        # the next replay, so the graphs may share it
+        self.graph_pool = torch.cuda.graph_pool_handle() if eager.pool.caches[0][0].is_cuda else None
 
     def __call__(self, plan: BatchPlan, proxy: dict | None) -> tuple[ForwardBatch, object, list[torch.Tensor]]:
         rows = plan.graph_rows
@@ -110,7 +113,7 @@ class StaticForward:
         batch, ids = e.attention.forward_batch(padded, e.blocks, e.device)
         step = self.steps.get(rows)
         if step is None:
-            step = self.steps[rows] = StaticStep(e.model, e.pool, batch, ids, proxy, self.max_len)
+            step = self.steps[rows] = StaticStep(e.model, e.pool, batch, ids, proxy, self.max_len, self.graph_pool)
         out = step.run(batch, ids, proxy)
         self.counts[rows] += 1
         if e.model.stage.is_last:
@@ -124,8 +127,10 @@ class StaticForward:
 class StaticStep:
     """One bucket's buffers and, on CUDA, its graph: `run` copies a padded step in and returns the output buffers."""
 
-    def __init__(self, model: StageModel, pool: KVPool, batch: ForwardBatch, ids, proxy, max_len: int) -> None:
-        self.model, self.caches = model, pool.caches
+    def __init__(
+        self, model: StageModel, pool: KVPool, batch: ForwardBatch, ids, proxy, max_len: int, graph_pool=None
+    ) -> None:
+        self.model, self.caches, self.graph_pool = model, pool.caches, graph_pool
         rows, dev = batch.num_tokens, batch.positions.device
         self.ids = None if proxy is not None else torch.zeros(rows, dtype=torch.long, device=dev)
         self.seam = None if proxy is None else {k: torch.zeros_like(proxy[k]) for k in ("hidden_states", "residual")}
@@ -182,7 +187,7 @@ class StaticStep:
                 self._forward()
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, pool=self.graph_pool):
             self.out = self._forward()
 
 
