@@ -109,7 +109,10 @@ class SamplerState:
         return targets, torch.cat(kept)
 
     def keep(self, plan: BatchPlan, targets: torch.Tensor) -> torch.Tensor:
-        """Greedy rows' argmax `targets` as `sample` returns its second part."""
+        """Greedy rows' argmax `targets` as `sample` returns its second part: the targets themselves where no entry
+        has drafts to verify and no request a grammar to advance (a plain step: no work per row)."""
+        if not self.constraints and not any(e.drafts for e in plan.entries):
+            return targets.to(torch.long)
         return self._keep(self._entries(plan), targets)
 
     def _entries(self, plan: BatchPlan) -> list[Sampled]:
