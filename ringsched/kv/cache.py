@@ -188,6 +188,10 @@ class BlockTable:
                 pc.hash_of[b] = hashes[i]
         self._cached[rid] = max(self._cached.get(rid, 0), len(hashes))
 
+    def indexed(self, rid: str) -> int:
+        """How many of `rid`'s leading blocks are indexed (or were cached when it started from them)."""
+        return self._cached.get(rid, 0)
+
     def follow(self, e: PlanEntry, cp_rank: int = 0) -> None:
         """Follow stage 0's allocation for plan entry `e` (the other ranks): a cached prefix first, then what the
         entry computes; under `--cp-size`, this CP rank's own blocks (assigned even when none, so the request is

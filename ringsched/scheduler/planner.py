@@ -162,7 +162,7 @@ class Planner:
     def _admit_waiting(self, plan: BatchPlan, seq: int, budget: int) -> None:
         """New requests in arrival order, from their cached prefix, while the budget, the micro-batch, the running
         limit and the KV pool allow."""
-        planned = self._prefix.planned_blocks(plan)
+        planned = self._prefix.planned_blocks(plan) if self.waiting else set()
         for r in list(self.waiting):
             if budget <= 0 or len(plan.entries) >= self.micro_batch_size or len(self.running) >= self.max_running:
                 break

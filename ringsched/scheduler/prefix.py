@@ -47,8 +47,11 @@ class PrefixIndex:
             return set()
         bs, out = self.blocks.block_size, set()
         for e in plan.entries if entries is None else entries:
-            end = (e.start + len(e.token_ids)) // bs
-            out.update(self.hashes(self.requests[e.rid], end)[e.start // bs :])
+            first, end = e.start // bs, (e.start + len(e.token_ids)) // bs
+            if end > first:  # (a decode completes a block once every `bs` steps)
+                r = self.requests[e.rid]
+                self.hashes(r, end)
+                out.update(r.block_hashes[first:end])
         return out
 
     def computed_beside(self, r: Request, cached: int, planned: set[bytes]) -> bool:
@@ -58,8 +61,10 @@ class PrefixIndex:
         return self.hashes(r, cached + 1)[cached] in planned
 
     def index(self, r: Request, upto: int) -> None:
-        """Index `r`'s full blocks of positions `[0, upto)` in the prefix cache."""
-        self.blocks.index(r.rid, self.hashes(r, upto // self.blocks.block_size))
+        """Index `r`'s full blocks of positions `[0, upto)` in the prefix cache (nothing to do until a block fills)."""
+        full = upto // self.blocks.block_size
+        if full > self.blocks.indexed(r.rid):
+            self.blocks.index(r.rid, self.hashes(r, full))
 
     def admit(self, r: Request, cached: list[int]) -> None:
         """`r` is admitted starting from its `cached` blocks: count the hit and share the blocks."""
