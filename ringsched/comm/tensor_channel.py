@@ -3,7 +3,8 @@
 A message is a fixed-size int64 header `[kind, slot, seq, n, inline, (dtype, ndim, d0..d3) * n]` and room for
 `INLINE_BYTES` of payload. Payloads that fit there travel inside the header: one transfer instead of 1 + n, which
 is what a decode step of a few rows sends (a row's seam tensors of a small model, a micro-batch's sampled
-tokens); larger ones follow it as `n` tensors of their own. Each transfer costs a round of the transport and of
+tokens); larger ones follow it as `n` tensors of their own. A seam whose shape the receiver knows from the plan goes
+without a header, as one flat transfer (`send_known`, `recv_known`). Each transfer costs a round of the transport and of
 its Python bindings (on gloo over loopback, ~0.1-0.2 ms one way), and at one request every transfer of the ring
 is on the token's path. Sends are `isend`s with at most one message outstanding per destination; the payload is
 kept alive until the send completes (gloo reads it asynchronously). Receives block; when a message of
@@ -129,6 +130,22 @@ class TensorChannel:
             works += [dist.isend(t, dst) for t in tensors]
         self._outstanding[dst] = (works, [header, *tensors])  # keeps the payload alive until done
         self.sent_bytes[kind] += sum(t.numel() * t.element_size() for t in tensors)
+
+    def send_known(self, dst: int, kind: str, tensors: list[torch.Tensor]) -> None:
+        """`tensors` as one flat transfer with no header, to a receiver that knows their sizes and dtype
+        (`recv_known`): the seam of a fixed cut, whose shape the plan gives. One transfer of the payload's own bytes,
+        where a framed message costs a header (~16 KiB) and, past its inline room, a transfer per tensor; on a GPU
+        the receiver reads nothing on the host before the payload."""
+        self.wait_sent(dst)
+        flat = torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) > 1 else tensors[0].reshape(-1).contiguous()
+        self._outstanding[dst] = ([dist.isend(flat, dst)], [flat])  # keeps the payload alive until done
+        self.sent_bytes[kind] += flat.numel() * flat.element_size()
+
+    def recv_known(self, src: int, numels: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
+        """What `send_known` sent: flat tensors of `numels` elements of `dtype` (views of one buffer)."""
+        flat = torch.empty(sum(numels), dtype=dtype, device=self.device)
+        dist.recv(flat, src)
+        return list(flat.split(numels))
 
     def stats(self) -> dict:
         return {"seam_bytes_sent": self.sent_bytes["proxy"], "output_bytes_sent": self.sent_bytes["output"]}

@@ -132,11 +132,13 @@ class StageLoop:
             self.plans = LeadPlans(cfg, io, self.planner, times, self.gc, self.cut, self.outputs, buckets)
         else:
             self.plans = FollowPlans(where, io, self.blocks, times, self.gc, self.outputs, self.maybe_report)
+        # A fixed cut without CP: each seam's shape follows from its plan, so it travels unframed
+        known = cfg.torch_dtype if flex is None and cfg.cp_size == 1 else None
         if stage.is_first:
             self.inbound = Embed()
         else:
             hidden = self.model.cfg.hidden_size
-            self.inbound = ReceiveProxy(prev, io.chan, times, self.peer, self.tp, hidden)
+            self.inbound = ReceiveProxy(prev, io.chan, times, self.peer, self.tp, hidden, known)
         if stage.is_last:
             # Under CP the group's first rank samples every row (the others send it theirs).
             grammars = Grammars(cfg.model, self.model.cfg.vocab_size, eos_ids)
@@ -144,7 +146,7 @@ class StageLoop:
             self.head = SamplingHead(self.model, sampler, times, self.cut, active=self.attention.samples_here)
             self.outbound = HoldTokens(self.cut, self.outputs, times)
         else:
-            self.head, self.outbound = PassOn(), SendProxy(next_, io.chan, times, self.peer, self.tp)
+            self.head, self.outbound = PassOn(), SendProxy(next_, io.chan, times, self.peer, self.tp, known)
 
     def run(self) -> None:
         self.gc.start()

@@ -37,14 +37,24 @@ class ReceiveProxy:
     stage (with `tp`: this rank's shard of the first two, all-gathered into `[tokens, hidden]`)."""
 
     def __init__(
-        self, src: int, chan, times: StageTimes, peer: PeerCall, tp: TPGroup | None = None, hidden: int = 0
+        self,
+        src: int,
+        chan,
+        times: StageTimes,
+        peer: PeerCall,
+        tp: TPGroup | None = None,
+        hidden: int = 0,
+        known: torch.dtype | None = None,
     ) -> None:
         self.src, self.chan, self.times, self.peer, self.tp, self.hidden = src, chan, times, peer, tp, hidden
+        self.known = known  # the seam's dtype, where its shape comes from the plan (`SendProxy.known`)
 
     def receive(self, plan: BatchPlan) -> dict[str, torch.Tensor] | None:
         if not plan.entries:
             return None
         with self.times.measure("wait_prev"):
+            if self.known is not None:
+                return self._receive_known(plan)
             msg = self.peer(self.src, self.chan.recv, self.src, "proxy", plan.seq)
         hidden, residual = msg.tensors[0], msg.tensors[1]
         if self.tp:
@@ -52,6 +62,19 @@ class ReceiveProxy:
                 shape = (hidden.numel() * self.tp.size // self.hidden, self.hidden)
                 hidden, residual = self.tp.seam_gather(hidden, shape), self.tp.seam_gather(residual, shape)
         return {"hidden_states": hidden, "residual": residual, "kv": msg.tensors[2:]}
+
+    def _receive_known(self, plan: BatchPlan) -> dict[str, torch.Tensor]:
+        """The seam of `plan` (its bucket's rows on a static step), sized from the plan, without a header."""
+        rows = plan.graph_rows or plan.num_tokens
+        size = self.tp.size if self.tp else 1
+        n = rows * self.hidden // size
+        hidden, residual = self.peer(self.src, self.chan.recv_known, self.src, [n, n], self.known)
+        if self.tp:
+            with self.times.measure("comm"):
+                hidden = self.tp.seam_gather(hidden, (rows, self.hidden))
+                residual = self.tp.seam_gather(residual, (rows, self.hidden))
+            return {"hidden_states": hidden, "residual": residual, "kv": []}
+        return {"hidden_states": hidden.view(rows, self.hidden), "residual": residual.view(rows, self.hidden), "kv": []}
 
 
 class PassOn:
@@ -103,8 +126,18 @@ class SendProxy:
     """Not the last stage: post the send of the micro-batch's proxy to rank `dst` of the next stage (asynchronous;
     at most one outstanding per channel, see `TensorChannel`); with `tp`, this rank's shard of it."""
 
-    def __init__(self, dst: int, chan, times: StageTimes, peer: PeerCall, tp: TPGroup | None = None) -> None:
+    def __init__(
+        self,
+        dst: int,
+        chan,
+        times: StageTimes,
+        peer: PeerCall,
+        tp: TPGroup | None = None,
+        known: torch.dtype | None = None,
+    ) -> None:
         self.dst, self.chan, self.times, self.peer, self.tp = dst, chan, times, peer, tp
+        # `known`: the seam's dtype where the next stage takes its shape from the plan (a fixed cut, no CP): unframed
+        self.known = known
         self.tokens = 0  # tokens sent on (the seam's bytes per token: `TensorChannel.sent_bytes` over this)
 
     def send(self, plan: BatchPlan, out: dict | None) -> None:
@@ -114,7 +147,13 @@ class SendProxy:
         if self.tp:
             seam = [self.tp.seam_shard(t) for t in seam]
         with self.times.measure("comm"):
-            self.peer(self.dst, self.chan.send, self.dst, "proxy", plan.slot, plan.seq, [*seam, *out.get("kv", [])])
+            if self.known is not None:
+                if any(t.dtype != self.known for t in seam):
+                    raise RuntimeError(f"the seam is {seam[0].dtype}, not the {self.known} the next stage expects")
+                self.peer(self.dst, self.chan.send_known, self.dst, "proxy", seam)
+            else:
+                seam += out.get("kv", [])
+                self.peer(self.dst, self.chan.send, self.dst, "proxy", plan.slot, plan.seq, seam)
         self.tokens += out["hidden_states"].shape[0]  # this rank's rows (a CP rank holds only its own)
 
 
