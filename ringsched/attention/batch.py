@@ -139,6 +139,7 @@ def _flatten(plan: BatchPlan, blocks: BlockTable, device) -> tuple[ForwardBatch,
         logit_rows=on_device(logit_rows, device, torch.long),
         slot_mapping=on_device(slots, device, torch.long),
         position_bound=max((e.start + len(e.token_ids) - 1 for e in plan.entries), default=-1),
+        samples_all=len(logit_rows) == row,  # rows are appended in order, each once: then they are all of them
     )
     batch.contexts = _contexts(decs, chunks, lambda rid, ctx, n: blocks.slots(rid, 0, ctx), device)
     return batch, on_device(ids, device, torch.long), decs, chunks

@@ -59,6 +59,7 @@ class ForwardBatch:
     logit_rows: torch.Tensor  # [S] row whose logits are sampled, one per sequence that samples
     slot_mapping: torch.Tensor | None = None  # [T] cache slot each new token's K/V goes to
     position_bound: int | None = None  # the largest of `positions`, from the plan (None: read from the device)
+    samples_all: bool = False  # every row samples, in order (`logit_rows` is 0..T-1): a decode-only step
     decodes: list[DecodeGroup] = field(default_factory=list)
     native_decode: NativeDecode | None = None  # the decodes, for the CPU kernel (then `decodes` is empty)
     prefills: list[PrefillSeq] = field(default_factory=list)

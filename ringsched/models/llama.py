@@ -24,6 +24,7 @@ from ringsched.layout.rank import StageInfo
 from ringsched.models.decoder_layer import DecoderLayer, MissingLayer
 from ringsched.models.fused_linear import cpu_layout
 from ringsched.models.layer_types import Rotaries, build_layer, final_norm
+from ringsched.models.rmsnorm import RMSNorm
 from ringsched.models.tp import SoloGroup, TPGroup
 from ringsched.models.vocab import lm_head, vocab_embedding
 from ringsched.weights.model_config import ModelConfig
@@ -83,10 +84,19 @@ class StageModel(nn.Module):
                 hidden, residual = self.model.layers[i](hidden, residual, batch, kv)
         if not self.stage.is_last:
             return {"hidden_states": hidden, "residual": residual}
-        # Only the rows that sample need the final norm and the lm_head.
-        rows = batch.logit_rows
-        out, _ = self.model.norm.add_forward(hidden[rows], residual[rows])
-        return batch.gather_samples(out)
+        # Only the rows that sample need the final norm and the lm_head (a decode step: every row, as they are).
+        if not batch.samples_all:
+            hidden, residual = hidden[batch.logit_rows], residual[batch.logit_rows]
+        return batch.gather_samples(self._final_norm(hidden, residual))
+
+    def _final_norm(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The final residual add and norm: one call of the layers' `step_ops` where their small steps take them
+        (a native call on CPU, a Triton launch on a GPU), else torch's."""
+        norm, last = self.model.norm, self.__dict__.get("norm_layer")
+        small = last is not None and 0 < hidden.shape[0] <= last.small_rows
+        if small and hidden.is_contiguous() and residual.is_contiguous():
+            return last.step_ops.add_rmsnorm(hidden, residual, norm.weight, norm.eps)[0]
+        return norm.add_forward(hidden, residual)[0]
 
     def one_call(self, batch: ForwardBatch) -> bool:
         """Whether a step of `batch` can run its layers in one native call (`kernels/decode_layers.py`)."""
@@ -118,6 +128,9 @@ class StageModel(nn.Module):
             if not isinstance(layer, MissingLayer):
                 layer.prepare_linears(quantization)
         if self.stage.is_last:
+            held = [y for y in self.model.layers if isinstance(y, DecoderLayer) and y.step_ops is not None]
+            if held and type(self.model.norm) is RMSNorm:  # the plain norm the step ops compute (Gemma's is not)
+                self.__dict__["norm_layer"] = held[-1]  # whose step ops and row limit the final norm follows
             if quantization in ("int8", "int4"):  # the head int8 per row under int4 too: its accuracy matters most
                 quantize_linear(self.lm_head)
             self.lm_head.prepare()

@@ -139,6 +139,7 @@ class StaticStep:
             positions=torch.zeros_like(batch.positions),
             slot_mapping=torch.zeros_like(batch.slot_mapping),
             logit_rows=torch.arange(rows, device=dev),  # every row: the real ones are taken after
+            samples_all=True,
             position_bound=max_len - 1,  # the rotary tables cover every position, once
             native_decode=_static_native(batch.native_decode, rows, max_len),
             paged_decodes=_static_paged(batch.paged_decodes, rows, max_len, batch.block_size),
