@@ -52,29 +52,21 @@ class ReceiveProxy:
     def receive(self, plan: BatchPlan) -> dict[str, torch.Tensor] | None:
         if not plan.entries:
             return None
+        rows = plan.graph_rows or plan.num_tokens  # the seam's rows (a static step's: its bucket's)
         with self.times.measure("wait_prev"):
-            if self.known is not None:
-                return self._receive_known(plan)
-            msg = self.peer(self.src, self.chan.recv, self.src, "proxy", plan.seq)
-        hidden, residual = msg.tensors[0], msg.tensors[1]
+            if self.known is not None:  # sized from the plan, no header
+                n = rows * self.hidden // (self.tp.size if self.tp else 1)
+                tensors = self.peer(self.src, self.chan.recv_known, self.src, [n, n], self.known)
+            else:
+                tensors = self.peer(self.src, self.chan.recv, self.src, "proxy", plan.seq).tensors
+        hidden, residual = tensors[0], tensors[1]
         if self.tp:
             with self.times.measure("comm"):
                 shape = (hidden.numel() * self.tp.size // self.hidden, self.hidden)
                 hidden, residual = self.tp.seam_gather(hidden, shape), self.tp.seam_gather(residual, shape)
-        return {"hidden_states": hidden, "residual": residual, "kv": msg.tensors[2:]}
-
-    def _receive_known(self, plan: BatchPlan) -> dict[str, torch.Tensor]:
-        """The seam of `plan` (its bucket's rows on a static step), sized from the plan, without a header."""
-        rows = plan.graph_rows or plan.num_tokens
-        size = self.tp.size if self.tp else 1
-        n = rows * self.hidden // size
-        hidden, residual = self.peer(self.src, self.chan.recv_known, self.src, [n, n], self.known)
-        if self.tp:
-            with self.times.measure("comm"):
-                hidden = self.tp.seam_gather(hidden, (rows, self.hidden))
-                residual = self.tp.seam_gather(residual, (rows, self.hidden))
-            return {"hidden_states": hidden, "residual": residual, "kv": []}
-        return {"hidden_states": hidden.view(rows, self.hidden), "residual": residual.view(rows, self.hidden), "kv": []}
+        elif self.known is not None:
+            hidden, residual = hidden.view(rows, self.hidden), residual.view(rows, self.hidden)
+        return {"hidden_states": hidden, "residual": residual, "kv": tensors[2:]}
 
 
 class PassOn:
