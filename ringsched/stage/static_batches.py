@@ -2,7 +2,7 @@
 one set per row bucket, replayed as a CUDA graph on a GPU (`StaticForward`).
 
 A CUDA graph replays fixed kernels on fixed addresses, so a step's inputs must sit in buffers that outlive it and
-have one shape per graph. A decode step of `n` rows is padded to its bucket (`BUCKETS`: 1, 2, 4, 8, then every 8 up
+have one shape per graph. A decode step of `n` rows is padded to its bucket (`buckets`: 1, 2, 4, 8, then every 8 up
 to `--cuda-graph-max-bs`), the padding rows decoding one token of a scratch request whose only block is a block
 the pool keeps aside (`SCRATCH_RID`): they write and read that block only, and their outputs are dropped. The
 step's batch is built as an eager step's (the stage's attention backend, over the padded plan), then copied into
