@@ -106,9 +106,12 @@ def wait_ready(net: NetHosts, nodes: list[NsProcess], timeout: float = 180) -> N
         n.descendants()  # remember every stage process, so that "all gone" sees them too
 
 
-def assert_greedy(net: NetHosts, reference: dict[str, str]) -> None:
+def assert_greedy(net: NetHosts, reference: dict[str, str], nodes: list[NsProcess]) -> None:
+    """The single node's greedy texts from node 0's server, and every node still running after."""
     out = client(net, "greedy", base_url(net), "--prompt", PROMPT, "--chat", CHAT, "--max-tokens", str(MAX_TOKENS))
     assert out == reference, logs(net)
+    for n in nodes:
+        assert n.poll() is None, logs(net)
 
 
 def wait_gone(procs: list[NsProcess], timeout: float) -> float | None:
@@ -140,20 +143,18 @@ def lines_with(text: str, *words: str) -> list[str]:
 
 
 # -- serving across two hosts ----------------------------------------------------------------------------------
-# The third case also sends stage 1's progress across the hosts (`--pp-flex-policy ready`: a tcp channel whose
-# address travels through the store).
+# The cut-link test below also sends stage 1's progress across the hosts (`--pp-flex-policy ready`: a tcp channel
+# whose address travels through the store), and checks the greedy text before it cuts the link.
 READY = ("--pp-flex-layers", "2", "--pp-flex-policy", "ready")
 TP2 = ("--tp-size", "2")  # each node runs one stage of two ranks: the seam goes sharded across the hosts
 FAIL_STOP = ("--max-restarts", "0")
 
 
-@pytest.mark.parametrize("pp,extra", [(4, ()), (2, READY)], ids=["4", "2-ready"])  # PP=2 x TP=2: below
-def test_two_hosts_match_single_node_greedy(net, reference, pp, extra):
-    nodes = [launch(net, r, pp, *extra, stage_timeout=FAST_TIMEOUT) for r in (0, 1)]
+def test_two_hosts_match_single_node_greedy_at_pp4(net, reference):
+    """(PP=2: the less-memory test; with the cut decided while running: the cut-link test; PP=2 x TP=2: below.)"""
+    nodes = [launch(net, r, 4, stage_timeout=FAST_TIMEOUT) for r in (0, 1)]
     wait_ready(net, nodes)
-    assert_greedy(net, reference)
-    for n in nodes:
-        assert n.poll() is None, logs(net)
+    assert_greedy(net, reference, nodes)
 
 
 def _stage_bytes(smollm2_dir):
@@ -174,7 +175,7 @@ def test_a_node_with_less_memory_gets_fewer_layers_and_serves_then_is_lost(net, 
     nodes = [launch(net, 0, 2, *FAIL_STOP, stage_timeout=FAST_TIMEOUT),
              launch(net, 1, 2, *FAIL_STOP, "--node-memory", str(memory), stage_timeout=FAST_TIMEOUT)]  # fmt: skip
     wait_ready(net, nodes)
-    assert_greedy(net, reference)
+    assert_greedy(net, reference, nodes)
     said = nodes[0].log()
     assert "layer split over nodes: 22,8" in said and "node 1 has" in said, logs(net)
     assert re.search(r"node 1: layer [\d.]+ ms, [\d.]+ GiB \([\d.]+ GiB used\): layers \[8\]", said), logs(net)
@@ -220,10 +221,12 @@ def lose_node_1(net: NetHosts, nodes: list[NsProcess], fault: str) -> None:
         assert r["transport_error"] is None, (r, logs(net))
 
 
-def test_a_cut_link_ends_every_process_and_stream(net):
-    """(Node 1 killed outright: after the less-memory test above, on its hosts.)"""
-    nodes = [launch(net, 0, 2, *FAIL_STOP), launch(net, 1, 2, *FAIL_STOP)]
+def test_the_cut_decided_while_running_matches_single_node_greedy_then_a_cut_link_ends_everything(net, reference):
+    """PP=2 with `--pp-flex-policy ready` (READY above): the single node's greedy text; then the link cut. (Node 1
+    killed outright: after the less-memory test above, on its hosts.)"""
+    nodes = [launch(net, r, 2, *READY, *FAIL_STOP) for r in (0, 1)]
     wait_ready(net, nodes)
+    assert_greedy(net, reference, nodes)
     lose_node_1(net, nodes, "cut-link")
 
 
@@ -232,7 +235,7 @@ def test_tp2_over_two_hosts_matches_single_node_greedy_then_a_killed_rank_ends_e
     are open."""
     nodes = [launch(net, r, 2, *TP2, *FAIL_STOP, stage_timeout=FAST_TIMEOUT) for r in (0, 1)]
     wait_ready(net, nodes)
-    assert_greedy(net, reference)
+    assert_greedy(net, reference, nodes)
     streams = open_streams(net, nodes)
     victims = [p for p in nodes[1].descendants() if p.name() == "ringsched-pp1t1"]
     assert len(victims) == 1, (nodes[1].descendants(), logs(net))
