@@ -165,9 +165,10 @@ def test_stage_death_ends_streams_with_an_error_with_max_restarts_0():
         assert "the engine failed" in log and re.search(r"stage ?1", log), log[-3000:]
 
 
-@pytest.mark.parametrize(("busy", "tp"), [(False, 1), (True, 1), (True, 2)], ids=["idle", "busy", "busy-tp2"])
+@pytest.mark.parametrize(("busy", "tp"), [(False, 1), (True, 2)], ids=["idle", "busy-tp2"])
 def test_a_stopped_stage_is_noticed_by_its_heartbeat(busy, tp):
-    """SIGSTOP of stage 1 (at TP=2, of its second rank: global rank 3)."""
+    """SIGSTOP of stage 1 (at TP=2, of its second rank: global rank 3), idle or while three streams run: each
+    stream ends with an error naming it hung. (Busy at TP=1 is the same check of the same heartbeat.)"""
     timeout = 3.0
     name, victim = ("ringsched-pp1", "stage 1") if tp == 1 else ("ringsched-pp1t1", "rank 3 (stage 1, tp 1)")
     flags = ["--tp-size", str(tp), "--heartbeat-timeout", str(timeout), "--max-restarts", "0"]
