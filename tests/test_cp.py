@@ -95,41 +95,46 @@ def test_merge_all_is_pairwise_merge():
     assert torch.allclose(together[0], reference(q, k, v, 0.25), atol=1e-6)
 
 
-def _rank_main(rank: int, size: int, port: int, n: int, split_name: str, results) -> None:
+SPLITS = ["zigzag", "contiguous", "decode"]
+
+
+def _rank_main(rank: int, size: int, port: int, n: int, results) -> None:
+    """Every split in turn on one process group: `results[split, rank]` is (positions, output)."""
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, size, is_master=rank == 0, timeout=__import__("datetime").timedelta(60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
     try:
         q, k, v = qkv(n, seed=3)
-        if split_name == "decode":  # the last token's query over KV spread by 16-token blocks, round robin
-            held = torch.arange(n)[(torch.arange(n) // 16) % size == rank]
-            last = torch.tensor([n - 1])
-            out, _ = split_kv_decode(q[last], last, k[held], v[held], held, 16**-0.5)
-            results[rank] = (last, out)
-            return
-        mine = {"zigzag": zigzag_split, "contiguous": contiguous_split}[split_name](n, size)[rank]
-        out, _ = ring_attention(q[mine], k[mine], v[mine], mine, mine, 16**-0.5)
-        results[rank] = (mine, out)
+        for split_name in SPLITS:
+            if split_name == "decode":  # the last token's query over KV spread by 16-token blocks, round robin
+                held = torch.arange(n)[(torch.arange(n) // 16) % size == rank]
+                last = torch.tensor([n - 1])
+                out, _ = split_kv_decode(q[last], last, k[held], v[held], held, 16**-0.5)
+                results[split_name, rank] = (last, out)
+                continue
+            mine = {"zigzag": zigzag_split, "contiguous": contiguous_split}[split_name](n, size)[rank]
+            out, _ = ring_attention(q[mine], k[mine], v[mine], mine, mine, 16**-0.5)
+            results[split_name, rank] = (mine, out)
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("size", [2, 4])
-@pytest.mark.parametrize("split_name", ["zigzag", "contiguous", "decode"])
-def test_ring_attention_across_gloo_processes(size, split_name):
-    """Prefill: each rank's queries over every rank's K/V as it comes round; decode: one query over the KV
-    spread across the ranks, merged on every rank."""
+def test_ring_attention_across_gloo_processes(size):
+    """Prefill (zigzag and contiguous splits): each rank's queries over every rank's K/V as it comes round; decode:
+    one query over the KV spread across the ranks, merged on every rank. The three run one after another on one
+    process group (spawning the ranks is most of the cost)."""
     n = 61  # uneven blocks: each transfer carries its own length
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         results = manager.dict()
-        mp.start_processes(_rank_main, args=(size, _free_port(), n, split_name, results), nprocs=size,
+        mp.start_processes(_rank_main, args=(size, _free_port(), n, results), nprocs=size,
                            start_method="spawn", join=True)  # fmt: skip
         got = dict(results)
     q, k, v = qkv(n, seed=3)
     want = reference(q, k, v, 16**-0.5)
-    assert sorted(got) == list(range(size))
-    for mine, out in got.values():
-        assert (out - want[mine]).abs().max() < 1e-5
+    assert sorted(got) == sorted((s, r) for s in SPLITS for r in range(size))
+    for (split_name, rank), (mine, out) in got.items():
+        assert (out - want[mine]).abs().max() < 1e-5, (split_name, rank)

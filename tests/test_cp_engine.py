@@ -65,15 +65,15 @@ def test_cp2_pp2_matches_transformers(cases):
 
 
 def test_a_request_larger_than_one_ranks_pool(smollm2_dir, hf_smol):
-    """A pool of ~1,100 tokens per rank: a 1,500-token prompt is refused at CP=1 and served at CP=2."""
+    """A pool of ~600 tokens per rank: an 800-token prompt is refused at CP=1 and served at CP=2."""
     mcfg = ModelConfig.from_dir(smollm2_dir)
     per_token = kv_bytes_per_token(mcfg, mcfg.num_layers, torch.float32)
-    kw = {**KW, "kv_cache_memory": str(1100 * per_token), "max_model_len": 4096}
-    prompt = _random_prompt(1500, 3)
+    kw = {**KW, "kv_cache_memory": str(600 * per_token), "max_model_len": 4096}
+    prompt = _random_prompt(800, 3)
     with Engine(**kw) as llm:
         out = llm.generate([prompt], GREEDY)[0]
         rank_tokens = llm.supervisor.info[0]["kv_tokens"]
-    assert rank_tokens < len(prompt) + GREEDY.max_tokens
+    assert rank_tokens < len(prompt) + GREEDY.max_tokens <= request_capacity(rank_tokens, 2)
     assert out.finish_reason == "error" and "--cp-size" in out.error, out
     with Engine(cp_size=2, **kw) as llm:
         out = llm.generate([prompt], GREEDY)[0]

@@ -19,7 +19,7 @@ KW = dict(kv_cache_memory="256M", log_level="warning", chunked_prefill_size=128)
 
 def prompts() -> list[list[int]]:
     rng = random.Random(29)
-    return [[rng.randrange(1000, 49152) for _ in range(n)] for n in (700, 1300)]  # 6 and 11 chunks
+    return [[rng.randrange(1000, 49152) for _ in range(n)] for n in (400, 900)]  # 4 and 8 chunks
 
 
 def run(**kw) -> tuple[list[list[int]], dict]:

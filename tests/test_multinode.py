@@ -106,6 +106,14 @@ def wait_ready(net: NetHosts, nodes: list[NsProcess], timeout: float = 180) -> N
         n.descendants()  # remember every stage process, so that "all gone" sees them too
 
 
+def assert_greedy(net: NetHosts, reference: dict[str, str], nodes: list[NsProcess]) -> None:
+    """The single node's greedy texts from node 0's server, and every node still running after."""
+    out = client(net, "greedy", base_url(net), "--prompt", PROMPT, "--chat", CHAT, "--max-tokens", str(MAX_TOKENS))
+    assert out == reference, logs(net)
+    for n in nodes:
+        assert n.poll() is None, logs(net)
+
+
 def wait_gone(procs: list[NsProcess], timeout: float) -> float | None:
     """Seconds until every process tree in `procs` has exited, or None if one is still running at `timeout`."""
     t0 = time.monotonic()
@@ -135,20 +143,18 @@ def lines_with(text: str, *words: str) -> list[str]:
 
 
 # -- serving across two hosts ----------------------------------------------------------------------------------
-# The third case also sends stage 1's progress across the hosts (`--pp-flex-policy ready`: a tcp channel whose
-# address travels through the store).
+# The cut-link test below also sends stage 1's progress across the hosts (`--pp-flex-policy ready`: a tcp channel
+# whose address travels through the store), and checks the greedy text before it cuts the link.
 READY = ("--pp-flex-layers", "2", "--pp-flex-policy", "ready")
 TP2 = ("--tp-size", "2")  # each node runs one stage of two ranks: the seam goes sharded across the hosts
+FAIL_STOP = ("--max-restarts", "0")
 
 
-@pytest.mark.parametrize("pp,extra", [(4, ()), (2, READY), (2, TP2)], ids=["4", "2-ready", "2-tp2"])
-def test_two_hosts_match_single_node_greedy(net, reference, pp, extra):
-    nodes = [launch(net, r, pp, *extra, stage_timeout=FAST_TIMEOUT) for r in (0, 1)]
+def test_two_hosts_match_single_node_greedy_at_pp4(net, reference):
+    """(PP=2: the less-memory test; with the cut decided while running: the cut-link test; PP=2 x TP=2: below.)"""
+    nodes = [launch(net, r, 4, stage_timeout=FAST_TIMEOUT) for r in (0, 1)]
     wait_ready(net, nodes)
-    out = client(net, "greedy", base_url(net), "--prompt", PROMPT, "--chat", CHAT, "--max-tokens", str(MAX_TOKENS))
-    assert out == reference, logs(net)
-    for n in nodes:
-        assert n.poll() is None, logs(net)
+    assert_greedy(net, reference, nodes)
 
 
 def _stage_bytes(smollm2_dir):
@@ -160,20 +166,21 @@ def _stage_bytes(smollm2_dir):
     return stage_bytes(cfg, ModelSpec.resolve(cfg))
 
 
-def test_a_node_with_less_memory_gets_fewer_layers_and_serves(net, reference, smollm2_dir):
+def test_a_node_with_less_memory_gets_fewer_layers_and_serves_then_is_lost(net, reference, smollm2_dir):
     """PP=2 (the plain two-host case) with node 1 given memory for 8 layers, short of its default 13: the nodes
-    measure themselves, node 0 splits 22,8 and logs each node's figures, and the text is the single node's."""
+    measure themselves, node 0 splits 22,8 and logs each node's figures, and the text is the single node's. Then,
+    with --max-restarts 0, node 1 is killed while streams are open (`kill-node-1` below)."""
     weights = _stage_bytes(smollm2_dir)
     memory = int(weights.need(1, 2, 8) + weights.layer / 2)
-    nodes = [launch(net, 0, 2, stage_timeout=FAST_TIMEOUT),
-             launch(net, 1, 2, "--node-memory", str(memory), stage_timeout=FAST_TIMEOUT)]  # fmt: skip
+    nodes = [launch(net, 0, 2, *FAIL_STOP, stage_timeout=FAST_TIMEOUT),
+             launch(net, 1, 2, *FAIL_STOP, "--node-memory", str(memory), stage_timeout=FAST_TIMEOUT)]  # fmt: skip
     wait_ready(net, nodes)
-    out = client(net, "greedy", base_url(net), "--prompt", PROMPT, "--chat", CHAT, "--max-tokens", str(MAX_TOKENS))
-    assert out == reference, logs(net)
+    assert_greedy(net, reference, nodes)
     said = nodes[0].log()
     assert "layer split over nodes: 22,8" in said and "node 1 has" in said, logs(net)
     assert re.search(r"node 1: layer [\d.]+ ms, [\d.]+ GiB \([\d.]+ GiB used\): layers \[8\]", said), logs(net)
     assert lines_with(nodes[1].log(), "layer split over nodes from node 0: 22,8"), logs(net)
+    lose_node_1(net, nodes, "kill-node-1")
 
 
 def test_nodes_that_cannot_hold_the_model_are_refused_before_any_stage_starts(net, smollm2_dir):
@@ -187,15 +194,10 @@ def test_nodes_that_cannot_hold_the_model_are_refused_before_any_stage_starts(ne
 
 
 # -- faults while streams are open ------------------------------------------------------------------------------
-FAIL_STOP = ("--max-restarts", "0")
-
-
-@pytest.mark.parametrize("fault", ["kill-node-1", "cut-link"])
-def test_lost_node_ends_every_process_and_stream(net, fault):
-    nodes = [launch(net, 0, 2, *FAIL_STOP), launch(net, 1, 2, *FAIL_STOP)]
-    wait_ready(net, nodes)
+def lose_node_1(net: NetHosts, nodes: list[NsProcess], fault: str) -> None:
+    """With --max-restarts 0, node 1 lost (`fault`) while streams are open: every process gone within
+    --stage-timeout + 10 s, node 0's log naming node 1 and its stage, every stream ended with an error chunk."""
     streams = open_streams(net, nodes)
-
     if fault == "kill-node-1":
         net.kill_host(1)  # node 1's launcher and stages, SIGKILL: the machine is gone
         survivors = nodes[:1]
@@ -205,7 +207,6 @@ def test_lost_node_ends_every_process_and_stream(net, fault):
     bound = STAGE_TIMEOUT + 10
     took = wait_gone(survivors, bound)
     assert took is not None, f"still running {bound:.0f}s after {fault}\n{logs(net)}"
-
     node0 = nodes[0]
     assert node0.proc.returncode != 0, logs(net)
     assert lines_with(node0.log(), "node 1"), f"node 0's log does not name node 1\n{logs(net)}"
@@ -213,7 +214,6 @@ def test_lost_node_ends_every_process_and_stream(net, fault):
     if fault == "cut-link":  # node 1 survived the cut: it must give up on node 0 as well
         assert nodes[1].proc.returncode != 0, logs(net)
         assert lines_with(nodes[1].log(), "node 0"), f"node 1's log does not name node 0\n{logs(net)}"
-
     assert streams.wait(15) == 0, f"{streams.log()}\n{logs(net)}"
     results = json.loads(streams.log().strip().splitlines()[-1])
     for r in results:
@@ -221,10 +221,21 @@ def test_lost_node_ends_every_process_and_stream(net, fault):
         assert r["transport_error"] is None, (r, logs(net))
 
 
-def test_killed_rank_of_a_tensor_parallel_stage_ends_every_process_naming_it(net):
-    """PP=2 x TP=2: SIGKILL of node 1's second rank (global rank 3) while streams are open."""
-    nodes = [launch(net, r, 2, *TP2, *FAIL_STOP) for r in (0, 1)]
+def test_the_cut_decided_while_running_matches_single_node_greedy_then_a_cut_link_ends_everything(net, reference):
+    """PP=2 with `--pp-flex-policy ready` (READY above): the single node's greedy text; then the link cut. (Node 1
+    killed outright: after the less-memory test above, on its hosts.)"""
+    nodes = [launch(net, r, 2, *READY, *FAIL_STOP) for r in (0, 1)]
     wait_ready(net, nodes)
+    assert_greedy(net, reference, nodes)
+    lose_node_1(net, nodes, "cut-link")
+
+
+def test_tp2_over_two_hosts_matches_single_node_greedy_then_a_killed_rank_ends_every_process_naming_it(net, reference):
+    """PP=2 x TP=2: the single node's greedy text; then SIGKILL of node 1's second rank (global rank 3) while streams
+    are open."""
+    nodes = [launch(net, r, 2, *TP2, *FAIL_STOP, stage_timeout=FAST_TIMEOUT) for r in (0, 1)]
+    wait_ready(net, nodes)
+    assert_greedy(net, reference, nodes)
     streams = open_streams(net, nodes)
     victims = [p for p in nodes[1].descendants() if p.name() == "ringsched-pp1t1"]
     assert len(victims) == 1, (nodes[1].descendants(), logs(net))
@@ -247,6 +258,9 @@ def stream_results(streams: NsProcess, net: NetHosts, timeout: float = 120) -> l
     return json.loads(streams.log().strip().splitlines()[-1])
 
 
+UNDISTURBED: list[dict] = []  # the streams' results on two hosts that lose nothing
+
+
 @pytest.mark.parametrize("fault", ["launcher", "rank"])
 def test_a_node_started_again_or_a_rank_replaced_on_node_1_every_stream_goes_on(net, fault):
     """PP=2 over two hosts, four streams (greedy and seeded) open. `launcher`: node 1's launcher SIGKILLed (its
@@ -257,7 +271,9 @@ def test_a_node_started_again_or_a_rank_replaced_on_node_1_every_stream_goes_on(
     nodes = [launch(net, r, 2, *args) for r in (0, 1)]
     wait_ready(net, nodes)
     streams_args = ("--sampled", "--max-tokens", "96")
-    undisturbed = stream_results(open_streams(net, nodes, 4, *streams_args, name="undisturbed"), net)
+    if not UNDISTURBED:  # the same flags and streams each time: one undisturbed run for both faults
+        UNDISTURBED.extend(stream_results(open_streams(net, nodes, 4, *streams_args, name="undisturbed"), net))
+    undisturbed = UNDISTURBED
     assert all(r["error"] is None and r["done"] for r in undisturbed), (undisturbed, logs(net))
 
     streams = open_streams(net, nodes, 4, *streams_args)

@@ -56,13 +56,12 @@ def _no_leftovers(ipc_name: str) -> None:
 @pytest.mark.parametrize(
     ("layout", "victim", "sig"),
     [
-        ({"pp_size": 3}, 0, signal.SIGKILL),  # (the middle stage: the two kills below)
-        ({"pp_size": 3}, 2, signal.SIGKILL),
+        # (PP=3's first, last and middle stage killed: the kills in a row below)
         ({"pp_size": 3, "heartbeat_timeout": 2.0}, 1, signal.SIGSTOP),
         ({"pp_size": 2, "tp_size": 2}, 3, signal.SIGKILL),
         ({"cp_size": 2}, 1, signal.SIGKILL),
     ],
-    ids=["pp3-first", "pp3-last", "pp3-hung", "tp2pp2-rank3", "cp2-rank1"],
+    ids=["pp3-hung", "tp2pp2-rank3", "cp2-rank1"],
 )
 def test_a_failed_rank_is_replaced_and_the_ring_answers_the_same(tiny_llama_dir, layout, victim, sig):
     llm = _engine(tiny_llama_dir, **layout)
@@ -80,21 +79,38 @@ def test_a_failed_rank_is_replaced_and_the_ring_answers_the_same(tiny_llama_dir,
     _no_leftovers(ipc)
 
 
-def test_two_kills_in_a_row_and_a_kill_during_a_recovery(tiny_llama_dir):
-    llm = _engine(tiny_llama_dir, pp_size=3)
+def _kill_and_recover(llm: Engine, victim: int, generation: int) -> None:
+    old = llm.supervisor.procs[victim].pid
+    os.kill(old, signal.SIGKILL)
+    _recovered(llm, generation)
+    assert llm.supervisor.procs[victim].pid != old  # a new process for the same coordinates
+
+
+def test_first_and_last_stage_killed_then_two_kills_in_a_row_and_a_kill_during_a_recovery(tiny_llama_dir):
+    """PP=3, one ring through every kill: the first stage, then the last (each replaced, the ring answering as
+    before, greedy and seeded alike); then the middle stage, its replacement itself, and a survivor while that
+    recovery runs."""
+    llm = _engine(tiny_llama_dir, pp_size=3, max_restarts=5)  # five replacements in all (3 by default)
+    ipc = os.path.basename(llm.supervisor.ipc_dir)
     try:
         before = _answers(llm)
-        os.kill(llm.supervisor.procs[1].pid, signal.SIGKILL)
-        _recovered(llm, 1)
+        _kill_and_recover(llm, 0, 1)
+        assert llm.supervisor.recovery.replaced == {0: 1}
+        assert _answers(llm) == before
+        _kill_and_recover(llm, 2, 2)
+        assert llm.supervisor.recovery.replaced == {0: 1, 2: 1}
+        assert _answers(llm) == before
+        _kill_and_recover(llm, 1, 3)
         os.kill(llm.supervisor.procs[1].pid, signal.SIGKILL)  # the replacement itself
         while not llm.supervisor.recovery.running:
             llm.poll(0.02)
         os.kill(llm.supervisor.procs[2].pid, signal.SIGKILL)  # a survivor, while the recovery runs
-        _recovered(llm, 2)
-        assert llm.supervisor.recovery.replaced == {1: 2, 2: 1}
+        _recovered(llm, 4)
+        assert llm.supervisor.recovery.replaced == {0: 1, 1: 2, 2: 2}
         assert _answers(llm) == before
     finally:
         llm.shutdown()
+    _no_leftovers(ipc)
 
 
 def test_beyond_max_restarts_the_engine_stops_as_before(tiny_llama_dir):
@@ -147,16 +163,23 @@ def _streams(llm: Engine, kill: tuple[int, int] | None = None) -> tuple[list[lis
     return [got[r] for r in rids], errors
 
 
+IN_FLIGHT_KW = {"pp_size": 3, "seed": 3, "enable_deterministic_inference": True}
+
+
+@pytest.fixture(scope="module")
+def undisturbed_streams(tiny_llama_dir) -> list[list[int]]:
+    """The nine requests' tokens on a ring that loses nothing (one run for every victim below)."""
+    with _engine(tiny_llama_dir, **IN_FLIGHT_KW) as llm:
+        return _streams(llm)[0]
+
+
 @pytest.mark.parametrize("victim", [0, 2])
-def test_requests_in_flight_go_on_with_their_undisturbed_tokens(tiny_llama_dir, victim):
+def test_requests_in_flight_go_on_with_their_undisturbed_tokens(tiny_llama_dir, undisturbed_streams, victim):
     """A stage killed while nine requests stream: each ends with exactly the tokens of an undisturbed run (the
     front end replays it from what it delivered), none with an error, and every pool empties after."""
-    kw = {"pp_size": 3, "seed": 3, "enable_deterministic_inference": True}
-    with _engine(tiny_llama_dir, **kw) as llm:
-        undisturbed, _ = _streams(llm)
-    with _engine(tiny_llama_dir, **kw) as llm:
+    with _engine(tiny_llama_dir, **IN_FLIGHT_KW) as llm:
         got, errors = _streams(llm, kill=(victim, 40))
-        assert errors == [] and got == undisturbed
+        assert errors == [] and got == undisturbed_streams
         assert llm.supervisor.generation == 1 and llm.requests_replayed == 9
         assert len(llm.open_requests.pauses) == 9 and all(p > 0 for p in llm.open_requests.pauses)
         assert llm.wait_idle()["kv_usage"] == 0.0

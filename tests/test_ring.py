@@ -69,18 +69,31 @@ def reference():
 
 
 # Every pp size and every depth appears (depth 1 in the flexible-cut test below); the full 2x3 product costs ~7
-# minutes of CPU on two cores, so it runs when RINGSCHED_FULL_MATRIX=1.
-COMBOS = [(2, 0), (3, 2)]
+# minutes of CPU on two cores, so it runs when RINGSCHED_FULL_MATRIX=1. PP=2 at depth 0 runs with the cut decided
+# while running (`--pp-flex-policy ready`: stage 0 cuts each micro-batch when stage 1 is (about to be) ready, stage 1
+# reads the cut from the K/V rows it receives) and prompts in 48-token chunks, so that a prompt's chunks go around
+# together with the cut moving (each cut no later than the chunk before it while that one is in flight); PP=3 with
+# the fixed cut. (PP=2's fixed cut: test_long_prompts.py, test_prefix_cache_ring.py, test_ring_lifecycle.py.)
+READY = dict(pp_flex_layers=2, pp_flex_policy="ready", chunked_prefill_size=48)
+COMBOS = [(2, 0, READY), (3, 2, {})]
 if os.environ.get("RINGSCHED_FULL_MATRIX") == "1":
-    COMBOS = [(2, 0), (2, 1), (2, 2), (3, 0), (3, 1), (3, 2)]
+    COMBOS = [(2, 0, READY), (2, 0, {}), (2, 1, {}), (2, 2, {}), (3, 0, {}), (3, 1, {}), (3, 2, {})]
 
 
-@pytest.mark.parametrize("pp,depth", COMBOS)
-def test_identical_across_pp_and_depth(reference, pp, depth):
-    outs, stats = run(pp, depth)
+def _combo_id(v):
+    return ("ready" if v == READY else "fixed") if isinstance(v, dict) else None
+
+
+@pytest.mark.parametrize("pp,depth,kw", COMBOS, ids=_combo_id)
+def test_identical_across_pp_and_depth(reference, smollm2_dir, pp, depth, kw):
+    outs, stats = run(pp, depth, **kw)
     assert stats["sched"]["prefix_cache_hits"] >= 5 * 32  # the shared heads were found cached
+    if kw:
+        assert stats["sched"]["pipelined_chunks"] >= 4, "no prompt had two chunks in flight"
+        cuts = {int(c) for c in stats[0]["flex_cuts"]}
+        assert len(cuts) > 1 and cuts <= flex_cuts(smollm2_dir, 2), cuts
     mismatched = [i for i, (a, b) in enumerate(zip(outs, reference, strict=True)) if a != b]
-    assert not mismatched, f"requests {mismatched} differ from PP=1 at pp={pp} depth={depth}"
+    assert not mismatched, f"requests {mismatched} differ from PP=1 at pp={pp} depth={depth} {kw}"
 
 
 def test_context_parallel_ranks_give_the_same_tokens_through_preemption(reference):
@@ -110,41 +123,15 @@ def flex_cuts(smollm2_dir, flex: int) -> set[int]:
 
 def test_flexible_cut_gives_the_same_tokens(reference, smollm2_dir):
     """`--pp-flex-layers`: every micro-batch cut somewhere else (cycle), the shared layers' K/V mirrored both
-    ways, with speculative drafts; the tokens are PP=1's and the KV is freed on both stages (checked in `run`)."""
-    outs, stats = run(2, 1, pp_flex_layers=2, pp_flex_policy="cycle", speculative_config=SPEC)
+    ways, with speculative drafts and prompts in 48-token chunks (a prompt's chunks go around together with the cut
+    moving); the tokens are PP=1's and the KV is freed on both stages (checked in `run`)."""
+    outs, stats = run(2, 1, pp_flex_layers=2, pp_flex_policy="cycle", speculative_config=SPEC, chunked_prefill_size=48)
     assert 0 < stats["sched"]["spec_accepted_tokens"] < stats["sched"]["spec_draft_tokens"], stats["sched"]
+    assert stats["sched"]["pipelined_chunks"] >= 4, "no prompt had two chunks in flight"
     cuts = {int(c): n for c, n in stats[0]["flex_cuts"].items()}
     assert set(cuts) == flex_cuts(smollm2_dir, 2) and min(cuts.values()) > 10, cuts
     mismatched = [i for i, (a, b) in enumerate(zip(outs, reference, strict=True)) if a != b]
     assert not mismatched, f"requests {mismatched} differ from PP=1 with a moving cut"
-
-
-def test_cut_decided_while_running_gives_the_same_tokens(reference, smollm2_dir):
-    """`--pp-flex-policy ready` at depth 0: stage 0 cuts each micro-batch when stage 1 is (about to be) ready,
-    stage 1 reads the cut from the K/V rows it receives; the tokens are PP=1's and the KV is freed."""
-    outs, stats = run(2, 0, PICKED, pp_flex_layers=2, pp_flex_policy="ready")
-    cuts = {int(c): n for c, n in stats[0]["flex_cuts"].items()}
-    assert cuts and set(cuts) <= flex_cuts(smollm2_dir, 2), cuts
-    mismatched = [i for i, out in zip(PICKED, outs, strict=True) if out != reference[i]]
-    assert not mismatched, f"requests {mismatched} differ from PP=1 with the cut decided while running"
-
-
-@pytest.mark.parametrize("policy", ["cycle", "ready"])
-def test_a_flexible_cut_pipelines_a_prompts_chunks(reference, smollm2_dir, policy):
-    """The longest prompts in 48-token chunks with the cut moving: a prompt's chunks go around together (each cut
-    no later than the chunk before it while that one is in flight), and the tokens are PP=1's."""
-    work = workload()
-    picked = sorted(range(GREEDY), key=lambda i: -len(work[i][0]))[:4]
-    kw = {**ENGINE_KW, "chunked_prefill_size": 48}
-    with Engine(pp_size=2, pp_flex_layers=2, pp_flex_policy=policy, **kw) as llm:
-        outs = run_staggered(llm, [work[i] for i in picked], gap=0.0)
-        sched = llm.wait_idle()
-        usage = stage_kv_usage(llm)
-        cuts = {int(c) for c in llm.supervisor.stats[0]["flex_cuts"]}
-    assert sched["pipelined_chunks"] >= 4, "no prompt had two chunks in flight"
-    assert usage == {0: 0.0, 1: 0.0}, f"KV not freed on every stage: {usage}"
-    assert len(cuts) > 1 and cuts <= flex_cuts(smollm2_dir, 2), cuts
-    assert [reference[i] for i in picked] == outs
 
 
 def test_lengths_and_variety(reference):

@@ -35,7 +35,7 @@ def collect(llm: Engine, rids: set[str], timeout: float = 120.0) -> dict[str, tu
 
 
 def test_abort_anywhere_frees_kv_on_every_stage():
-    decode_params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+    decode_params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     with Engine(pp_size=2, pp_async_batch_depth=1, max_running_requests=6, chunked_prefill_size=48,
                 kv_cache_memory="128M", **KW) as llm:
         decoders = [llm.submit(p, decode_params) for p in prompts(4, 8)]
@@ -66,7 +66,7 @@ def test_abort_anywhere_frees_kv_on_every_stage():
         assert {r: ends[r] for r in aborted} == {r: "abort" for r in aborted}
         for r in set(events) - aborted:
             assert ends[r] in ("length", "stop")
-        assert len(events[decoders[0]]) < 120 and len(events[decoders[1]]) < 120
+        assert len(events[decoders[0]]) < 64 and len(events[decoders[1]]) < 64
         usage = stage_kv_usage(llm)
         assert usage == {0: 0.0, 1: 0.0}, usage
         # Stage 0 reports to the supervisor and to the front end separately: wait for the front end's copy.
@@ -80,11 +80,11 @@ def test_abort_anywhere_frees_kv_on_every_stage():
 
 
 def test_small_pool_preempts_and_recomputes():
-    work = [(p, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)) for p in prompts(8, 48)]
+    work = [(p, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)) for p in prompts(8, 48)]
     with Engine(pp_size=1, kv_cache_memory="64M", **KW) as llm:
         expected = run_staggered(llm, work, gap=0.0)
         assert llm.wait_idle()["preemptions"] == 0
-    # 8 x 88 tokens need ~700 tokens of KV; the pool below holds 400 per stage.
+    # 8 x 72 tokens need ~580 tokens of KV; the pool below holds 400 per stage.
     with Engine(pp_size=2, kv_cache_memory=str(400 * 15 * 1536), **KW) as llm:
         got = run_staggered(llm, work, gap=0.0)
         stats = llm.wait_idle()

@@ -59,11 +59,21 @@ def smol_reference(hf_smol):
     return prompts, [hf_greedy(hf, ids, GREEDY.max_tokens) for ids in prompts]
 
 
+SERVER_PROMPT = "The capital of France is"
+
+
 @pytest.fixture(scope="module")
-def smol_tp1_samples(smollm2_dir, smol_reference):
+def smol_tp1(smollm2_dir, smol_reference) -> tuple[list[list[int]], str]:
+    """TP=1's seeded samples of two prompts, and its greedy text for the server test's prompt (one engine)."""
     prompts, _ = smol_reference
     with Engine(model=str(smollm2_dir), kv_cache_memory="64M", threads_per_stage=1) as llm:
-        return [o.token_ids for o in llm.generate([prompts[0], prompts[2]], SEEDED)]
+        samples = [o.token_ids for o in llm.generate([prompts[0], prompts[2]], SEEDED)]
+        return samples, llm.generate([SERVER_PROMPT], SamplingParams(max_tokens=16, temperature=0.0))[0].text
+
+
+@pytest.fixture(scope="module")
+def smol_tp1_samples(smol_tp1) -> list[list[int]]:
+    return smol_tp1[0]
 
 
 @pytest.mark.parametrize(("pp", "tp", "spec"), [(1, 2, None), (2, 2, SPEC)], ids=["tp2", "tp2-pp2-drafts"])
@@ -116,7 +126,7 @@ def test_tiny_random_models_match_transformers_at_tp(tmp_path, arch, heads, kv, 
     assert kv_tokens == {r: blocks * 16 for r in range(pp * tp)}
 
 
-def test_server_at_tp2_pp2_serves_greedy_and_reports_the_seam_per_rank(smollm2_dir):
+def test_server_at_tp2_pp2_serves_greedy_and_reports_the_seam_per_rank(smollm2_dir, smol_tp1):
     """The launcher at PP=2 x TP=2 behind real HTTP: the openai client gets TP=1's greedy text, and /metrics
     reports each rank's seam bytes per token (stage 0's ranks: 2 x 576 x 4 / 2) and all-reduces."""
     import re
@@ -126,9 +136,7 @@ def test_server_at_tp2_pp2_serves_greedy_and_reports_the_seam_per_rank(smollm2_d
 
     from ringsched.bench.server_process import ServerProcess
 
-    prompt = "The capital of France is"
-    with Engine(model=str(smollm2_dir), kv_cache_memory="64M", threads_per_stage=1) as llm:
-        want = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0))[0].text
+    prompt, want = SERVER_PROMPT, smol_tp1[1]
     args = ["--pp-size", "2", "--tp-size", "2", "--threads-per-stage", "1", "--kv-cache-memory", "64M"]
     with ServerProcess(args) as srv:
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=120)
