@@ -44,6 +44,15 @@ class QueueChannel:
             raise SequenceMismatch(f"expected {kind} {seq}, got {msg.seq}")
         return msg
 
+    def send_known(self, dst: int, kind: str, tensors: list[torch.Tensor]) -> None:
+        flat = torch.cat([t.reshape(-1) for t in tensors])  # as the real channel sends it: one flat payload
+        self.boxes[(self.rank, dst, kind)].put(TensorMessage(kind, -1, -1, [flat]))
+
+    def recv_known(self, src: int, numels: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
+        (flat,) = self.boxes[(src, self.rank, "proxy")].get(timeout=TIMEOUT_S).tensors
+        assert flat.dtype == dtype and flat.numel() == sum(numels), (flat.dtype, flat.numel(), numels)
+        return list(flat.split(numels))
+
     def stats(self) -> dict:
         return {}
 

@@ -42,6 +42,9 @@ class AttentionBackend:
     """How a stage's layers attend: `forward_batch` describes each micro-batch and sets the function its layers
     attend with; `native_decode`: decodes described for the CPU kernel (`build_forward_batch(native=True)`)."""
 
+    # Every rank of a stage holds each micro-batch's rows, so a seam's shape follows from the plan (CP's does not)
+    seam_from_plan = True
+
     def __init__(self, name: str, native_decode: bool = False) -> None:
         self.name, self.native_decode = name, native_decode
 

@@ -30,6 +30,8 @@ class CPBackend(AttentionBackend):
         self.group = group
         self.placement = CPPlacement(group.size)  # where each request's tokens are, per CP rank
 
+    seam_from_plan = False  # a CP rank's seam holds its own share of the rows
+
     @property
     def samples_here(self) -> bool:
         return self.group.leads

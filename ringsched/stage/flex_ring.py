@@ -47,6 +47,8 @@ class FixedCut:
     - the last stage answers: `head_took`, the output message's `payload`;
     - `stats`."""
 
+    seam_from_plan = True  # the seam is the layers' output alone: its shape follows from the plan
+
     def __init__(self, stage: StageInfo, device: torch.device) -> None:
         self.stage, self.device = stage, device
 
@@ -86,6 +88,8 @@ class FixedCut:
 
 
 class FlexRing:
+    seam_from_plan = False  # the seam carries the shared layers' K/V rows too, as many as the cut mirrors
+
     def __init__(
         self,
         boundary: FlexBoundary,

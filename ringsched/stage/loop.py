@@ -132,8 +132,8 @@ class StageLoop:
             self.plans = LeadPlans(cfg, io, self.planner, times, self.gc, self.cut, self.outputs, buckets)
         else:
             self.plans = FollowPlans(where, io, self.blocks, times, self.gc, self.outputs, self.maybe_report)
-        # A fixed cut without CP: each seam's shape follows from its plan, so it travels unframed
-        known = cfg.torch_dtype if flex is None and cfg.cp_size == 1 else None
+        # Where the cut and the backend let the plan give each seam's shape, it travels unframed
+        known = cfg.torch_dtype if self.cut.seam_from_plan and self.attention.seam_from_plan else None
         if stage.is_first:
             self.inbound = Embed()
         else:
