@@ -77,9 +77,9 @@ def test_every_bucket_with_padding_gives_the_eager_logits():
 
 
 def _ring(pp: int, depth: int) -> tuple[list[list[int]], dict]:
-    """Twelve greedy requests of 3 to 44 new tokens through a real ring: each one's tokens, and every stage's stats."""
-    prompts = [[100 + (i * 7 + j) % 300 for j in range(3 + i % 5)] for i in range(12)]
-    params = [SamplingParams(max_tokens=3 + 4 * i, temperature=0.0, ignore_eos=True) for i in range(12)]
+    """Ten greedy requests of 3 to 30 new tokens through a real ring: each one's tokens, and every stage's stats."""
+    prompts = [[100 + (i * 7 + j) % 300 for j in range(3 + i % 5)] for i in range(10)]
+    params = [SamplingParams(max_tokens=3 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(10)]
     kw = dict(pp_size=pp, pp_async_batch_depth=depth, threads_per_stage=1, kv_cache_memory="64M", log_level="warning")
     with Engine(**kw) as llm:
         outs = [o.token_ids for o in llm.generate(prompts, params)]
