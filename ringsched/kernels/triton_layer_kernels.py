@@ -13,8 +13,7 @@ import triton.language as tl
 
 
 @triton.jit
-def add_rmsnorm_kernel(X, Res, W, Out, stride_x, stride_r, stride_o, n, eps,
-                       FIRST: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+def add_rmsnorm_kernel(X, Res, W, Out, stride_x, stride_r, stride_o, n, eps, FIRST: tl.constexpr, BLOCK: tl.constexpr):
     """Program `row`: `Res[row] += X[row]` (FIRST: the residual is X itself, left as it is), then
     `Out[row] = rmsnorm(Res[row]) * W`."""
     row = tl.program_id(0)
@@ -34,8 +33,7 @@ def add_rmsnorm_kernel(X, Res, W, Out, stride_x, stride_r, stride_o, n, eps,
 
 
 @triton.jit
-def _rotate_heads(Src, Dst, first_head, heads, cos1, sin1, offs_h, offs_d, dst_stride_h,
-                  HALF: tl.constexpr):  # fmt: skip
+def _rotate_heads(Src, Dst, first_head, heads, cos1, sin1, offs_h, offs_d, dst_stride_h, HALF: tl.constexpr):
     """Heads `first_head ..` of a row of the fused projection (`Src` at its start), rotate-half rotated with the
     row's `cos1`/`sin1` (the first half of the table row; the second is the same), into `Dst` `[heads, D]`."""
     ok = (offs_h < heads)[:, None] & (offs_d < HALF)[None, :]
@@ -49,9 +47,26 @@ def _rotate_heads(Src, Dst, first_head, heads, cos1, sin1, offs_h, offs_d, dst_s
 
 
 @triton.jit
-def rope_store_kernel(QKV, Pos, Cos, Sin, Q, KC, VC, Slots, stride_qkv, stride_q, stride_cos, stride_ks, stride_vs,
-                      H: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                      BLOCK_HALF: tl.constexpr):  # fmt: skip
+def rope_store_kernel(
+    QKV,
+    Pos,
+    Cos,
+    Sin,
+    Q,
+    KC,
+    VC,
+    Slots,
+    stride_qkv,
+    stride_q,
+    stride_cos,
+    stride_ks,
+    stride_vs,
+    H: tl.constexpr,
+    KVH: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
     """Program `row` of the fused projection `[T, (H + 2 KVH) D]`: q's heads rotated into `Q[row]`, k's rotated and
     v's as they are into the caches `[slots, KVH, D]` at `Slots[row]`."""
     row = tl.program_id(0)

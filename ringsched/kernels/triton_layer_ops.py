@@ -74,10 +74,25 @@ def rope_store(
     if rows:
         half = head_dim // 2
         _kernels().rope_store_kernel[(rows,)](
-            qkv, positions, cos, sin, q, k_cache, v_cache, slots, qkv.stride(0), q.stride(0), cos.stride(0),
-            k_cache.stride(0), v_cache.stride(0),
-            H=heads, KVH=kv_heads, HALF=half, BLOCK_H=_block(max(heads, kv_heads)), BLOCK_HALF=_block(half),
-        )  # fmt: skip
+            qkv,
+            positions,
+            cos,
+            sin,
+            q,
+            k_cache,
+            v_cache,
+            slots,
+            qkv.stride(0),
+            q.stride(0),
+            cos.stride(0),
+            k_cache.stride(0),
+            v_cache.stride(0),
+            H=heads,
+            KVH=kv_heads,
+            HALF=half,
+            BLOCK_H=_block(max(heads, kv_heads)),
+            BLOCK_HALF=_block(half),
+        )
     return q
 
 
