@@ -9,7 +9,7 @@ import re
 
 import torch
 
-from ringsched.device import gpu_shortfall
+from ringsched.device import ONE_GPU_ENV, gpu_shortfall, one_gpu
 from ringsched.layout.flex import CYCLE, FLEX_POLICIES
 from ringsched.refusals import REFUSALS
 from ringsched.speculative.config import SpeculativeConfig, SpeculativeConfigError
@@ -128,9 +128,11 @@ LINEAR_TUNING_ENV = "RINGSCHED_LINEAR_TUNING"  # --linear-tuning's default when 
 
 
 def check_gpus(cfg: ConfigChecks) -> None:
-    """On CUDA: a GPU for each of this node's ranks; no flexible cut (its transfers are not batched for NCCL)."""
-    shortfall = gpu_shortfall(cfg.pp_size, cfg.nnodes, cfg.tp_size, cfg.cp_size, torch.cuda.device_count())
-    _require(shortfall is None, shortfall or "")
+    """On CUDA: a GPU for each of this node's ranks (all on the first with RINGSCHED_ONE_GPU=1); no flexible cut
+    (its transfers are not batched for NCCL)."""
+    if not one_gpu():
+        shortfall = gpu_shortfall(cfg.pp_size, cfg.nnodes, cfg.tp_size, cfg.cp_size, torch.cuda.device_count())
+        _require(shortfall is None, shortfall or "")
     _refuse("flex+cuda", cfg.pp_flex_layers > 0)
 
 
@@ -145,6 +147,11 @@ def check_device(cfg: ConfigChecks) -> None:
         raise ConfigError("--device cuda was asked for but CUDA is not available; use --device cpu")
     if cfg.resolved_device == "cuda":
         check_gpus(cfg)
+    elif one_gpu():
+        raise ConfigError(
+            f"{ONE_GPU_ENV}=1 puts every rank on the first GPU (a check of the NCCL ring on one GPU) and needs "
+            f"--device cuda; unset {ONE_GPU_ENV} to run on {cfg.resolved_device}"
+        )
     if cfg.dtype == "float16" and cfg.resolved_device == "cpu":
         raise ConfigError("--dtype float16 is for GPUs; on CPU use float32 or bfloat16")
     _require(

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+ONE_GPU_ENV = "RINGSCHED_ONE_GPU"  # "1": every rank on cuda:0, for checks of the NCCL ring (`stage/nccl.py`)
 TF32_ENV = "RINGSCHED_TF32"  # "0": float32 matmuls on CUDA in full precision (gpu_check.sh's greedy check)
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -28,6 +29,16 @@ def gpu_shortfall(pp_size: int, nnodes: int, tp_size: int, cp_size: int, visible
         f"x --tp-size {tp_size} x --cp-size {cp_size}) but sees {visible} GPU(s); lower --pp-size, --tp-size or "
         "--cp-size (or add nodes), or check CUDA_VISIBLE_DEVICES"
     )
+
+
+def one_gpu() -> bool:
+    """RINGSCHED_ONE_GPU=1: every rank of the node on its first GPU (a test mode: `docs/gpu.md`)."""
+    return os.environ.get(ONE_GPU_ENV) == "1"
+
+
+def gpu_index(local_rank: int) -> int:
+    """The GPU a local rank takes: its own, or the first in the one-GPU mode."""
+    return 0 if one_gpu() else local_rank
 
 
 def resolve_dtype(requested: str, device: str, checkpoint: dict, fast_bf16: bool = False) -> str:

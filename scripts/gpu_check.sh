@@ -2,7 +2,8 @@
 # The GPU check of docs/gpu.md, one command of a few minutes: greedy on CUDA against the CPU (PP=1 with and without
 # CUDA graphs, and with two GPUs or more PP=2 and TP=2), the op counter on CUDA, then TPOT at one request and
 # throughput at 64, graphs on and off, against transformers' eager generate on the same GPU, and for an 8B shape of
-# 4 layers; one table on stdout, and in $OUT/gpu_check.txt when OUT is set. Needs no network.
+# 4 layers; one table on stdout, and in $OUT/gpu_check.txt when OUT is set; then scripts/nccl_check.py (the NCCL
+# ring, on one GPU through RINGSCHED_ONE_GPU=1), its table in $OUT/nccl_check.txt. Needs no network.
 #
 #   scripts/gpu_check.sh [--model DIR]      # or MODEL=DIR; default: random weights of SmolLM2-135M's shape
 #   WHEELS=DIR scripts/gpu_check.sh         # pip-installs DIR's wheels (e.g. pyzmq) into a temporary directory
@@ -36,4 +37,7 @@ BIG="$tmp/8b-shape-4-layers"
 "$PYTHON" -m ringsched.models random --layers 4 --hidden 4096 --heads 32 --kv-heads 8 --intermediate 14336 \
     --vocab 32000 --max-len 8192 --tie --out "$BIG" >/dev/null
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-"$PYTHON" scripts/gpu_check.py --model "$MODEL" --big-model "$BIG" ${OUT:+--out "$OUT/gpu_check.txt"}
+"$PYTHON" scripts/gpu_check.py --model "$MODEL" --big-model "$BIG" ${OUT:+--out "$OUT/gpu_check.txt"} || status=$?
+# The NCCL ring: PP=2, TP=2, a PP=3 ring's seams, a rank killed mid-stream (one GPU: every rank on it)
+"$PYTHON" scripts/nccl_check.py --model "$MODEL" ${OUT:+--out "$OUT/nccl_check.txt"} || status=$?
+exit "${status:-0}"

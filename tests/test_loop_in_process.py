@@ -7,6 +7,7 @@ from __future__ import annotations
 import queue
 import random
 import threading
+import time
 from collections import defaultdict
 
 import pytest
@@ -80,14 +81,16 @@ class QueueSocket:
 
 
 def run_ring(model_dir, requests: list[tuple[list[int], SamplingParams]], pp_size: int, depth: int = 0,
-             stats: dict | None = None, **cfg_kw) -> dict[str, list[int]]:  # fmt: skip
+             stats: dict | None = None, channels=None, **cfg_kw) -> dict[str, list[int]]:  # fmt: skip
     """Every request through an in-process ring of `pp_size` stage threads; each request's generated tokens (and
-    stage 0's scheduler stats into `stats`)."""
+    stage 0's scheduler stats into `stats`). `channels(rank)`: that stage's (seam, back) tensor channels (default:
+    `QueueChannel`s); a stage that fails fails the call at once."""
     cfg = EngineConfig(pp_size=pp_size, pp_async_batch_depth=depth, kv_cache_memory="8M", **cfg_kw)
     mcfg = ModelConfig.from_dir(model_dir)
     ranges = stage_ranges(cfg.partition(mcfg.num_layers))
     num_blocks = min(blocks_for_memory(mcfg, e - s, torch.float32, 8 << 20, cfg.block_size) for s, e in ranges)
     boxes: defaultdict = defaultdict(queue.Queue)
+    channels = channels or (lambda rank: (QueueChannel(rank, boxes), QueueChannel(rank, boxes)))
     plans = [QueueSocket() for _ in range(pp_size)]  # plans[k]: stage k-1 -> k
     front_in, front_out = QueueSocket(), QueueSocket()
     device = torch.device("cpu")
@@ -103,8 +106,9 @@ def run_ring(model_dir, requests: list[tuple[list[int], SamplingParams]], pp_siz
             planner = Planner(blocks, cfg.micro_batch_size, cfg.max_running_requests, cfg.chunked_prefill_size,
                               tuple(mcfg.eos_token_ids), 2048, random.Random(0), mcfg.vocab_size,
                               speculator=speculator)  # fmt: skip
+        seam, back = channels(rank)
         io = StageIO(
-            chan=QueueChannel(rank, boxes), plan_in=plans[rank] if rank else None,
+            seam=seam, back=back, plan_in=plans[rank] if rank else None,
             plan_out=plans[rank + 1] if rank + 1 < pp_size else None,
             front_in=front_in if stage.is_first else None, front_out=front_out if stage.is_first else None,
             alive=lambda: None, report=lambda stats: None,
@@ -128,9 +132,15 @@ def run_ring(model_dir, requests: list[tuple[list[int], SamplingParams]], pp_siz
         front_in.send(NewRequest(rid, ids, params.to_dict()))
     out: dict[str, list[int]] = {rid: [] for rid in rids}
     done: set[str] = set()
-    while len(done) < len(rids) and not errors:
-        msg = front_out.recv(timeout_ms=int(TIMEOUT_S * 1000))
-        assert isinstance(msg, OutputBatch), "the ring went silent"
+    deadline = time.monotonic() + TIMEOUT_S
+    while len(done) < len(rids):
+        msg = front_out.recv(timeout_ms=100)
+        assert not errors, errors
+        if msg is None:
+            assert time.monotonic() < deadline, "the ring went silent"
+            continue
+        deadline = time.monotonic() + TIMEOUT_S
+        assert isinstance(msg, OutputBatch)
         for o in msg.outputs:
             assert o.finish_reason != "error", o.error
             out[o.rid] += o.token_ids

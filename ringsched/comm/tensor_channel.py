@@ -114,8 +114,10 @@ def inline_tensors(h: torch.Tensor, specs: list[tuple[torch.dtype, tuple[int, ..
 class TensorChannel:
     """Point-to-point typed messages between this stage and its neighbours."""
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
-        self.device = torch.device(device)
+    def __init__(self, device: torch.device | str = "cpu", group=None, poll=None) -> None:
+        """`group`: the process group the messages travel in (None: the default one); ranks are global. `poll`:
+        how to wait for an operation (`stage/nccl.PolledWait`), or None to block in torch.distributed."""
+        self.device, self.group, self.poll = torch.device(device), group, poll
         self._outstanding: dict[int, tuple[list, list[torch.Tensor]]] = {}
         self._inbox: dict[tuple[int, str], deque[TensorMessage]] = defaultdict(deque)
         self.stashed = 0  # how many messages arrived out of order (for tests and logs)
@@ -125,9 +127,9 @@ class TensorChannel:
         self.wait_sent(dst)
         tensors = [t.contiguous() for t in tensors]
         header = pack_header(kind, slot, seq, tensors, self.device)
-        works = [dist.isend(header, dst)]
+        works = [dist.isend(header, dst, group=self.group)]
         if not inlines(tensors):
-            works += [dist.isend(t, dst) for t in tensors]
+            works += [dist.isend(t, dst, group=self.group) for t in tensors]
         self._outstanding[dst] = (works, [header, *tensors])  # keeps the payload alive until done
         self.sent_bytes[kind] += sum(t.numel() * t.element_size() for t in tensors)
 
@@ -138,13 +140,14 @@ class TensorChannel:
         the receiver reads nothing on the host before the payload."""
         self.wait_sent(dst)
         flat = torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) > 1 else tensors[0].reshape(-1).contiguous()
-        self._outstanding[dst] = ([dist.isend(flat, dst)], [flat])  # keeps the payload alive until done
+        work = dist.isend(flat, dst, group=self.group)
+        self._outstanding[dst] = ([work], [flat])  # keeps the payload alive until done
         self.sent_bytes[kind] += flat.numel() * flat.element_size()
 
     def recv_known(self, src: int, numels: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
         """What `send_known` sent: flat tensors of `numels` elements of `dtype` (views of one buffer)."""
         flat = torch.empty(sum(numels), dtype=dtype, device=self.device)
-        dist.recv(flat, src)
+        self._recv(flat, src)
         return list(flat.split(numels))
 
     def stats(self) -> dict:
@@ -155,7 +158,7 @@ class TensorChannel:
             pending = self._outstanding.pop(d, None)
             if pending:
                 for w in pending[0]:
-                    w.wait()
+                    w.wait() if self.poll is None else self.poll(w, f"a send to rank {d}")
 
     def recv(self, src: int, kind: str, seq: int | None = None) -> TensorMessage:
         """The next message of `kind` from `src`; messages of other kinds are stashed meanwhile."""
@@ -174,13 +177,19 @@ class TensorChannel:
 
     def _recv_one(self, src: int) -> TensorMessage:
         header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-        dist.recv(header, src)
+        self._recv(header, src)
         kind, slot, seq, specs, inline = _fields(header[:_FIELDS].tolist())
         if inline:
             return TensorMessage(kind, slot, seq, inline_tensors(header, specs))
         tensors = []
         for dtype, shape in specs:
             t = torch.empty(shape, dtype=dtype, device=self.device)
-            dist.recv(t, src)
+            self._recv(t, src)
             tensors.append(t)
         return TensorMessage(kind, slot, seq, tensors)
+
+    def _recv(self, t: torch.Tensor, src: int) -> None:
+        if self.poll is None:
+            dist.recv(t, src, group=self.group)
+        else:
+            self.poll(dist.irecv(t, src, group=self.group), f"a receive from rank {src}")

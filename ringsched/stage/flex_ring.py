@@ -71,14 +71,15 @@ class FixedCut:
         return self.stage.num_layers
 
     def payload(self, plan: BatchPlan, tokens: torch.Tensor) -> list[torch.Tensor]:
-        """Last stage: the output message of `plan` (NCCL sends device tensors only)."""
+        """Last stage: the output message of `plan`, on the host (the tokens' way back is a gloo group). From a GPU, a
+        copy into pinned memory the step only enqueues (`outputs._Holding` waits for it before it sends)."""
         if not tokens.numel():
             return []
-        return [tokens if self.stage.is_first else tokens.to(self.device)]
+        return [tokens.to("cpu", non_blocking=True)]
 
     def tokens_of(self, seq: int, tensors: list[torch.Tensor]) -> torch.Tensor:
         """Stage 0: the sampled tokens in an output message."""
-        return tensors[0].cpu() if tensors else torch.empty(0, dtype=torch.long)
+        return tensors[0] if tensors else torch.empty(0, dtype=torch.long)
 
     def note_overhead(self, seconds: float) -> None:
         pass

@@ -9,7 +9,7 @@ import logging
 import torch
 
 from ringsched.config import EngineConfig, parse_memory
-from ringsched.device import activation_reserve
+from ringsched.device import activation_reserve, one_gpu
 from ringsched.kv.cache import BlockTable
 from ringsched.kv.ring import RingTable, SlidingBlockTable, ring_size, split_budget
 from ringsched.layout.rank import StageInfo
@@ -39,7 +39,7 @@ def kv_budget_bytes(
         free -= activation_reserve(
             step, cfg.micro_batch_size, mcfg.hidden_size, mcfg.intermediate_size, mcfg.vocab_size
         )
-    if device.type != "cuda":
+    if device.type != "cuda" or one_gpu():  # the node's memory, or its one GPU, shared by its ranks
         free //= cfg.ranks_per_node
     return max(int(free * budget), 0)
 

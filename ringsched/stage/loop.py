@@ -58,7 +58,8 @@ class PeerLost(RuntimeError):
 
 @dataclass
 class StageIO:
-    chan: TensorChannel
+    seam: TensorChannel  # the seams forward (the ranks' process group: gloo on CPU, NCCL on GPUs)
+    back: TensorChannel | None  # the sampled tokens back to stage 0 (a gloo group of their own: `stage/groups.py`)
     plan_in: Puller | None  # from the previous stage (non-first)
     plan_out: Pusher | Fanout | None  # to the next stage (non-last) and the stage's other ranks (its first rank)
     front_in: Puller | None  # stage 0: new requests and aborts
@@ -127,7 +128,7 @@ class StageLoop:
         if static is not None:
             self.forward = StaticForward(self.forward, *static)
             buckets = Buckets(static_buckets(cfg.cuda_graph_max_bs))
-        self.outputs = outputs_for(cfg, where, io.chan, times, self.peer, self.planner, io.front_out, self.cut)
+        self.outputs = outputs_for(cfg, where, io.back, times, self.peer, self.planner, io.front_out, self.cut)
         if where.decides:
             self.plans = LeadPlans(cfg, io, self.planner, times, self.gc, self.cut, self.outputs, buckets)
         else:
@@ -138,7 +139,7 @@ class StageLoop:
             self.inbound = Embed()
         else:
             hidden = self.model.cfg.hidden_size
-            self.inbound = ReceiveProxy(prev, io.chan, times, self.peer, self.tp, hidden, known)
+            self.inbound = ReceiveProxy(prev, io.seam, times, self.peer, self.tp, hidden, known)
         if stage.is_last:
             # Under CP the group's first rank samples every row (the others send it theirs).
             grammars = Grammars(cfg.model, self.model.cfg.vocab_size, eos_ids)
@@ -146,7 +147,7 @@ class StageLoop:
             self.head = SamplingHead(self.model, sampler, times, self.cut, active=self.attention.samples_here)
             self.outbound = HoldTokens(self.cut, self.outputs, times)
         else:
-            self.head, self.outbound = PassOn(), SendProxy(next_, io.chan, times, self.peer, self.tp, known)
+            self.head, self.outbound = PassOn(), SendProxy(next_, io.seam, times, self.peer, self.tp, known)
 
     def run(self) -> None:
         self.gc.start()
@@ -230,7 +231,8 @@ class StageLoop:
             "peak_device_bytes": torch.cuda.max_memory_allocated(self.device) if on_gpu else 0,
             **self.times.snapshot(),
             **self.cut.stats(),
-            **self.io.chan.stats(),
+            **self.io.seam.stats(),
+            "output_bytes_sent": self.io.back.stats().get("output_bytes_sent", 0) if self.io.back else 0,
             "seam_tokens_sent": getattr(self.outbound, "tokens", 0),
             **(self.tp.stats() if self.tp else {}),
             **self.attention.stats(),

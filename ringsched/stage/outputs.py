@@ -35,15 +35,24 @@ PeerCall = Callable[..., object]
 
 class _Holding:
     """The last stage's side (`SendBack`, and `Local` for one stage): what it sampled, held (seq, the message's
-    tensors) until more than `depth - 1` wait, then released oldest first by `_release`."""
+    tensors) until more than `depth - 1` wait, then released oldest first by `_release`.
+
+    On a GPU the tokens reach the host by a copy into pinned memory that the step only enqueues
+    (`FixedCut.payload`): holding them records an event after it, and releasing them waits for that event, so the
+    host waits for the device only when the tokens leave, not inside the step."""
 
     def __init__(self, cfg: EngineConfig, times: StageTimes) -> None:
         self.times = times
-        self.held: deque[tuple[int, list[torch.Tensor]]] = deque()
+        self.held: deque[tuple[int, list[torch.Tensor], object]] = deque()
         self.keep = max(cfg.pp_async_batch_depth - 1, 0)
+        self.on_gpu = cfg.resolved_device == "cuda"
 
     def hold(self, seq: int, payload: list[torch.Tensor]) -> None:
-        self.held.append((seq, payload))
+        copied = None
+        if self.on_gpu:
+            copied = torch.cuda.Event()
+            copied.record()
+        self.held.append((seq, payload, copied))
 
     def exchange(self, t: int) -> None:
         with self.times.measure("comm"):
@@ -57,7 +66,10 @@ class _Holding:
 
     def _release_due(self, flush: bool) -> None:
         while self.held and (flush or len(self.held) > self.keep):
-            self._release(*self.held.popleft())
+            seq, payload, copied = self.held.popleft()
+            if copied is not None:
+                copied.synchronize()
+            self._release(seq, payload)
 
     def _release(self, seq: int, payload: list[torch.Tensor]) -> None:
         raise NotImplementedError

@@ -84,7 +84,8 @@ class PassOn:
 
 
 class SamplingHead:
-    """The last stage: the final norm, lm_head and sampling of the rows that sample; tokens to the CPU."""
+    """The last stage: the final norm, lm_head and sampling of the rows that sample (greedy tokens stay on the
+    device; `FixedCut.payload` enqueues their copy to the host)."""
 
     def __init__(
         self, model: StageModel, sampler: SamplerState, times: StageTimes, cut: FixedCut | FlexRing, active: bool = True
@@ -100,7 +101,7 @@ class SamplingHead:
             return self.empty()
         with self.times.measure("head") as took:
             if self.sampler.greedy_only(plan):
-                tokens = self.sampler.keep(plan, self.model.greedy_tokens(out).cpu())
+                tokens = self.sampler.keep(plan, self.model.greedy_tokens(out))  # on the device: no wait here
             else:
                 logits = self.model.compute_logits(out)
                 targets, tokens = self.sampler.sample(plan, logits)

@@ -23,7 +23,7 @@ from ringsched.comm.messages import StageStatus
 from ringsched.comm.tensor_channel import TensorChannel
 from ringsched.comm.zmq_io import Puller, Pusher
 from ringsched.config import EngineConfig
-from ringsched.device import set_matmul_precision
+from ringsched.device import gpu_index, set_matmul_precision
 from ringsched.kernels import linear_tuning
 from ringsched.kv.cache import BlockTable, KVPool
 from ringsched.kv.cp_blocks import CPBlocks, request_capacity
@@ -41,6 +41,7 @@ from ringsched.stage.groups import process_groups
 from ringsched.stage.heap import keep_heap
 from ringsched.stage.kv_setup import block_table, kv_blocks, ring_of, sliding_layers
 from ringsched.stage.loop import StageIO, StageLoop
+from ringsched.stage.nccl import release_groups, waits_for
 from ringsched.weights.model_config import ModelConfig
 
 logger = logging.getLogger("ringsched.layout.rank")
@@ -72,7 +73,7 @@ class RankSetup:
     def connect(self, generation: int) -> tuple[StageLoop, dict]:
         """Join generation `generation` of the ring: its loop, and what this rank reports as ready."""
         cfg, where = self.cfg, self.where
-        self.store, tp, cp = process_groups(cfg, where, generation)
+        self.store, tp, cp, back = process_groups(cfg, where, generation)
         if self.model is None:
             self.tp, self.cp = tp, cp
             self._load()
@@ -102,7 +103,7 @@ class RankSetup:
             self.model,
             blocks,
             self.pool,
-            self._io(generation),
+            self._io(generation, back),
             planner,
             self.device,
             self.spec.eos_ids,
@@ -172,13 +173,14 @@ class RankSetup:
             self.store.set(KV_BLOCKS_KEY, f"{blocks[0]},{blocks[1]}")
         return blocks
 
-    def _io(self, generation: int) -> StageIO:
+    def _io(self, generation: int, back) -> StageIO:
         cfg, where, addrs, ctx, ctl = self.cfg, self.where, self.addrs, self.ctx, self.ctl
         store = generation_store(self.store, generation)
         plan_in, plan_out = plan_channels(cfg, where, addrs, ctx, store)
         progress_in, progress_out = progress_channels(cfg, self.stage, addrs, ctx, store)
         return StageIO(
-            chan=TensorChannel(self.device),
+            seam=TensorChannel(self.device, poll=waits_for(cfg, self.alive)),
+            back=TensorChannel("cpu", group=back) if back is not None else None,
             plan_in=plan_in,
             plan_out=plan_out,
             front_in=Puller(ctx, addrs.front_in) if where.decides else None,
@@ -200,13 +202,12 @@ class RankSetup:
             for sock in (io.plan_in, io.plan_out, io.front_in, io.front_out, io.progress_in, io.progress_out):
                 if sock is not None:
                     sock.close(**({} if isinstance(sock, Puller) else {"linger_ms": 0}))
-            io.chan = None
+            io.seam = io.back = None
         for group in (self.tp, self.cp):
             if group is not None and group.shm is not None:
                 group.shm.close()
                 group.shm = None
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        release_groups(self.cfg.backend)  # aborted on NCCL (`stage/nccl.py`), before the next generation's are made
         gc.unfreeze()  # the loop froze what it found at its start (`GcPolicy`), itself included: collect it now
         gc.collect()
 
@@ -261,9 +262,10 @@ def _threads_and_device(cfg: EngineConfig, local_rank: int) -> torch.device:
     if cpus is not None:
         os.sched_setaffinity(0, cpus)
     if cfg.resolved_device == "cuda":
-        torch.cuda.set_device(local_rank)
-        set_matmul_precision(torch.device("cuda", local_rank))
-        return torch.device("cuda", local_rank)
+        device = torch.device("cuda", gpu_index(local_rank))
+        torch.cuda.set_device(device)
+        set_matmul_precision(device)
+        return device
     return torch.device("cpu")
 
 
