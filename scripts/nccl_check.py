@@ -26,12 +26,14 @@ PROMPTS = [[300 + i, 301, 302 + 2 * i, 303] for i in range(8)]
 SEAM_ROWS = (1, 7, 8, 512)
 
 
-def greedy(model: str, prompts: list[list[int]], max_tokens: int, **kw) -> list[list[int]]:
+def greedy(model: str, prompts: list[list[int]], max_tokens: int, alone: bool = False, **kw) -> list[list[int]]:
+    """Each prompt's greedy tokens; `alone`: one prompt at a time (its prefill is a seam of its length)."""
     from ringsched import Engine, SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     with Engine(model=model, dtype="float32", kv_cache_memory="1G", max_model_len=1024, **kw) as llm:
-        return [r.token_ids for r in llm.generate(prompts, params)]
+        batches = [[p] for p in prompts] if alone else [prompts]
+        return [r.token_ids for batch in batches for r in llm.generate(batch, params)]
 
 
 def matching(ref: list[list[int]], got: list[list[int]]) -> str:
@@ -100,10 +102,10 @@ def main() -> int:
     ref = greedy(args.model, PROMPTS, 16, device="cpu")
     for name, kw in (("PP=2", {"pp_size": 2}), ("TP=2", {"tp_size": 2})):
         check(f"greedy {name}", lambda kw=kw: matching(ref, greedy(args.model, PROMPTS, 16, device=args.device, **kw)))
-    for n in SEAM_ROWS:
-        prompt = [[(7 * i) % 500 + 3 for i in range(n)]]
-        check(f"PP=3, a seam of {n} rows", lambda p=prompt: matching(
-            greedy(args.model, p, 4, device="cpu"), greedy(args.model, p, 4, device=args.device, pp_size=3)))  # fmt: skip
+    seams = [[(7 * i) % 500 + 3 for i in range(n)] for n in SEAM_ROWS]
+    check(f"PP=3, seams of {', '.join(map(str, SEAM_ROWS))} rows", lambda: matching(
+        greedy(args.model, seams, 4, alone=True, device="cpu"),
+        greedy(args.model, seams, 4, alone=True, device=args.device, pp_size=3)))  # fmt: skip
     undisturbed: list[list[int]] = []
     check("PP=2 undisturbed streams", lambda: undisturbed.extend(streams(args.model, args.device, None)) or "ok")
     check("PP=2, rank 1 killed mid-stream", lambda: matching(undisturbed, streams(args.model, args.device, 16)))
