@@ -154,6 +154,24 @@ def test_a_client_that_leaves_mid_body_is_not_an_error(front, caplog):
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
+def test_clients_leaving_streams_of_several_choices_log_no_error(front, caplog):
+    """n=2 streams dropped by their clients mid-stream: each request is aborted on the ring (both sequences), and
+    closing its merged generators logs nothing at ERROR (they used to fail with "aclose(): asynchronous generator is
+    already running" when the server's cancel scope cut their cleanup short)."""
+    aborted = len(front.ring.aborted)
+    body = {"model": "m", "prompt": "hi", "n": 2, "max_tokens": 200, "stream": True}
+    with caplog.at_level(logging.INFO):
+        for _ in range(20):
+            with httpx.Client(timeout=10) as c, c.stream("POST", f"{front.url}/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                for k, _line in enumerate(r.iter_lines()):
+                    if k > 6:
+                        break
+        assert front.wait_open(0) == 0
+        assert front.wait_aborted(aborted + 40) == aborted + 40
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
 @pytest.fixture(scope="module")
 def keyed(smollm2_dir):
     fe = FrontEnd(str(smollm2_dir), api_key="sesame", grammar_workers=0)

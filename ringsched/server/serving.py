@@ -17,6 +17,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import anyio
+
 from ringsched.detokenizer import TextStream
 from ringsched.server.engine_client import EngineClient, EngineError
 from ringsched.server.grammar_pool import GrammarPool
@@ -27,6 +29,7 @@ from ringsched.tokenizer import Tokenizer
 
 logger = logging.getLogger("ringsched.server")
 
+CLOSE_S = 10.0  # at most this long for a stream's cleanup after its client left
 SSE_KEEPALIVE_S = 5.0  # a stream that waits (queued, a long prefill, a hung stage) still hears from us
 DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
 
@@ -137,27 +140,36 @@ async def sse(events: AsyncIterator[dict], keepalive_s: float | None = None) -> 
     """Server-sent events. Each next event is awaited in a task of its own so that a silent wait can be
     broken by keep-alive comments (which clients ignore) without cancelling the events' generator."""
     keepalive_s = SSE_KEEPALIVE_S if keepalive_s is None else keepalive_s
-    async with contextlib.aclosing(events) as it:
-        pending: asyncio.Future | None = None
-        try:
-            while True:
-                pending = pending or asyncio.ensure_future(anext(it))
-                done, _ = await asyncio.wait({pending}, timeout=keepalive_s)
-                if not done:
-                    yield b": keep-alive\n\n"
-                    continue
-                task, pending = pending, None
-                try:
-                    ev = task.result()
-                except StopAsyncIteration:
-                    break
-                yield _data(ev)
-        except Exception as e:  # EngineError, or a bug in this request's path: this stream ends, the server goes on
-            if not isinstance(e, EngineError):
-                logger.exception("a streamed request failed")
-            yield _data(error_event(e))
-        finally:
-            if pending is not None:  # we were cancelled (the client left) while an event was awaited
-                pending.cancel()
-                await asyncio.wait({pending})  # let the generator run its cleanup (release, abort) first
+    pending: asyncio.Future | None = None
+    try:
+        while True:
+            pending = pending or asyncio.ensure_future(anext(events))
+            done, _ = await asyncio.wait({pending}, timeout=keepalive_s)
+            if not done:
+                yield b": keep-alive\n\n"
+                continue
+            task, pending = pending, None
+            try:
+                ev = task.result()
+            except StopAsyncIteration:
+                break
+            yield _data(ev)
+    except Exception as e:  # EngineError, or a bug in this request's path: this stream ends, the server goes on
+        if not isinstance(e, EngineError):
+            logger.exception("a streamed request failed")
+        yield _data(error_event(e))
+    finally:
+        await _close(events, pending)
     yield b"data: [DONE]\n\n"
+
+
+async def _close(events: AsyncIterator[dict], pending: asyncio.Future | None) -> None:
+    """Close the events' generator, after the event awaited when the client left (`pending`) has finished its
+    cleanup (release, abort): closing a generator still running in that task fails. Shielded, because the
+    server cancels a departed client's request scope again at every await (anyio's cancel scopes), which would
+    cut the cleanup short (bounded by `CLOSE_S`, so a stuck cleanup cannot hold the request open)."""
+    with anyio.move_on_after(CLOSE_S, shield=True):
+        if pending is not None:
+            pending.cancel()
+            await asyncio.wait({pending})
+        await events.aclose()

@@ -180,7 +180,7 @@ class RankSetup:
         progress_in, progress_out = progress_channels(cfg, self.stage, addrs, ctx, store)
         return StageIO(
             seam=TensorChannel(self.device, poll=waits_for(cfg, self.alive)),
-            back=TensorChannel("cpu", group=back) if back is not None else None,
+            back=TensorChannel("cpu", group=back) if cfg.pp_size > 1 else None,
             plan_in=plan_in,
             plan_out=plan_out,
             front_in=Puller(ctx, addrs.front_in) if where.decides else None,
