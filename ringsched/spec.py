@@ -18,6 +18,7 @@ from ringsched.refusals import REFUSALS
 from ringsched.weights.fetch import resolve_model
 from ringsched.weights.gguf_weights import check_kept
 from ringsched.weights.model_config import ModelConfig
+from ringsched.weights.model_files import check_tokenizer, read_config
 from ringsched.weights.tp_shard import TPLayoutError, check_tp
 
 
@@ -32,8 +33,10 @@ class ModelSpec:
     @classmethod
     def resolve(cls, cfg: EngineConfig, quiet: bool = True) -> ModelSpec:
         """Fetch the model if needed and check the flags against it; raises ConfigError, FetchError,
-        UnsupportedModelError or FileNotFoundError with a message naming the flag."""
+        UnsupportedModelError, BadModelError or FileNotFoundError with a message naming the flag or the file."""
         model_dir = str(resolve_model(cfg.model, quiet=quiet))
+        read_config(Path(model_dir))  # the files before anything reads them: one line per fault (BadModelError)
+        check_tokenizer(Path(model_dir))
         mcfg = ModelConfig.from_dir(model_dir)
         check_checkpoint(model_dir, mcfg)  # nothing loads silently wrong
         head = head_layers(mcfg)

@@ -14,6 +14,7 @@ from ringsched.models.llama import StageModel
 from ringsched.weights.checkpoint_names import checkpoint_names, weight_index
 from ringsched.weights.config_check import check_config
 from ringsched.weights.model_config import ModelConfig, UnsupportedModelError
+from ringsched.weights.model_files import check_shapes, weight_files
 
 # Tensors some checkpoints carry that the model has no use for and that change nothing.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -34,10 +35,11 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
     return {name: t.shape for name, t in model.state_dict().items()}
 
 
-def check_tensors(cfg: ModelConfig, names: set[str]) -> None:
+def check_tensors(cfg: ModelConfig, names: set[str], shapes: dict[str, torch.Size] | None = None) -> None:
     """Raise `UnsupportedModelError` if the checkpoint's tensor `names` miss one the model needs or hold ones it would
-    not read (those it holds fused, Phi-3's `qkv_proj` and `gate_up_proj`, by their fused names)."""
-    want = checkpoint_names(cfg, expected_shapes(cfg))
+    not read (those it holds fused, Phi-3's `qkv_proj` and `gate_up_proj`, by their fused names). `shapes`:
+    `expected_shapes(cfg)`, where the caller has them."""
+    want = checkpoint_names(cfg, shapes if shapes is not None else expected_shapes(cfg))
     optional = {"lm_head.weight"}  # tied, or absent: the embedding serves as the head (`loader`)
     missing = sorted(want - names - optional)
     extra = sorted(n for n in names - want if not n.endswith(IGNORED_SUFFIXES))
@@ -56,6 +58,10 @@ def check_tensors(cfg: ModelConfig, names: set[str]) -> None:
 
 
 def check_checkpoint(model_dir: str | Path, cfg: ModelConfig) -> None:
-    """Both checks for the model in `model_dir` (its config.json, then the names of its safetensors)."""
-    check_config(json.loads((Path(model_dir) / "config.json").read_text()))
-    check_tensors(cfg, set(weight_index(Path(model_dir))))
+    """The checks for the model in `model_dir`: its config.json, its safetensors files whole and of the shapes the
+    config implies (`weights/model_files.py`), then the names of their tensors."""
+    model_dir = Path(model_dir)
+    check_config(json.loads((model_dir / "config.json").read_text()))
+    shapes = expected_shapes(cfg)
+    check_shapes(weight_files(model_dir), {k: list(v) for k, v in shapes.items()}, model_dir / "config.json")
+    check_tensors(cfg, set(weight_index(model_dir)), shapes)

@@ -11,6 +11,7 @@ from ringsched.config import ConfigError, EngineConfig
 from ringsched.spec import ModelSpec
 from ringsched.weights.fetch import FetchError
 from ringsched.weights.model_config import UnsupportedModelError
+from ringsched.weights.model_files import BadModelError
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -67,7 +68,7 @@ def resolve_args(args: argparse.Namespace, **extra) -> tuple[EngineConfig, Model
         cfg = EngineConfig(**{k: getattr(args, k) for k in ENGINE_FLAGS}, **extra)
         spec = ModelSpec.resolve(cfg, quiet=False)
         return dataclasses.replace(cfg, model=spec.model_dir), spec
-    except (ConfigError, FetchError, UnsupportedModelError, FileNotFoundError) as e:
+    except (ConfigError, FetchError, UnsupportedModelError, BadModelError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
 

@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -75,7 +76,7 @@ def import_gguf(path: Path, quiet: bool = True) -> Path:
         return _convert_once(out, cache_dir() / f".gguf-{out.name}.lock", lambda: (path, marker), quiet)
     except UnsupportedModelError:
         raise
-    except (ValueError, OSError) as e:  # not a GGUF file, or a truncated one
+    except (ValueError, OSError, IndexError, KeyError, TypeError, struct.error) as e:  # not GGUF, cut short, garbled
         raise FetchError(f"--model {str(path)!r}: could not read it as a GGUF file: {e}") from None
 
 
