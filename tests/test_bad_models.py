@@ -53,7 +53,7 @@ CASES = {
     "weights header garbled": (_garble_header, r"model\.safetensors: not a readable safetensors file"),
     "no weights": (lambda d: (d / "model.safetensors").unlink(), r"has no model\.safetensors"),
     "a shard missing": (_shards_missing, r"model-00002-of-00002\.safetensors, named in .* does not exist"),
-    "vocab_size 10^9": (lambda d: _edit_config(d, vocab_size=10**9), r"config\.json: vocab_size = 1000000000 is out of"),
+    "vocab_size 10^9": (lambda d: _edit_config(d, vocab_size=10**9), r"vocab_size = 1000000000 is out of"),
     "vocab_size off by one": (
         lambda d: _edit_config(d, vocab_size=513),
         r"model\.safetensors: model\.embed_tokens\.weight is \[512, 64\], but .*config\.json implies \[513, 64\]",
