@@ -199,3 +199,16 @@ def test_a_stopped_stage_is_noticed_by_its_heartbeat(busy, tp):
         assert time.monotonic() - t0 < timeout + 5
         assert_tree_gone(srv)
         assert re.search(rf"{re.escape(victim)} \(pid \d+\) is hung: no heartbeat", srv.log()), srv.log()[-3000:]
+
+
+def test_sigterm_right_after_the_first_health_200_exits_cleanly():
+    """SIGTERM as soon as /health answers 200 (the server may not have logged that it serves yet): exit 0, no
+    traceback, no process left (it used to read the closed socket's address and fail with EBADF)."""
+    srv = ServerProcess(["--threads-per-stage", "1", "--kv-cache-memory", "16M", "--max-model-len", "256"])
+    srv.start()  # returns at the first 200 of /health
+    try:
+        assert srv.stop() == 0, srv.log()
+        assert "Traceback" not in srv.log(), srv.log()
+    finally:
+        srv.stop(grace=0)
+    assert_tree_gone(srv)

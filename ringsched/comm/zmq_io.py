@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import tempfile
 import uuid
 
@@ -10,10 +12,35 @@ import zmq
 
 from ringsched.comm.messages import decode, encode
 
+_IPC_DIR = re.compile(r"ringsched-(\d+)-[0-9a-f]{6}-")
+
 
 def new_ipc_dir() -> str:
-    """A private directory for this engine's ipc sockets (no ports to collide)."""
+    """A private directory for this engine's ipc sockets (no ports to collide). Those an engine killed with
+    SIGKILL left behind (their launcher's pid gone) are removed first."""
+    sweep_ipc_dirs(tempfile.gettempdir())
     return tempfile.mkdtemp(prefix=f"ringsched-{os.getpid()}-{uuid.uuid4().hex[:6]}-")
+
+
+def sweep_ipc_dirs(root: str) -> list[str]:
+    """Remove `root`'s ipc directories whose launcher no longer runs; the names removed."""
+    removed = []
+    for name in os.listdir(root):
+        m = _IPC_DIR.match(name)
+        if m and not _running(int(m.group(1))):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            removed.append(name)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def ipc_addr(ipc_dir: str, name: str) -> str:

@@ -185,10 +185,10 @@ async def _serve(ctx: ServerContext, sock: socket.socket, opts: ServerOptions) -
     throughput = loop.create_task(log_throughput(client))
     if ctx.grammars is not None:
         ctx.grammars.start()
+    host, port = sock.getsockname()[:2]  # now: a SIGTERM at once closes the socket before the server has started
     serving = loop.create_task(server.serve(sockets=[sock]))
     await _until(lambda: server.started or serving.done(), 600)
     if server.started:
-        host, port = sock.getsockname()[:2]
         logger.info("serving %s at http://%s:%d (OpenAI API under /v1)", ctx.model_name, host, port)
     try:
         await serving  # uvicorn's own startup failures (port in use) raise SystemExit here
