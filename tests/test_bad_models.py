@@ -1,6 +1,7 @@
 """A bad model is one line before any stage starts (`weights/model_files.py`, `spec.ModelSpec.resolve`): each case
 below is a copy of a tiny model spoiled one way, resolved as the launcher and the engine do; the line names the
-file and the fault. Two cases also go through the launcher: exit 2, a few lines, no traceback."""
+file and the fault. Two cases also go through the launcher: exit 2, a few lines, no traceback. Last, the
+fingerprint by which the nodes of a ring check that they run the same model."""
 
 from __future__ import annotations
 
@@ -114,3 +115,20 @@ def test_the_launcher_says_it_in_one_line_and_exits_2(spoiled, case):
     lines = run.stderr.strip().splitlines()
     assert len(lines) <= 3 and "Traceback" not in run.stderr, run.stderr
     assert str(d) in lines[-1]
+
+
+def test_nodes_compare_a_model_by_its_content_not_its_path(tiny_llama_dir, tmp_path):
+    """The rendezvous' model fingerprint: a byte-identical copy elsewhere is the same model; another config, or
+    weights of another layout, are not."""
+    from ringsched.process.rendezvous import model_fingerprint
+
+    here = model_fingerprint(str(tiny_llama_dir))
+    copy = tmp_path / "elsewhere"
+    shutil.copytree(tiny_llama_dir, copy)
+    assert model_fingerprint(str(copy)) == here
+    _edit_config(copy, rms_norm_eps=1e-3)
+    assert model_fingerprint(str(copy)) != here
+    other = tmp_path / "other-weights"
+    shutil.copytree(tiny_llama_dir, other)
+    _cut(other)
+    assert model_fingerprint(str(other)) != here

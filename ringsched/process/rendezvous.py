@@ -57,9 +57,22 @@ def meet(cfg: EngineConfig, spec: ModelSpec, partition: list[int] | None) -> tup
 
 
 def model_fingerprint(model_dir: str) -> str:
+    """What identifies a model directory's content, wherever it is: config.json, tokenizer.json, and each weight
+    file's size and safetensors header (every tensor's name, dtype, shape and place; the weights' bytes are not
+    read, which would take minutes for a large model)."""
     from pathlib import Path
 
-    return hashlib.sha256((Path(model_dir) / "config.json").read_bytes()).hexdigest()[:16]
+    from ringsched.weights.model_files import weight_files
+
+    root, digest = Path(model_dir), hashlib.sha256()
+    for name in ("config.json", "tokenizer.json"):
+        digest.update((root / name).read_bytes() if (root / name).is_file() else b"-")
+    for path in weight_files(root):
+        with open(path, "rb") as f:
+            head = f.read(8)
+            digest.update(f"{path.name}:{path.stat().st_size}:".encode() + head)
+            digest.update(f.read(int.from_bytes(head, "little")))
+    return digest.hexdigest()[:16]
 
 
 class Rendezvous:
@@ -135,8 +148,7 @@ class Rendezvous:
             ("cp_size", "--cp-size"),
             ("nnodes", "--nnodes"),
             ("partition", "--pp-layer-partition"),
-            ("model", "--model"),
-            ("model_config", "--model (config.json)"),
+            ("model_config", "--model (its config, tokenizer and weights; the path may differ)"),
             ("version", "ringsched"),
         ):
             if key == "partition" and None in (other[key], me[key]):
