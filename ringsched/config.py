@@ -156,9 +156,9 @@ class EngineConfig(ConfigChecks):
     host_ip: str | None = _flag(None, "the address other nodes reach this one at (default: the route to node 0)",
                                 type=str, group="nodes")  # fmt: skip
     dist_timeout: float = _flag(300.0, "seconds to wait for every node to join", group="nodes")
-    rejoin_timeout: float = _flag(60.0, "seconds the ring waits, requests held, for a node whose launcher is gone to "
-                                  "be started again with the same flags and --node-rank (with --max-restarts)",
-                                  group="nodes")  # fmt: skip
+    rejoin_timeout: float = _flag(60.0, "seconds the ring waits, requests held, for a silent node: its launcher "
+                                  "started again with the same flags and --node-rank, or a cut link back (with "
+                                  "--max-restarts)", group="nodes")  # fmt: skip
     block_size: int = 16
     seed: int = _flag(0, "seeds the requests that sample without a seed of their own (a run replays with the same "
                       "seed and arrival order)")  # fmt: skip

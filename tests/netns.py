@@ -226,6 +226,10 @@ class NetHosts:
         """Pull host `i`'s cable: its link goes down, packets to and from it are dropped without a reset."""
         ip("-n", self.hosts[i].ns, "link", "set", DEV, "down")
 
+    def heal(self, i: int) -> None:
+        """Plug host `i`'s cable back in (`cut` undone)."""
+        ip("-n", self.hosts[i].ns, "link", "set", DEV, "up")
+
     def pids(self, i: int) -> list[int]:
         return netns_pids(self.hosts[i].ns)
 

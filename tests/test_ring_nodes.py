@@ -80,6 +80,24 @@ def test_a_node_that_does_not_come_back_ends_the_recovery_naming_it():
         coord.left(1, {})
 
 
+def test_the_rejoin_timeout_counts_from_the_nodes_last_sign_of_life(monkeypatch):
+    """A node silent for a while before the pass began (a cut link noticed after --stage-timeout) gets what is left
+    of --rejoin-timeout, not all of it again: the streams' error comes within --rejoin-timeout of the cut."""
+    import time
+
+    from ringsched.process import ring_nodes
+
+    monkeypatch.setattr(ring_nodes, "ANSWER_S", 0.1)  # the first look before the warning that it waits
+    store = HashStore()
+    silent_since = time.monotonic() - 100.0  # last heard 100 s ago, of a 100.5 s rejoin timeout
+    coord = Coordinator(store, 0, 2, 100.5, lambda: None, _describe, lambda n: silent_since)
+    coord.begin(1)
+    start = time.monotonic()
+    with pytest.raises(NodesFailed, match="did not come back within --rejoin-timeout"):
+        coord.left(1, {})
+    assert time.monotonic() - start < 2  # the first look and what was left (0.5 s), not 100 s
+
+
 def test_a_follower_gives_up_when_node_0_stops_the_ring():
     stop: list[str] = []
     _, follower, _ = _pair(stopped=lambda: stop[0] if stop else None)

@@ -108,6 +108,7 @@ class Rendezvous:
         self._stop = threading.Event()
         self._last_ok = time.monotonic()
         self._seen: dict[int, tuple[int, float]] = {}
+        self._heard: dict[int, float] = {}
         self.stopped: str | None = None  # node 0 ended the ring: "" when cleanly, else why
         # Why a node's ring failed, as its own supervisor saw it (the root cause: which rank died), published
         # through the store so the other nodes can name it instead of only the neighbour they lost. Threads write
@@ -175,6 +176,7 @@ class Rendezvous:
         watched = range(1, self.cfg.nnodes) if self.cfg.node_rank == 0 else [0]
         now = time.monotonic()
         self._seen = {n: (-1, now) for n in watched}
+        self._heard = dict.fromkeys(watched, now)  # as `_seen`'s times, but never reset by `forgive`
         self._last_ok = now  # loading the stages is not silence
 
         def beat() -> None:
@@ -193,20 +195,30 @@ class Rendezvous:
                         count = self.nodes.add(f"hb/{n}", 0)
                         if count != self._seen[n][0]:
                             self._seen[n] = (count, time.monotonic())
+                            self._heard[n] = self._seen[n][1]
                     self._last_ok = time.monotonic()
                 except Exception:  # a cut link: the watchdog below notices the silence
                     pass
 
         threading.Thread(target=beat, name="ringsched-heartbeat", daemon=True).start()
 
+    @property
+    def silence_limit(self) -> float:
+        """How long a watched node may be silent: `--stage-timeout`; on a node other than 0 with --max-restarts,
+        `--rejoin-timeout`, so that it outwaits a partition (node 0 notices the silence after --stage-timeout and
+        waits for this node up to --rejoin-timeout; once the link is back the two rebuild the ring)."""
+        if self.cfg.node_rank > 0 and self.cfg.restarts_enabled:
+            return max(self.cfg.rejoin_timeout, self.cfg.stage_timeout)
+        return self.cfg.stage_timeout
+
     def check(self) -> str | None:
-        """A failure message once a watched node has been silent for longer than `--stage-timeout`."""
+        """A failure message once a watched node has been silent for longer than `silence_limit`."""
         if self.failure or self.cfg.nnodes == 1 or not self._seen:
             return self.failure
         if self.stopped:
             self.failure = f"node 0 stopped the ring: {self.stopped}"
             return self.failure
-        now, limit = time.monotonic(), self.cfg.stage_timeout
+        now, limit = time.monotonic(), self.silence_limit
         if now - self._last_ok > limit:
             self.failure = (
                 f"node {self.cfg.node_rank} lost the rendezvous at {self.cfg.dist_init_addr} (node 0) for "
@@ -220,6 +232,10 @@ class Rendezvous:
                     "or the link to it is cut"
                 )
         return self.failure
+
+    def last_seen(self, node: int) -> float:
+        """When `node` last beat (`time.monotonic()`; now if it is not watched)."""
+        return self._heard.get(node, time.monotonic())
 
     def forgive(self) -> None:
         """A recovery has dealt with the silence `check` found: watch every node afresh."""

@@ -69,9 +69,11 @@ class _Nodes:
         rejoin_timeout: float,
         stopped: Callable[[], str | None],
         describe_node: Callable[[int], str],
+        last_seen: Callable[[int], float] | None = None,
     ) -> None:
         self.store, self.node, self.nnodes = store, node, nnodes
         self.rejoin_timeout, self.stopped, self.describe_node = rejoin_timeout, stopped, describe_node
+        self.last_seen = last_seen or (lambda n: time.monotonic())  # when node n was last heard from
 
     def _wait(self, key: str, deadline: float, why: Callable[[], str] | None = None) -> bytes | None:
         """`key`'s value once it is set; at `deadline`, `NodesFailed(why())`, or None without `why`."""
@@ -102,13 +104,15 @@ class Coordinator(_Nodes):
         return generation
 
     def left(self, generation: int, failed: dict[int, str], restart: bool = False) -> tuple[dict[int, str], int]:
-        deadline = time.monotonic() + self.rejoin_timeout
+        now = time.monotonic()
         theirs, restarts = {}, 0
         for n in range(1, self.nnodes):
+            # --rejoin-timeout counts from the node's last sign of life, not from when its silence was noticed
+            deadline = min(now, self.last_seen(n)) + self.rejoin_timeout
             if self._wait(f"ring/left/{generation}/{n}", time.monotonic() + ANSWER_S) is None:
                 logger.warning(
-                    "%s has not answered: waiting up to --rejoin-timeout %gs for it to rejoin (its "
-                    "launcher started again with the same flags)",
+                    "%s has not answered: waiting up to --rejoin-timeout %gs from its last sign of life for it to "
+                    "come back (a cut link restored, or its launcher started again with the same flags)",
                     self.describe_node(n),
                     self.rejoin_timeout,
                 )
@@ -191,8 +195,8 @@ class Follower(_Nodes):
         return self.next > generation
 
 
-def nodes_for(cfg, store, stopped: Callable[[], str | None]):
-    """This node's part in a recovery."""
+def nodes_for(cfg, store, stopped: Callable[[], str | None], last_seen: Callable[[int], float] | None = None):
+    """This node's part in a recovery (`last_seen(n)`: when node n was last heard from)."""
     if cfg.nnodes == 1:
         return OneNode(store)
     spn = cfg.stages_per_node
@@ -201,7 +205,7 @@ def nodes_for(cfg, store, stopped: Callable[[], str | None]):
         return f"node {n} (stages {n * spn}-{(n + 1) * spn - 1})"
 
     kind = Coordinator if cfg.node_rank == 0 else Follower
-    return kind(store, cfg.node_rank, cfg.nnodes, cfg.rejoin_timeout, stopped, describe)
+    return kind(store, cfg.node_rank, cfg.nnodes, cfg.rejoin_timeout, stopped, describe, last_seen)
 
 
 def ring_started(store) -> bool:

@@ -85,7 +85,7 @@ class Supervisor:
         except BaseException:
             self.stop()
             raise
-        self.nodes = nodes_for(self.cfg, self.store, lambda: self.rendezvous.stopped)
+        self.nodes = nodes_for(self.cfg, self.store, lambda: self.rendezvous.stopped, self.rendezvous.last_seen)
         if self.cfg.node_rank > 0 and self.cfg.restarts_enabled and ring_started(self.store):
             self.recovery.join_running(self._spawn)  # this node's launcher had gone: its ring still runs
             self._wait_ready(timeout)
@@ -134,6 +134,11 @@ class Supervisor:
         --max-restarts, once replacing it is beyond the limit or failed). While a recovery runs, it reads them."""
         if self.recovery.running:
             time.sleep(timeout_ms / 1000)
+            if self.cfg.node_rank > 0 and self.rendezvous is not None and self.rendezvous.check():
+                # Node 0 out of reach past --rejoin-timeout while the recovery waits on the store: give up
+                self.failure = self.rendezvous.failure
+                self.rendezvous.publish_failure(self.failure)
+                raise StageFailure(self.failure)
             return
         if self.failure is None and self.recovery.error:
             self.failure = self.recovery.error
@@ -172,7 +177,8 @@ class Supervisor:
         if self.cfg.node_rank != 0 or self.rendezvous.stopped is not None or not self._recover({}):
             return False
         logger.warning(
-            "%s; waiting up to --rejoin-timeout %gs for it to be started again",
+            "%s; waiting up to --rejoin-timeout %gs for it to come back (its link restored, or its launcher "
+            "started again)",
             self.rendezvous.failure,
             self.cfg.rejoin_timeout,
         )
