@@ -135,9 +135,7 @@ class Supervisor:
         if self.recovery.running:
             time.sleep(timeout_ms / 1000)
             if self.cfg.node_rank > 0 and self.rendezvous is not None and self.rendezvous.check():
-                # Node 0 out of reach past --rejoin-timeout while the recovery waits on the store: give up
-                self.failure = self.rendezvous.failure
-                self.rendezvous.publish_failure(self.failure)
+                self.failure = self.rendezvous.failure  # node 0 out of reach past --rejoin-timeout: give up
                 raise StageFailure(self.failure)
             return
         if self.failure is None and self.recovery.error:
