@@ -28,6 +28,7 @@ from ringsched.server.app import create_app
 from ringsched.server.engine_client import EngineClient
 from ringsched.server.grammar_pool import GrammarPool, PoolConfig
 from ringsched.server.http_limits import uvicorn_config
+from ringsched.server.loading import LoadingResponder
 from ringsched.server.metrics import ServerMetrics, log_throughput
 from ringsched.server.options import ServerOptions
 from ringsched.server.protocol import Limits
@@ -103,7 +104,8 @@ def _run(cfg: EngineConfig, spec: ModelSpec | None, opts: ServerOptions, sock: s
     # Until the event loop owns the signals, SIGTERM interrupts loading like Ctrl-C: the stages are stopped.
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        client = EngineClient(cfg, spec)
+        with LoadingResponder(sock):  # 503 at once meanwhile, /health included
+            client = EngineClient(cfg, spec)
     except KeyboardInterrupt:
         logger.warning("interrupted while the stages were loading; every stage is stopped")
         return 130

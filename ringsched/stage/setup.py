@@ -24,7 +24,7 @@ from ringsched.comm.tensor_channel import TensorChannel
 from ringsched.comm.zmq_io import Puller, Pusher
 from ringsched.config import EngineConfig
 from ringsched.device import gpu_index, set_matmul_precision
-from ringsched.kernels import linear_tuning
+from ringsched.kernels import linear_tuning, prepare
 from ringsched.kv.cache import BlockTable, KVPool
 from ringsched.kv.cp_blocks import CPBlocks, request_capacity
 from ringsched.layout.rank import RankInfo, StageInfo
@@ -266,6 +266,7 @@ def _threads_and_device(cfg: EngineConfig, local_rank: int) -> torch.device:
         torch.cuda.set_device(device)
         set_matmul_precision(device)
         return device
+    prepare.build_native(gguf=cfg.quantization == "gguf")  # before "ready": no request waits for a compiler
     return torch.device("cpu")
 
 
