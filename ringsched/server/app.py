@@ -21,6 +21,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ringsched.server import endpoints
 from ringsched.server.protocol import APIError
 from ringsched.server.serving import ServerContext
+from ringsched.server.tokenize import detokenize as detokenize_body
+from ringsched.server.tokenize import tokenize as tokenize_body
 
 logger = logging.getLogger("ringsched.server")
 
@@ -86,6 +88,14 @@ def create_app(ctx: ServerContext) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await endpoints.chat_completions(request, ctx)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await endpoints.tokens(request, ctx, tokenize_body)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await endpoints.tokens(request, ctx, detokenize_body)
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:

@@ -25,7 +25,8 @@ from starlette.types import Receive, Scope, Send
 
 from ringsched.server.choices import best, collect_all, combined_usage, merged
 from ringsched.server.engine_client import EngineError
-from ringsched.server.intake import ClientGone, prepare
+from ringsched.server.intake import ClientGone, prepare, read_body
+from ringsched.server.json_body import load_json
 from ringsched.server.logprobs_shapes import chat_logprobs, completion_logprobs
 from ringsched.server.protocol import APIError, Prepared, parse_chat, parse_completion, parse_generate
 from ringsched.server.serving import Delta, ServerContext, sse, text_deltas
@@ -133,6 +134,15 @@ async def _serve_one(
     finally:
         if not streaming:
             release()
+
+
+async def tokens(request: Request, ctx: ServerContext, answer: Callable) -> Response:
+    """`/tokenize` and `/detokenize`: the body read and `answer(body, tokenizer, limits)` run off the event loop."""
+    try:
+        raw = await read_body(request, ctx.max_request_bytes, ctx.http.body_timeout)
+    except ClientGone:
+        return Response(status_code=499)
+    return JSONResponse(await asyncio.to_thread(lambda: answer(load_json(raw), ctx.tokenizer, ctx.limits)))
 
 
 # -- /v1/completions ---------------------------------------------------------------------------------------------

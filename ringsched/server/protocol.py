@@ -97,7 +97,11 @@ def _check_common(body: dict, req: SamplingBody, limits: Limits, endpoint: str) 
     ignored = sorted(set(req.model_extra or ()) - set(OPENAI_FIELDS[endpoint]) - set(UNSUPPORTED) - ACCEPTED)
     if ignored:  # as vLLM: accepted, and said so
         logger.warning("The following fields were present in the request but ignored: %s", ignored)
-    model = req.model
+    check_model(req.model, limits)
+
+
+def check_model(model: str | None, limits: Limits) -> None:
+    """A request naming another model than the one served: OpenAI's 404."""
     if model is not None and model != limits.model_name:
         raise APIError(
             404,
@@ -183,7 +187,7 @@ def parse_completion(body: dict, tok: Tokenizer, limits: Limits) -> Prepared:
 def parse_chat(body: dict, tok: Tokenizer, limits: Limits) -> Prepared:
     req: ChatRequest = _validate(ChatRequest, body)
     _check_common(body, req, limits, "chat")
-    ids = _render_chat(req, tok, limits)
+    ids = render_chat(req, tok, limits)
     check_ids(ids, limits, "messages")
     given = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = given if given is not None else default_max_tokens(len(ids), limits)
@@ -209,9 +213,9 @@ def parse_chat(body: dict, tok: Tokenizer, limits: Limits) -> Prepared:
     )
 
 
-def _render_chat(req: ChatRequest, tok: Tokenizer, limits: Limits) -> list[int]:
-    """The messages' token ids through the model's chat template; a 400 naming the message at fault, or the context
-    length when their text cannot fit whatever it tokenizes to."""
+def render_chat(req: ChatRequest, tok: Tokenizer, limits: Limits, add_generation_prompt: bool = True) -> list[int]:
+    """The messages' token ids (of `req.messages`) through the model's chat template; a 400 naming the message at
+    fault, or the context length when their text cannot fit whatever it tokenizes to."""
     messages = []
     for i, m in enumerate(req.messages):
         if m.role not in ROLES:
@@ -233,7 +237,7 @@ def _render_chat(req: ChatRequest, tok: Tokenizer, limits: Limits) -> list[int]:
             code="context_length_exceeded",
         )
     try:
-        return tok.apply_chat_template(messages)
+        return tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
     except ChatTemplateError as e:  # the model's template is at fault, not the request
         raise APIError(500, str(e), "internal_server_error", code="chat_template_error") from None
     except ValueError as e:  # the template refused these messages, or the model has none
