@@ -89,6 +89,15 @@ def create_app(ctx: ServerContext) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await endpoints.chat_completions(request, ctx)
 
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        return await endpoints.generate(request, ctx)
+
+    _add_token_routes(app, ctx)
+    return app
+
+
+def _add_token_routes(app: FastAPI, ctx: ServerContext) -> None:
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
         return await endpoints.tokens(request, ctx, tokenize_body)
@@ -96,12 +105,6 @@ def create_app(ctx: ServerContext) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
         return await endpoints.tokens(request, ctx, detokenize_body)
-
-    @app.post("/generate")
-    async def generate(request: Request) -> Response:
-        return await endpoints.generate(request, ctx)
-
-    return app
 
 
 def _add_error_handlers(app: FastAPI) -> None:
