@@ -31,12 +31,13 @@ class ChatTemplateRaised(ValueError):
 
 
 class Tokenizer:
-    def __init__(self, model_dir: str | Path) -> None:
+    def __init__(self, model_dir: str | Path, chat_template: str | None = None) -> None:
+        """`chat_template`: one to use instead of the model's (`--chat-template`: a file, or the template itself)."""
         model_dir = self.model_dir = Path(model_dir)
         self._tok = _HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
         cfg_path = model_dir / "tokenizer_config.json"
         self.config = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
-        self.chat_template: str | None = self.config.get("chat_template")
+        self.chat_template, self._template_source = template_of(model_dir, self.config, chat_template)
         self.add_bos = bool(self.config.get("add_bos_token", False))
         bos = self.config.get("bos_token")
         self.bos_id = self._tok.token_to_id(bos) if bos else None
@@ -68,19 +69,7 @@ class Tokenizer:
 
     @cached_property
     def _template(self) -> jinja2.Template:
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
-        env.globals["namespace"] = _Namespace
-        try:
-            return env.from_string(self.chat_template)
-        except jinja2.TemplateError as e:
-            raise ChatTemplateError(f"the model's chat template ({self._template_source}) does not parse: {e}") from e
-
-    @property
-    def _template_source(self) -> str:
-        return f"chat_template in {self.model_dir / 'tokenizer_config.json'}"
+        return compile_template(self.chat_template, self._template_source)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The chat template's text for `messages`. Raises `ChatTemplateRaised` when the template refuses the
@@ -106,6 +95,43 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         return self.encode(self.render_chat(messages, add_generation_prompt), add_bos=False)
+
+
+def compile_template(text: str, source: str) -> jinja2.Template:
+    """`text` compiled in the sandbox with transformers' helpers; `ChatTemplateError` naming `source` if it does not
+    parse."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    env.globals["namespace"] = _Namespace
+    try:
+        return env.from_string(text)
+    except jinja2.TemplateError as e:
+        raise ChatTemplateError(f"the chat template ({source}) does not parse: {e}") from e
+
+
+def template_of(model_dir: Path, config: dict, given: str | None) -> tuple[str | None, str]:
+    """The chat template and where it comes from: `given` (a file's path, or the template's text), else
+    tokenizer_config.json's `chat_template` (a string, or named templates of which "default"), else the
+    chat_template.jinja file recent transformers write beside it."""
+    if given is not None:
+        path = Path(given).expanduser()
+        if path.is_file():
+            return path.read_text(), f"--chat-template {path}"
+        if "{{" in given or "{%" in given:
+            return given, "--chat-template (inline)"
+        raise ValueError(f"--chat-template {given!r} is neither a file nor a template (no {{{{ or {{% in it)")
+    named = config.get("chat_template")
+    if isinstance(named, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        by_name = {t.get("name"): t.get("template") for t in named if isinstance(t, dict)}
+        named = by_name.get("default") or next(iter(by_name.values()), None)
+    if named:
+        return named, f"chat_template in {model_dir / 'tokenizer_config.json'}"
+    jinja = model_dir / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(), str(jinja)
+    return None, "no chat template"
 
 
 def _raise_exception(message: str) -> None:

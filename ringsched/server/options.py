@@ -32,6 +32,9 @@ class ServerOptions:
         "400 (default: 4 x the context length)", type=int, group=_S)  # fmt: skip
     shutdown_timeout: float = _flag(30.0, "seconds running requests get to finish after SIGTERM or Ctrl-C",
                                     group=_S)  # fmt: skip
+    chat_template: str | None = _flag(
+        None, "the chat template for chat requests and /tokenize: a file, or the template itself (default: the "
+        "model's, from tokenizer_config.json or chat_template.jinja)", type=str, group=_S)  # fmt: skip
     log_level: str = _flag("info", "warning silences the startup and throughput lines; debug adds the access log",
                            choices=["debug", "info", "warning", "error"], group=_S)  # fmt: skip
     http_header_timeout: float = _flag(10.0, "seconds a client has to send a request's headers; then 408 and "
@@ -69,6 +72,7 @@ class ServerOptions:
         _need(self.max_connections >= 1, f"--max-connections must be >= 1, got {self.max_connections}")
         _need(self.grammar_workers >= 0, f"--grammar-workers must be >= 0 (0: no structured outputs), got "
               f"{self.grammar_workers}")  # fmt: skip
+        _check_template(self.chat_template)
         _need(self.grammar_memory_mb >= 256, f"--grammar-memory-mb must be at least 256, got {self.grammar_memory_mb}")
 
     @property
@@ -78,6 +82,20 @@ class ServerOptions:
 
 
 SERVER_FLAGS = tuple(f.name for f in fields(ServerOptions))
+
+
+def _check_template(given: str | None) -> None:
+    """--chat-template: a readable file or a template's text, and one that parses."""
+    if given is None:
+        return
+    from pathlib import Path
+
+    from ringsched.tokenizer import ChatTemplateError, compile_template, template_of
+
+    try:
+        compile_template(*template_of(Path("."), {}, given))
+    except (ValueError, OSError, ChatTemplateError) as e:
+        raise ConfigError(str(e)) from None
 
 
 def _need(ok: bool, message: str) -> None:

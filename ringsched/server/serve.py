@@ -98,7 +98,7 @@ def _run(cfg: EngineConfig, spec: ModelSpec | None, opts: ServerOptions, sock: s
     spec = spec or ModelSpec.resolve(cfg, quiet=False)  # the launcher resolved it already
     model_dir = spec.model_dir
     cfg = replace(cfg, log_level=opts.log_level)  # the stages log at the server's level
-    tokenizer = Tokenizer(model_dir)
+    tokenizer = Tokenizer(model_dir, opts.chat_template)
     name = opts.served_model_name or default_model_name(cfg.model, model_dir)
 
     # Until the event loop owns the signals, SIGTERM interrupts loading like Ctrl-C: the stages are stopped.
