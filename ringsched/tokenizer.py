@@ -71,7 +71,7 @@ class Tokenizer:
     def _template(self) -> jinja2.Template:
         return compile_template(self.chat_template, self._template_source)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **extra: object) -> str:
         """The chat template's text for `messages`. Raises `ChatTemplateRaised` when the template refuses the
         messages, `ChatTemplateError` when the template itself is at fault (unsafe, broken), ValueError when
         the model has none."""
@@ -79,6 +79,7 @@ class Tokenizer:
             raise ValueError("this model has no chat template; use the completions API")
         try:
             return self._template.render(
+                **extra,  # `chat_template_kwargs` (enable_thinking, ...): the names below are refused before
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.config.get("bos_token") or "",
@@ -93,8 +94,10 @@ class Tokenizer:
         except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
             raise ChatTemplateRaised(f"{type(e).__name__}: {e}") from None
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_bos=False)
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, **extra: object
+    ) -> list[int]:
+        return self.encode(self.render_chat(messages, add_generation_prompt, **extra), add_bos=False)
 
 
 def compile_template(text: str, source: str) -> jinja2.Template:

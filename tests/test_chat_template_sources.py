@@ -56,3 +56,21 @@ def test_the_flag_wins_as_a_file_or_inline(model, tmp_path):
 def test_a_bad_flag_is_refused_at_start(given, says):
     with pytest.raises(ConfigError, match=says):
         ServerOptions(chat_template=given)
+
+
+def test_chat_template_kwargs_reach_the_template(model, tmp_path):
+    """Qwen3's `enable_thinking`: the request's `chat_template_kwargs` are the template's variables."""
+    from ringsched.server.protocol import APIError, parse_chat
+    from ringsched.server.request_limits import Limits
+
+    (model / "chat_template.jinja").write_text(SIMPLE + "{% if enable_thinking is defined and not enable_thinking %}"
+                                               "<think></think>{% endif %}")  # fmt: skip
+    tok = Tokenizer(model)
+    limits = Limits(512, 1 << 20, tok.vocab_size, "m")
+    body = {"messages": CHAT, "max_tokens": 4}
+    plain = parse_chat(body, tok, limits).prompt_ids
+    off = parse_chat({**body, "chat_template_kwargs": {"enable_thinking": False}}, tok, limits).prompt_ids
+    assert tok.decode(off).endswith("<think></think>") and not tok.decode(plain).endswith("</think>")
+    with pytest.raises(APIError, match="may not set messages") as e:
+        parse_chat({**body, "chat_template_kwargs": {"messages": []}}, tok, limits)
+    assert e.value.param == "chat_template_kwargs"

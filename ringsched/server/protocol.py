@@ -41,6 +41,7 @@ from ringsched.server.request_limits import (
 from ringsched.tokenizer import ChatTemplateError, Tokenizer
 
 logger = logging.getLogger("ringsched.server")
+RESERVED_TEMPLATE_NAMES = {"messages", "add_generation_prompt", "bos_token", "eos_token"}  # the server sets these
 
 
 @dataclass
@@ -236,8 +237,12 @@ def render_chat(req: ChatRequest, tok: Tokenizer, limits: Limits, add_generation
             param="messages",
             code="context_length_exceeded",
         )
+    extra = getattr(req, "chat_template_kwargs", None) or {}
+    reserved = sorted(set(extra) & RESERVED_TEMPLATE_NAMES)
+    if reserved:
+        raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs")
     try:
-        return tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
     except ChatTemplateError as e:  # the model's template is at fault, not the request
         raise APIError(500, str(e), "internal_server_error", code="chat_template_error") from None
     except ValueError as e:  # the template refused these messages, or the model has none

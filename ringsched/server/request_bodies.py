@@ -149,6 +149,7 @@ class ChatMessage(_Strict):
 
 class ChatRequest(SamplingBody):
     messages: list[ChatMessage] = Field(min_length=1)
+    chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template (Qwen3's enable_thinking)
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
