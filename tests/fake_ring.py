@@ -86,6 +86,7 @@ class FakeRing:
     addrs: StageAddrs
     step_s: float = 0.01
     token: int = 28  # the id every generated token has
+    script: list[int] | None = None  # instead: a request's n-th token is script[n] (cyclically)
     mode: str = "run"
     first_delay_s: float = 0.0  # before a request's first token
     received: list[str] = field(default_factory=list)
@@ -130,7 +131,8 @@ class FakeRing:
             r.due = now + self.step_s
             done = r.left == 0
             n = r.req.params["max_tokens"] - r.left
-            outs.append(TokenOutput(rid, [self.token], "length" if done else None, None, len(r.req.token_ids), n))
+            token = self.script[(n - 1) % len(self.script)] if self.script else self.token
+            outs.append(TokenOutput(rid, [token], "length" if done else None, None, len(r.req.token_ids), n))
             if done:
                 del self._running[rid]
         return outs

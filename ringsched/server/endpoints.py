@@ -29,6 +29,7 @@ from ringsched.server.intake import ClientGone, prepare, read_body
 from ringsched.server.json_body import load_json
 from ringsched.server.logprobs_shapes import chat_logprobs, completion_logprobs
 from ringsched.server.protocol import APIError, Prepared, parse_chat, parse_completion, parse_generate
+from ringsched.server.reasoning import StreamedText, chat_message
 from ringsched.server.serving import Delta, ServerContext, sse, text_deltas
 from ringsched.tokenizer import Tokenizer
 
@@ -195,13 +196,13 @@ async def chat_completions(request: Request, ctx: ServerContext) -> Response:
         return {"id": rid, "object": kind, "created": created, "model": ctx.model_name}
 
     def events(rid: str, deltas: list[AsyncIterator[Delta]], req: Prepared) -> AsyncIterator[dict]:
-        return _chat_events(base(rid, "chat.completion.chunk"), deltas, req.include_usage, ctx.tokenizer)
+        return _chat_events(base(rid, "chat.completion.chunk"), deltas, req.include_usage, ctx)
 
     def whole(rid: str, results: list[tuple[str, Delta]], every: dict) -> dict:
         choices = [
             {
                 "index": i,
-                "message": {"role": "assistant", "content": text},
+                "message": chat_message(text, ctx.reasoning_parser),
                 "logprobs": chat_logprobs(ctx.tokenizer, last.logprobs),
                 "finish_reason": last.finish_reason,
             }
@@ -213,7 +214,7 @@ async def chat_completions(request: Request, ctx: ServerContext) -> Response:
 
 
 async def _chat_events(
-    base: dict, deltas: list[AsyncIterator[Delta]], include_usage: bool, tok: Tokenizer
+    base: dict, deltas: list[AsyncIterator[Delta]], include_usage: bool, ctx: ServerContext
 ) -> AsyncIterator[dict]:
     extra = {"usage": None} if include_usage else {}
 
@@ -224,13 +225,17 @@ async def _chat_events(
     for i in range(len(deltas)):
         yield chunk(i, {"role": "assistant", "content": ""})
     last: dict[int, Delta] = {}
+    split = [StreamedText(ctx.reasoning_parser) for _ in deltas]
     async with contextlib.aclosing(merged(deltas)) as it:
         async for i, d in it:
             last[i] = d
-            logprobs = chat_logprobs(tok, d.logprobs)
-            if d.text or logprobs:
-                yield chunk(i, {"content": d.text}, logprobs=logprobs)
+            logprobs = chat_logprobs(ctx.tokenizer, d.logprobs)
+            delta = split[i].feed(d.text)
+            if delta or logprobs:
+                yield chunk(i, delta or {"content": ""}, logprobs=logprobs)
             if d.finish_reason:
+                if delta := split[i].finish():
+                    yield chunk(i, delta)
                 yield chunk(i, {}, d.finish_reason)
     if include_usage and last:
         yield {**base, "choices": [], "usage": combined_usage(list(last.values()))}

@@ -35,6 +35,10 @@ class ServerOptions:
     chat_template: str | None = _flag(
         None, "the chat template for chat requests and /tokenize: a file, or the template itself (default: the "
         "model's, from tokenizer_config.json or chat_template.jinja)", type=str, group=_S)  # fmt: skip
+    reasoning_parser: str | None = _flag(
+        None, "split a thinking model's reasoning from its answer in chat responses (reasoning_content): "
+        "deepseek_r1 (reasoning until </think>) or qwen3 (a leading <think> block)", type=str,
+        choices=["deepseek_r1", "qwen3"], group=_S)  # fmt: skip
     log_level: str = _flag("info", "warning silences the startup and throughput lines; debug adds the access log",
                            choices=["debug", "info", "warning", "error"], group=_S)  # fmt: skip
     http_header_timeout: float = _flag(10.0, "seconds a client has to send a request's headers; then 408 and "

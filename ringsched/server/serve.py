@@ -137,6 +137,7 @@ def _run(cfg: EngineConfig, spec: ModelSpec | None, opts: ServerOptions, sock: s
             opts.max_request_bytes,
             opts.http,
             grammars,
+            opts.reasoning_parser,
         )
         return uvloop.run(_serve(ctx, sock, opts))
     finally:

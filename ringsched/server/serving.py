@@ -47,6 +47,7 @@ class ServerContext:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     http: HttpLimits = HttpLimits()  # connection and read timeouts, the open-connection limit
     grammars: GrammarPool | None = None  # proves structured-output grammars; None: they are refused
+    reasoning_parser: str | None = None  # --reasoning-parser: chat answers carry `reasoning_content` apart
 
     @property
     def model_name(self) -> str:
