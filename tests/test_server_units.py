@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from ringsched.detokenizer import IncrementalDetokenizer, StopMatcher, TextStream
@@ -168,6 +170,8 @@ PARSED = {
     "n": lambda r: r.n == 2 and r.best_of == 2 and len(r.sequences("x")) == 2,
     "response_format": lambda r: r.grammar is not None,
     "best_of": lambda r: r.n == 1 and r.best_of == 2 and r.params.logprobs == 0 and not r.logprobs_asked,
+    "tools": lambda r: r.tools.tools[0]["function"]["name"] == "f" and r.tools.choice == "auto",
+    "tool_choice": lambda r: r.tools.choice == "auto",
 }  # fmt: skip
 
 
@@ -182,12 +186,14 @@ def test_every_openai_field_is_honoured_or_refused_by_name(tok, endpoint, caplog
         body = {**base, field: NON_DEFAULT[field]}
         if endpoint == "chat" and field in ("logprobs", "top_logprobs"):  # chat's logprobs is a switch
             body["logprobs"] = True
+        if field == "tool_choice":  # a choice among tools
+            body["tools"] = NON_DEFAULT["tools"]
         if field in UNSUPPORTED:
             e = _err(parse, body, tok, LIMITS)
             assert (e.status, e.param) == (400, field), (field, e)
             assert field in str(e)
             continue
-        r = parse(body, tok, LIMITS)
+        r = parse(body, tok, replace(LIMITS, tool_parser="hermes"))  # tool_choice auto needs a parser
         assert field in ACCEPTED or PARSED[field](r), field
         honoured.append(field)
     assert {"frequency_penalty", "presence_penalty", "logit_bias", "seed", "stop", "logprobs", "n"} <= set(honoured)

@@ -23,13 +23,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from ringsched.server.chat_output import ChatAnswer
 from ringsched.server.choices import best, collect_all, combined_usage, merged
 from ringsched.server.engine_client import EngineError
 from ringsched.server.intake import ClientGone, prepare, read_body
 from ringsched.server.json_body import load_json
 from ringsched.server.logprobs_shapes import chat_logprobs, completion_logprobs
 from ringsched.server.protocol import APIError, Prepared, parse_chat, parse_completion, parse_generate
-from ringsched.server.reasoning import StreamedText, chat_message
 from ringsched.server.serving import Delta, ServerContext, sse, text_deltas
 from ringsched.tokenizer import Tokenizer
 
@@ -79,14 +79,14 @@ class _Stream(StreamingResponse):
 
 Events = Callable[[str, list[AsyncIterator[Delta]], Prepared], AsyncIterator[dict]]  # (rid, deltas per sequence, req)
 # (rid, (text, last delta) per choice returned, the usage of every sequence run) -> the response body
-Whole = Callable[[str, list[tuple[str, Delta]], dict], dict]
+Whole = Callable[[str, list[tuple[str, Delta]], dict, Prepared], dict]
 
 
 async def _serve(
     request: Request, ctx: ServerContext, parse: Callable, prefix: str, events: Events, whole: Whole
 ) -> Response:
     """Prepare, admit (every sequence of an `n` or `best_of` request), then stream `events(rid, deltas, req)` or
-    answer `whole(rid, results, usage)`. A bug on this path is this request's 500 (logged), not an unhandled
+    answer `whole(rid, results, usage, req)`. A bug on this path is this request's 500 (logged), not an unhandled
     error that would also drop the connection."""
     try:
         return await _serve_one(request, ctx, parse, prefix, events, whole)
@@ -131,7 +131,7 @@ async def _serve_one(
         if results is None:
             return Response(status_code=499)
         every = combined_usage([last for _, last in results])  # best_of: the sequences not returned count too
-        return JSONResponse(whole(rid, best(results, req), every))
+        return JSONResponse(whole(rid, best(results, req), every, req))
     finally:
         if not streaming:
             release()
@@ -156,7 +156,7 @@ async def completions(request: Request, ctx: ServerContext) -> Response:
     def events(rid: str, deltas: list[AsyncIterator[Delta]], req: Prepared) -> AsyncIterator[dict]:
         return _completion_events(base(rid), deltas, req.include_usage, ctx.tokenizer)
 
-    def whole(rid: str, results: list[tuple[str, Delta]], every: dict) -> dict:
+    def whole(rid: str, results: list[tuple[str, Delta]], every: dict, req: Prepared) -> dict:
         choices = [
             {
                 "index": i,
@@ -195,26 +195,26 @@ async def chat_completions(request: Request, ctx: ServerContext) -> Response:
     def base(rid: str, kind: str) -> dict:
         return {"id": rid, "object": kind, "created": created, "model": ctx.model_name}
 
-    def events(rid: str, deltas: list[AsyncIterator[Delta]], req: Prepared) -> AsyncIterator[dict]:
-        return _chat_events(base(rid, "chat.completion.chunk"), deltas, req.include_usage, ctx)
+    def answer(req: Prepared) -> ChatAnswer:
+        return ChatAnswer(ctx.reasoning_parser, req.tools, ctx.limits.tool_parser)
 
-    def whole(rid: str, results: list[tuple[str, Delta]], every: dict) -> dict:
-        choices = [
-            {
-                "index": i,
-                "message": chat_message(text, ctx.reasoning_parser),
-                "logprobs": chat_logprobs(ctx.tokenizer, last.logprobs),
-                "finish_reason": last.finish_reason,
-            }
-            for i, (text, last) in enumerate(results)
-        ]
+    def events(rid: str, deltas: list[AsyncIterator[Delta]], req: Prepared) -> AsyncIterator[dict]:
+        answers = [answer(req) for _ in deltas]
+        return _chat_events(base(rid, "chat.completion.chunk"), deltas, req.include_usage, ctx, answers)
+
+    def whole(rid: str, results: list[tuple[str, Delta]], every: dict, req: Prepared) -> dict:
+        choices = []
+        for i, (text, last) in enumerate(results):
+            message, finish = answer(req).message(text, last.finish_reason)
+            logprobs = chat_logprobs(ctx.tokenizer, last.logprobs)
+            choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish})
         return {**base(rid, "chat.completion"), "choices": choices, "usage": every}
 
     return await _serve(request, ctx, parse_chat, "chatcmpl", events, whole)
 
 
 async def _chat_events(
-    base: dict, deltas: list[AsyncIterator[Delta]], include_usage: bool, ctx: ServerContext
+    base: dict, deltas: list[AsyncIterator[Delta]], include_usage: bool, ctx: ServerContext, answers: list[ChatAnswer]
 ) -> AsyncIterator[dict]:
     extra = {"usage": None} if include_usage else {}
 
@@ -225,18 +225,18 @@ async def _chat_events(
     for i in range(len(deltas)):
         yield chunk(i, {"role": "assistant", "content": ""})
     last: dict[int, Delta] = {}
-    split = [StreamedText(ctx.reasoning_parser) for _ in deltas]
     async with contextlib.aclosing(merged(deltas)) as it:
         async for i, d in it:
             last[i] = d
             logprobs = chat_logprobs(ctx.tokenizer, d.logprobs)
-            delta = split[i].feed(d.text)
-            if delta or logprobs:
-                yield chunk(i, delta or {"content": ""}, logprobs=logprobs)
+            out = answers[i].feed(d.text)
+            for k, delta in enumerate(out or ([{"content": ""}] if logprobs else [])):
+                yield chunk(i, delta, logprobs=logprobs if k == 0 else None)
             if d.finish_reason:
-                if delta := split[i].finish():
+                held, finish = answers[i].finish(d.finish_reason)
+                for delta in held:
                     yield chunk(i, delta)
-                yield chunk(i, {}, d.finish_reason)
+                yield chunk(i, {}, finish)
     if include_usage and last:
         yield {**base, "choices": [], "usage": combined_usage(list(last.values()))}
 
@@ -248,7 +248,7 @@ async def generate(request: Request, ctx: ServerContext) -> Response:
     def events(rid: str, deltas: list[AsyncIterator[Delta]], req: Prepared) -> AsyncIterator[dict]:
         return _generate_events(rid, arrival, deltas[0])
 
-    def whole(rid: str, results: list[tuple[str, Delta]], every: dict) -> dict:
+    def whole(rid: str, results: list[tuple[str, Delta]], every: dict, req: Prepared) -> dict:
         text, last = results[0]
         return {"text": text, "meta_info": _meta(rid, arrival, last)}
 

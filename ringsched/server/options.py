@@ -33,12 +33,33 @@ class ServerOptions:
     shutdown_timeout: float = _flag(30.0, "seconds running requests get to finish after SIGTERM or Ctrl-C",
                                     group=_S)  # fmt: skip
     chat_template: str | None = _flag(
-        None, "the chat template for chat requests and /tokenize: a file, or the template itself (default: the "
-        "model's, from tokenizer_config.json or chat_template.jinja)", type=str, group=_S)  # fmt: skip
+        None,
+        "the chat template for chat requests and /tokenize: a file, or the template itself (default: the "
+        "model's, from tokenizer_config.json or chat_template.jinja)",
+        type=str,
+        group=_S,
+    )
     reasoning_parser: str | None = _flag(
-        None, "split a thinking model's reasoning from its answer in chat responses (reasoning_content): "
-        "deepseek_r1 (reasoning until </think>) or qwen3 (a leading <think> block)", type=str,
-        choices=["deepseek_r1", "qwen3"], group=_S)  # fmt: skip
+        None,
+        "split a thinking model's reasoning from its answer in chat responses (reasoning_content): "
+        "deepseek_r1 (reasoning until </think>) or qwen3 (a leading <think> block)",
+        type=str,
+        choices=["deepseek_r1", "qwen3"],
+        group=_S,
+    )
+    enable_auto_tool_choice: bool = _flag(
+        False,
+        "tool_choice auto (the default when a request has tools): the answer's tool calls found by --tool-call-parser",
+        group=_S,
+    )
+    tool_call_parser: str | None = _flag(
+        None,
+        "how tool calls are written by the model: hermes (Qwen2.5/3, Hermes), llama3_json (Llama 3.x), "
+        "mistral, pythonic",
+        type=str,
+        choices=["hermes", "llama3_json", "mistral", "pythonic"],
+        group=_S,
+    )
     log_level: str = _flag("info", "warning silences the startup and throughput lines; debug adds the access log",
                            choices=["debug", "info", "warning", "error"], group=_S)  # fmt: skip
     http_header_timeout: float = _flag(10.0, "seconds a client has to send a request's headers; then 408 and "
@@ -77,6 +98,10 @@ class ServerOptions:
         _need(self.grammar_workers >= 0, f"--grammar-workers must be >= 0 (0: no structured outputs), got "
               f"{self.grammar_workers}")  # fmt: skip
         _check_template(self.chat_template)
+        _need(
+            not self.enable_auto_tool_choice or self.tool_call_parser is not None,
+            "--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json, mistral or pythonic)",
+        )
         _need(self.grammar_memory_mb >= 256, f"--grammar-memory-mb must be at least 256, got {self.grammar_memory_mb}")
 
     @property

@@ -16,13 +16,13 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from ringsched.sampling.params import SamplingParams
+from ringsched.server.chat_render import render_chat
 from ringsched.server.errors import APIError, shown
 from ringsched.server.grammar_request import Asked, asked_grammar
 from ringsched.server.request_bodies import (
     ACCEPTED,
     MAX_N,
     OPENAI_FIELDS,
-    ROLES,
     UNSUPPORTED,
     ChatRequest,
     CompletionRequest,
@@ -38,10 +38,10 @@ from ringsched.server.request_limits import (
     default_max_tokens,
     encode_within,
 )
-from ringsched.tokenizer import ChatTemplateError, Tokenizer
+from ringsched.server.tools import ToolUse, tool_use
+from ringsched.tokenizer import Tokenizer
 
 logger = logging.getLogger("ringsched.server")
-RESERVED_TEMPLATE_NAMES = {"messages", "add_generation_prompt", "bos_token", "eos_token"}  # the server sets these
 
 
 @dataclass
@@ -57,6 +57,7 @@ class Prepared:
     best_of: int = 1  # sequences to run; the `n` with the highest cumulative log-probability are returned
     logprobs_asked: bool = True  # False: log-probabilities were added only to rank `best_of`; not returned
     grammar: Asked | None = None  # a structured-output constraint, not yet proven (`grammar_pool.py`)
+    tools: ToolUse | None = None  # the chat request's tools (`tools.py`)
 
     def sequences(self, rid: str) -> list[tuple[str, SamplingParams]]:
         """(request id, params) of each sequence: `rid` alone for one; `rid-i` with seed + i (when seeded) else."""
@@ -188,7 +189,14 @@ def parse_completion(body: dict, tok: Tokenizer, limits: Limits) -> Prepared:
 def parse_chat(body: dict, tok: Tokenizer, limits: Limits) -> Prepared:
     req: ChatRequest = _validate(ChatRequest, body)
     _check_common(body, req, limits, "chat")
-    ids = render_chat(req, tok, limits)
+    tools = tool_use(req, limits.tool_parser)
+    grammar = asked_grammar(req)
+    if tools is not None and tools.constrained:
+        if grammar is not None:
+            raise APIError(400, f"tool_choice {tools.choice} and {grammar.field} both constrain the answer; give "
+                           "one", param=grammar.field)  # fmt: skip
+        grammar = tools.grammar()
+    ids = render_chat(req, tok, limits, tools=tools)
     check_ids(ids, limits, "messages")
     given = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = given if given is not None else default_max_tokens(len(ids), limits)
@@ -210,45 +218,9 @@ def parse_chat(body: dict, tok: Tokenizer, limits: Limits) -> Prepared:
         bool(req.stream_options and req.stream_options.include_usage),
         n,
         n,
-        grammar=asked_grammar(req),
+        grammar=grammar,
+        tools=tools,
     )
-
-
-def render_chat(req: ChatRequest, tok: Tokenizer, limits: Limits, add_generation_prompt: bool = True) -> list[int]:
-    """The messages' token ids (of `req.messages`) through the model's chat template; a 400 naming the message at
-    fault, or the context length when their text cannot fit whatever it tokenizes to."""
-    messages = []
-    for i, m in enumerate(req.messages):
-        if m.role not in ROLES:
-            raise APIError(
-                400,
-                f"messages[{i}].role {shown(m.role)} is not a known role; use one of {', '.join(ROLES)}",
-                param=f"messages[{i}].role",
-            )
-        text = m.content if isinstance(m.content, str) or m.content is None else "".join(p.text for p in m.content)
-        messages.append({"role": m.role, "content": text or ""})
-    chars = sum(len(m["content"]) for m in messages)
-    if chars > limits.max_len * tok.max_token_chars:  # no rendering or tokenizing of what cannot fit anyway
-        raise APIError(
-            400,
-            f"This model's maximum context length is {limits.max_len} tokens. However, your messages have "
-            f"{chars} characters, more than {limits.max_len} tokens can hold. Please reduce the length of the "
-            "messages.",
-            param="messages",
-            code="context_length_exceeded",
-        )
-    extra = getattr(req, "chat_template_kwargs", None) or {}
-    reserved = sorted(set(extra) & RESERVED_TEMPLATE_NAMES)
-    if reserved:
-        raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs")
-    try:
-        return tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
-    except ChatTemplateError as e:  # the model's template is at fault, not the request
-        raise APIError(500, str(e), "internal_server_error", code="chat_template_error") from None
-    except ValueError as e:  # the template refused these messages, or the model has none
-        raise APIError(
-            400, f"the messages could not be rendered with the chat template: {e}", param="messages"
-        ) from None
 
 
 _GENERATE_RENAME = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_seed": "seed"}

@@ -70,32 +70,3 @@ def split_whole(parser: str, text: str) -> tuple[str | None, str]:
     r1, c1 = s.feed(text)
     r2, c2 = s.finish()
     return (r1 + r2) or None, c1 + c2
-
-
-def chat_message(text: str, parser: str | None) -> dict:
-    """A whole chat answer's `message`: with a parser, its reasoning as `reasoning_content` (None when there is
-    none)."""
-    if parser is None:
-        return {"role": "assistant", "content": text}
-    reasoning, content = split_whole(parser, text)
-    return {"role": "assistant", "content": content, "reasoning_content": reasoning}
-
-
-class StreamedText:
-    """A streamed chat sequence's deltas: `{"content": piece}`, or with a parser the piece's reasoning and answer
-    apart (`{"reasoning_content": ..., "content": ...}`, each only when there is some). Empty: nothing to send."""
-
-    def __init__(self, parser: str | None) -> None:
-        self.split = ReasoningSplit(parser) if parser else None
-
-    def feed(self, piece: str) -> dict:
-        if self.split is None:
-            return {"content": piece} if piece else {}
-        return self._delta(*self.split.feed(piece))
-
-    def finish(self) -> dict:
-        return self._delta(*self.split.finish()) if self.split is not None else {}
-
-    @staticmethod
-    def _delta(reasoning: str, content: str) -> dict:
-        return {k: v for k, v in (("reasoning_content", reasoning), ("content", content)) if v}

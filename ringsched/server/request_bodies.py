@@ -76,7 +76,6 @@ OPENAI_FIELDS = {
 UNSUPPORTED = {
     "echo": (False, None),
     "suffix": (None, ""),
-    "tools": (None, []),
     "audio": (None,),
     "function_call": (None, "none"),
     "functions": (None, []),
@@ -85,7 +84,6 @@ UNSUPPORTED = {
     "reasoning_effort": (None,),
     "service_tier": (None, "auto", "default"),
     "store": (None, False),
-    "tool_choice": (None, "none"),
     "verbosity": (None,),
     "web_search_options": (None,),
 }
@@ -141,14 +139,42 @@ class ContentPart(_Strict):
     text: str
 
 
+class ToolFunction(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: ToolFunction
+
+
+class CalledFunction(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Strict):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn's answer to one
 
 
 class ChatRequest(SamplingBody):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = Field(default=None, min_length=1)
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template (Qwen3's enable_thinking)
     max_completion_tokens: int | None = None
     logprobs: bool | None = None

@@ -21,6 +21,7 @@ class Limits:
     vocab_size: int
     model_name: str
     max_request_tokens: int | None = None  # the work one request may start (None: 4 x max_len)
+    tool_parser: str | None = None  # --enable-auto-tool-choice's --tool-call-parser: tool_choice auto (None: refused)
 
     @property
     def request_budget(self) -> int:

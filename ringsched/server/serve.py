@@ -112,36 +112,35 @@ def _run(cfg: EngineConfig, spec: ModelSpec | None, opts: ServerOptions, sock: s
     finally:
         signal.signal(signal.SIGTERM, previous)
     try:
-        limits = Limits(
-            spec.context_len, client.kv_capacity_tokens(), spec.config.vocab_size, name, opts.max_request_tokens
-        )
-        grammars = None
-        if opts.grammar_workers:
-            grammars = GrammarPool(
-                PoolConfig(
-                    model_dir,
-                    spec.config.vocab_size,
-                    spec.eos_ids,
-                    opts.grammar_workers,
-                    opts.grammar_timeout,
-                    opts.grammar_memory_mb,
-                )
-            )
-        ctx = ServerContext(
-            client,
-            tokenizer,
-            ServerMetrics(),
-            limits,
-            opts.api_key,
-            opts.max_queued_requests,
-            opts.max_request_bytes,
-            opts.http,
-            grammars,
-            opts.reasoning_parser,
-        )
-        return uvloop.run(_serve(ctx, sock, opts))
+        return uvloop.run(_serve(_context(spec, opts, client, tokenizer, name), sock, opts))
     finally:
         client.close_sync()  # a no-op after a normal exit; stops the stages after an exception
+
+
+def _context(spec: ModelSpec, opts: ServerOptions, client: EngineClient, tokenizer: Tokenizer, name: str):
+    """What every handler needs, from the engine's client and the server's flags."""
+    auto_tools = opts.tool_call_parser if opts.enable_auto_tool_choice else None
+    vocab = spec.config.vocab_size
+    limits = Limits(spec.context_len, client.kv_capacity_tokens(), vocab, name, opts.max_request_tokens, auto_tools)
+    grammars = None
+    if opts.grammar_workers:
+        grammars = GrammarPool(
+            PoolConfig(
+                spec.model_dir, vocab, spec.eos_ids, opts.grammar_workers, opts.grammar_timeout, opts.grammar_memory_mb
+            )
+        )
+    return ServerContext(
+        client,
+        tokenizer,
+        ServerMetrics(),
+        limits,
+        opts.api_key,
+        opts.max_queued_requests,
+        opts.max_request_bytes,
+        opts.http,
+        grammars,
+        opts.reasoning_parser,
+    )
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:

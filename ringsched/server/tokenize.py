@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from pydantic import ConfigDict, Field
 
-from ringsched.server.protocol import APIError, Limits, _validate, check_model, render_chat, shown
+from ringsched.server.chat_render import render_chat
+from ringsched.server.protocol import APIError, Limits, _validate, check_model, shown
 from ringsched.server.request_bodies import ChatMessage, _Strict
 from ringsched.tokenizer import Tokenizer
 

@@ -1,0 +1,145 @@
+"""Tool calling over real HTTP with the `openai` client (the app over a fake ring that answers a scripted text):
+`auto` read by the hermes parser, `required` and a named function turned into calls from the constrained JSON
+(the grammar is proven as any structured output's), whole and streamed; tools and earlier turns' calls reach the
+chat template; bad tools are a 400 naming the field."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import openai
+import pytest
+from fake_ring import FrontEnd
+
+from ringsched.tokenizer import Tokenizer
+
+TEMPLATE = """{%- if tools %}<|im_start|>system
+You can call: {% for t in tools %}{{ t.function.name }}{{ t.function.parameters | tojson }} {% endfor %}
+Call as <tool_call>{"name": ..., "arguments": {...}}</tool_call>.<|im_end|>
+{% endif %}
+{%- for m in messages %}<|im_start|>{{ m.role }}
+{%- if m.tool_calls %}{% for c in m.tool_calls %}
+<tool_call>{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}</tool_call>
+{%- endfor %}{% elif m.role == "tool" %}
+<tool_response id="{{ m.tool_call_id }}">{{ m.content }}</tool_response>
+{%- else %}
+{{ m.content }}{% endif %}<|im_end|>
+{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+ASK = [{"role": "user", "content": "Weather in Oslo?"}]
+
+
+@pytest.fixture(scope="module")
+def front(smollm2_dir):
+    fe = FrontEnd(str(smollm2_dir), grammar_workers=1)
+    fe.ctx.tokenizer = Tokenizer(smollm2_dir, TEMPLATE)
+    fe.ctx.limits = replace(fe.ctx.limits, tool_parser="hermes")
+    fe.tok = fe.ctx.tokenizer
+    yield fe
+    fe.close()
+
+
+def _answer(front, text: str) -> int:
+    front.ring.script = front.tok.encode(text, add_bos=False)
+    return len(front.ring.script)
+
+
+def _streamed(stream) -> tuple[str, list[tuple[str, str]], str | None]:
+    """Content, the calls assembled from `delta.tool_calls` pieces by index, and the finish reason."""
+    content, calls, finish = "", {}, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for piece in choice.delta.tool_calls or []:
+                call = calls.setdefault(piece.index, {"id": None, "name": "", "arguments": ""})
+                call["id"] = piece.id or call["id"]
+                call["name"] += piece.function.name or "" if piece.function else ""
+                call["arguments"] += piece.function.arguments or "" if piece.function else ""
+            finish = choice.finish_reason or finish
+    assert all(c["id"] and c["id"].startswith("call_") for c in calls.values())
+    return content, [(c["name"], c["arguments"]) for _, c in sorted(calls.items())], finish
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_reads_the_hermes_calls(front, stream):
+    n = _answer(front, 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>')
+    client = openai.OpenAI(base_url=f"{front.url}/v1", api_key="x")
+    ask = {"model": "m", "messages": ASK, "tools": [WEATHER, TIME], "max_tokens": n}
+    if stream:
+        content, calls, finish = _streamed(client.chat.completions.create(**ask, stream=True))
+    else:
+        choice = client.chat.completions.create(**ask).choices[0]
+        content, finish = choice.message.content, choice.finish_reason
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    assert content.strip() == "Checking." and finish == "tool_calls"
+    assert [(name, json.loads(args)) for name, args in calls] == [("get_weather", {"city": "Oslo"})]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_required_and_named_calls_come_from_the_constrained_json(front, choice, stream):
+    if choice == "required":
+        n = _answer(front, '[{"name": "get_weather", "parameters": {"city": "Oslo"}}, {"name": "get_time", '
+                           '"parameters": {}}]')  # fmt: skip
+        tool_choice, want = "required", [("get_weather", {"city": "Oslo"}), ("get_time", {})]
+    else:
+        n = _answer(front, '{"city": "Oslo"}')
+        tool_choice, want = {"type": "function", "function": {"name": "get_weather"}}, [("get_weather", {"city": "Oslo"})]
+    client = openai.OpenAI(base_url=f"{front.url}/v1", api_key="x")
+    ask = {"model": "m", "messages": ASK, "tools": [WEATHER, TIME], "tool_choice": tool_choice, "max_tokens": n}
+    if stream:
+        content, calls, finish = _streamed(client.chat.completions.create(**ask, stream=True))
+    else:
+        c = client.chat.completions.create(**ask).choices[0]
+        content, finish = c.message.content, c.finish_reason
+        calls = [(t.function.name, t.function.arguments) for t in c.message.tool_calls]
+    assert not content and [(name, json.loads(args)) for name, args in calls] == want
+    assert finish == ("tool_calls" if choice == "required" else "length")  # named: as the sequence ended
+
+
+def test_a_two_turn_loop_renders_the_call_and_its_result_through_the_template(front):
+    import httpx
+
+    turns = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "-3 C, snow"},
+    ]  # fmt: skip
+    r = httpx.post(f"{front.url}/tokenize", json={"messages": turns, "tools": [WEATHER]}, timeout=10)
+    assert r.status_code == 400  # /tokenize takes no tools: the chat request renders them
+    ids = httpx.post(f"{front.url}/tokenize", json={"messages": turns}, timeout=10).json()["tokens"]
+    text = front.tok.decode(ids, skip_special_tokens=False)
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>' in text
+    assert '<tool_response id="call_1">-3 C, snow</tool_response>' in text
+    n = _answer(front, "It is -3 C with snow in Oslo.")
+    client = openai.OpenAI(base_url=f"{front.url}/v1", api_key="x")
+    answer = client.chat.completions.create(model="m", messages=turns, tools=[WEATHER], max_tokens=n)
+    assert answer.choices[0].message.content == "It is -3 C with snow in Oslo."
+    assert not answer.choices[0].message.tool_calls
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
+        ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
+         "tools[0].function.parameters"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+         "response_format"),
+        ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                        "function": {"name": "f", "arguments": "{nope"}}]}]}, "messages[0].tool_calls"),
+    ],
+)  # fmt: skip
+def test_bad_tools_are_a_400_naming_the_field(front, extra, param):
+    client = openai.OpenAI(base_url=f"{front.url}/v1", api_key="x")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**{"model": "m", "messages": ASK, "max_tokens": 4, **extra})
+    assert e.value.body["param"] == param, e.value.body
