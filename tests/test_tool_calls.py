@@ -88,7 +88,8 @@ def test_required_and_named_calls_come_from_the_constrained_json(front, choice, 
         tool_choice, want = "required", [("get_weather", {"city": "Oslo"}), ("get_time", {})]
     else:
         n = _answer(front, '{"city": "Oslo"}')
-        tool_choice, want = {"type": "function", "function": {"name": "get_weather"}}, [("get_weather", {"city": "Oslo"})]
+        tool_choice = {"type": "function", "function": {"name": "get_weather"}}
+        want = [("get_weather", {"city": "Oslo"})]
     client = openai.OpenAI(base_url=f"{front.url}/v1", api_key="x")
     ask = {"model": "m", "messages": ASK, "tools": [WEATHER, TIME], "tool_choice": tool_choice, "max_tokens": n}
     if stream:
@@ -106,7 +107,8 @@ def test_a_two_turn_loop_renders_the_call_and_its_result_through_the_template(fr
 
     turns = ASK + [
         {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "-3 C, snow"},
     ]  # fmt: skip
     r = httpx.post(f"{front.url}/tokenize", json={"messages": turns, "tools": [WEATHER]}, timeout=10)
