@@ -14,7 +14,7 @@ from ringsched.models.llama import StageModel
 from ringsched.weights.checkpoint_names import checkpoint_names, weight_index
 from ringsched.weights.config_check import check_config
 from ringsched.weights.model_config import ModelConfig, UnsupportedModelError
-from ringsched.weights.model_files import check_shapes, weight_files
+from ringsched.weights.model_files import check_shapes, tensor_shapes, weight_files
 
 # Tensors some checkpoints carry that the model has no use for and that change nothing.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -62,6 +62,7 @@ def check_checkpoint(model_dir: str | Path, cfg: ModelConfig) -> None:
     config implies (`weights/model_files.py`), then the names of their tensors."""
     model_dir = Path(model_dir)
     check_config(json.loads((model_dir / "config.json").read_text()))
+    found = {path: tensor_shapes(path) for path in weight_files(model_dir)}  # each file whole, or one line
     shapes = expected_shapes(cfg)
-    check_shapes(weight_files(model_dir), {k: list(v) for k, v in shapes.items()}, model_dir / "config.json")
     check_tensors(cfg, set(weight_index(model_dir)), shapes)
+    check_shapes(found, {k: list(v) for k, v in shapes.items()}, model_dir / "config.json")

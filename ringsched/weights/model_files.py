@@ -94,10 +94,11 @@ def tensor_shapes(path: Path) -> dict[str, list[int]]:
     return shapes
 
 
-def check_shapes(files: list[Path], expected: dict[str, list[int]], config: Path) -> None:
-    """Every tensor the model reads under its own name has the shape config.json implies."""
-    for path in files:
-        for name, shape in tensor_shapes(path).items():
+def check_shapes(found: dict[Path, dict[str, list[int]]], expected: dict[str, list[int]], config: Path) -> None:
+    """Every tensor the model reads under its own name (`found`: each file's `tensor_shapes`) has the shape
+    config.json implies."""
+    for path, shapes in found.items():
+        for name, shape in shapes.items():
             want = expected.get(name)
             if want is not None and list(want) != shape:
                 raise BadModelError(
