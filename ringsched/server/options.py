@@ -42,7 +42,7 @@ class ServerOptions:
     reasoning_parser: str | None = _flag(
         None,
         "split a thinking model's reasoning from its answer in chat responses (reasoning_content): "
-        "deepseek_r1 (reasoning until </think>) or qwen3 (a leading <think> block)",
+        "deepseek_r1 (reasoning until </think>) or qwen3 (a leading <think> block) (default: none, all content)",
         type=str,
         choices=["deepseek_r1", "qwen3"],
         group=_S,
@@ -55,7 +55,7 @@ class ServerOptions:
     tool_call_parser: str | None = _flag(
         None,
         "how tool calls are written by the model: hermes (Qwen2.5/3, Hermes), llama3_json (Llama 3.x), "
-        "mistral, pythonic",
+        "mistral, pythonic (default: none; tool_choice auto refused)",
         type=str,
         choices=["hermes", "llama3_json", "mistral", "pythonic"],
         group=_S,
