@@ -20,6 +20,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ringsched.server import endpoints
 from ringsched.server.protocol import APIError
+from ringsched.server.responses import serve_responses
 from ringsched.server.serving import ServerContext
 from ringsched.server.tokenize import detokenize as detokenize_body
 from ringsched.server.tokenize import tokenize as tokenize_body
@@ -98,6 +99,10 @@ def create_app(ctx: ServerContext) -> FastAPI:
 
 
 def _add_token_routes(app: FastAPI, ctx: ServerContext) -> None:
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await serve_responses(request, ctx)
+
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
         return await endpoints.tokens(request, ctx, tokenize_body)
