@@ -172,18 +172,23 @@ def responses_usage(every: dict) -> dict:
     }
 
 
+class _Sequence:
+    """Numbers a stream's events in order (`sequence_number`)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def __call__(self, kind: str, **fields) -> dict:
+        self.n += 1
+        return {"type": kind, "sequence_number": self.n - 1, **fields}
+
+
 async def stream_events(
     rid: str, model: str, req: Prepared, pieces: AsyncIterator[tuple[list[dict], bool]], final: dict
 ) -> AsyncIterator[dict]:
     """The Responses events of one streamed answer: `pieces` gives each step's chat deltas (`ChatAnswer`) and
     whether the answer ended; `final` is filled by then with the whole `message`, usage and finish reason."""
-    seq = 0
-
-    def event(kind: str, **fields) -> dict:
-        nonlocal seq
-        seq += 1
-        return {"type": kind, "sequence_number": seq - 1, **fields}
-
+    event = _Sequence()
     yield event("response.created", response=response(rid, model, req, [], None, None, "in_progress"))
     yield event("response.in_progress", response=response(rid, model, req, [], None, None, "in_progress"))
     item, text = None, ""
@@ -192,38 +197,37 @@ async def stream_events(
             if not d.get("content"):
                 continue
             if item is None:
-                item = _message_item("", "in_progress")
-                item["content"] = []
-                yield event("response.output_item.added", output_index=0, item=item)
+                item = {**_message_item("", "in_progress"), "content": []}
                 part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-                yield event(
-                    "response.content_part.added", item_id=item["id"], output_index=0, content_index=0, part=part
-                )
+                yield event("response.output_item.added", output_index=0, item=item)
+                yield event("response.content_part.added", item_id=item["id"], output_index=0, content_index=0,
+                            part=part)  # fmt: skip
             text += d["content"]
-            yield event(
-                "response.output_text.delta",
-                item_id=item["id"],
-                output_index=0,
-                content_index=0,
-                delta=d["content"],
-                logprobs=[],
-            )
+            yield event("response.output_text.delta", item_id=item["id"], output_index=0, content_index=0,
+                        delta=d["content"], logprobs=[])  # fmt: skip
     output = output_items(final["message"])
-    if item is not None:
-        done = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-        yield event(
-            "response.output_text.done", item_id=item["id"], output_index=0, content_index=0, text=text, logprobs=[]
-        )
-        yield event("response.content_part.done", item_id=item["id"], output_index=0, content_index=0, part=done)
-        whole = {**item, "status": "completed", "content": [done]}
-        yield event("response.output_item.done", output_index=0, item=whole)
-        output = [whole if o["type"] == "message" else o for o in output]
-    for k, o in enumerate(output):
-        if o["type"] != "message" or item is None:
-            yield event("response.output_item.added", output_index=k, item=o)
-            yield event("response.output_item.done", output_index=k, item=o)
+    for e in _closing(event, item, text, output):  # `output`'s message becomes the streamed one
+        yield e
     done = response(rid, model, req, output, final["usage"], final["finish"])
     yield event("response.completed" if done["status"] == "completed" else "response.incomplete", response=done)
+
+
+def _closing(event: _Sequence, item: dict | None, text: str, output: list[dict]) -> list[dict]:
+    """The events that close the streamed text's item, then the other items' (reasoning, calls)."""
+    events = []
+    if item is not None:
+        done = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+        ids = {"item_id": item["id"], "output_index": 0, "content_index": 0}
+        events.append(event("response.output_text.done", **ids, text=text, logprobs=[]))
+        events.append(event("response.content_part.done", **ids, part=done))
+        whole = {**item, "status": "completed", "content": [done]}
+        events.append(event("response.output_item.done", output_index=0, item=whole))
+        output[:] = [whole if o["type"] == "message" else o for o in output]
+    for k, o in enumerate(output):
+        if o["type"] != "message" or item is None:
+            events.append(event("response.output_item.added", output_index=k, item=o))
+            events.append(event("response.output_item.done", output_index=k, item=o))
+    return events
 
 
 # -- the endpoint ------------------------------------------------------------------------------------------------
