@@ -38,7 +38,8 @@ def test_text_whole_and_streamed(front):
     events = list(client.responses.create(model="m", input="Capital of Norway?", max_output_tokens=n, stream=True))
     kinds = [e.type for e in events]
     assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.incomplete"
-    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "Oslo is the capital of Norway."
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert "".join(deltas) == "Oslo is the capital of Norway."
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert events[-1].response.output[0].content[0].text == "Oslo is the capital of Norway."
 

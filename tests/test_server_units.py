@@ -223,3 +223,23 @@ def test_the_work_budget_counts_every_sequence_and_names_the_flag(tok):
     e = _err(parse_chat, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 200}, tok, small)
     assert (e.status, e.param) == (400, "n") and "at most 100" in e.message
     assert parse_generate({"text": "hi", "sampling_params": {"max_new_tokens": 90}}, tok, small)
+
+
+def test_the_models_sampling_defaults_fill_what_a_request_leaves_out(tok, tmp_path):
+    """--generation-config auto (vLLM's default): generation_config.json's temperature, top_p, top_k, min_p and
+    repetition_penalty where a request gives none; a request's own value wins."""
+    import json
+
+    from ringsched.server.request_limits import model_sampling_defaults
+
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.95, "top_k": 20,
+                                                                 "do_sample": True, "eos_token_id": 2}))  # fmt: skip
+    defaults = model_sampling_defaults(str(tmp_path))
+    assert defaults == (("temperature", 0.6), ("top_p", 0.95), ("top_k", 20))
+    limits = replace(LIMITS, sampling_defaults=defaults)
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    silent = parse_chat(body, tok, limits).params
+    assert (silent.temperature, silent.top_p, silent.top_k) == (0.6, 0.95, 20)
+    given = parse_chat({**body, "temperature": 0.0, "top_k": 5}, tok, limits).params
+    assert (given.temperature, given.top_p, given.top_k) == (0.0, 0.95, 5)
+    assert parse_completion({"prompt": "hi", "max_tokens": 2}, tok, LIMITS).params.temperature != 0.6  # vllm: none

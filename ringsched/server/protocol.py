@@ -125,8 +125,9 @@ def _params(fields: dict[str, Any], rename: dict[str, str] | None = None) -> Sam
         raise APIError(400, shown + msg[len(name) :], param=shown or None) from None
 
 
-def _sampling_fields(req: SamplingBody, max_tokens: int) -> dict[str, Any]:
-    return {
+def _sampling_fields(req: SamplingBody, max_tokens: int, limits: Limits) -> dict[str, Any]:
+    """The request's sampling fields; the model's defaults (`--generation-config auto`) where it is silent."""
+    fields = {
         "max_tokens": max_tokens,
         "temperature": req.temperature,
         "top_p": req.top_p,
@@ -142,6 +143,7 @@ def _sampling_fields(req: SamplingBody, max_tokens: int) -> dict[str, Any]:
         "frequency_penalty": req.frequency_penalty,
         "logit_bias": req.logit_bias,
     }
+    return fields | {k: v for k, v in limits.sampling_defaults if fields[k] is None}
 
 
 def _counts(n: int | None, best_of: int | None, stream: bool) -> tuple[int, int]:
@@ -171,7 +173,7 @@ def parse_completion(body: dict, tok: Tokenizer, limits: Limits) -> Prepared:
     max_tokens = req.max_tokens if req.max_tokens is not None else 16  # OpenAI's default for completions
     n, best_of = _counts(req.n, req.best_of, req.stream)
     logprobs = req.logprobs if req.logprobs is not None or best_of == n else 0  # best_of ranks by them
-    params = check_stop_ids(_params({**_sampling_fields(req, max_tokens), "logprobs": logprobs}), limits)
+    params = check_stop_ids(_params({**_sampling_fields(req, max_tokens, limits), "logprobs": logprobs}), limits)
     check_context(len(ids), max_tokens, limits, "prompt")
     check_budget(len(ids), max_tokens, n, best_of, limits)
     return Prepared(
@@ -205,7 +207,8 @@ def parse_chat(body: dict, tok: Tokenizer, limits: Limits) -> Prepared:
         raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = _params(
-        {**_sampling_fields(req, max_tokens), "logprobs": logprobs}, {"max_tokens": name, "logprobs": "top_logprobs"}
+        {**_sampling_fields(req, max_tokens, limits), "logprobs": logprobs},
+        {"max_tokens": name, "logprobs": "top_logprobs"},
     )
     params = check_stop_ids(params, limits)
     check_context(len(ids), max_tokens, limits, "messages")

@@ -22,6 +22,9 @@ class Limits:
     model_name: str
     max_request_tokens: int | None = None  # the work one request may start (None: 4 x max_len)
     tool_parser: str | None = None  # --enable-auto-tool-choice's --tool-call-parser: tool_choice auto (None: refused)
+    sampling_defaults: tuple[
+        tuple[str, float], ...
+    ] = ()  # --generation-config auto: the model's, where a request is silent
 
     @property
     def request_budget(self) -> int:
@@ -105,3 +108,19 @@ def check_ids(ids: list[int], limits: Limits, param: str) -> list[int]:
 def default_max_tokens(prompt_len: int, limits: Limits) -> int:
     """As vLLM: no max_tokens means up to the context's end (at least 1, so the check reports the overflow)."""
     return max(min(limits.max_len, limits.kv_tokens) - prompt_len, 1)
+
+
+SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def model_sampling_defaults(model_dir: str) -> tuple[tuple[str, float], ...]:
+    """The sampling fields of the model's generation_config.json (`--generation-config auto`, as vLLM)."""
+    import json
+    from pathlib import Path
+
+    path = Path(model_dir) / "generation_config.json"
+    try:
+        gen = json.loads(path.read_text()) if path.is_file() else {}
+    except ValueError:
+        return ()
+    return tuple((k, gen[k]) for k in SAMPLING_DEFAULT_FIELDS if isinstance(gen.get(k), (int, float)))

@@ -32,6 +32,7 @@ from ringsched.server.loading import LoadingResponder
 from ringsched.server.metrics import ServerMetrics, log_throughput
 from ringsched.server.options import ServerOptions
 from ringsched.server.protocol import Limits
+from ringsched.server.request_limits import model_sampling_defaults
 from ringsched.server.serving import ServerContext
 from ringsched.spec import ModelSpec
 from ringsched.tokenizer import Tokenizer
@@ -120,8 +121,11 @@ def _run(cfg: EngineConfig, spec: ModelSpec | None, opts: ServerOptions, sock: s
 def _context(spec: ModelSpec, opts: ServerOptions, client: EngineClient, tokenizer: Tokenizer, name: str):
     """What every handler needs, from the engine's client and the server's flags."""
     auto_tools = opts.tool_call_parser if opts.enable_auto_tool_choice else None
-    vocab = spec.config.vocab_size
-    limits = Limits(spec.context_len, client.kv_capacity_tokens(), vocab, name, opts.max_request_tokens, auto_tools)
+    defaults = model_sampling_defaults(spec.model_dir) if opts.generation_config == "auto" else ()
+    if defaults:
+        logger.info("sampling defaults from the model's generation_config.json: %s", dict(defaults))
+    vocab, kv = spec.config.vocab_size, client.kv_capacity_tokens()
+    limits = Limits(spec.context_len, kv, vocab, name, opts.max_request_tokens, auto_tools, defaults)
     grammars = None
     if opts.grammar_workers:
         grammars = GrammarPool(
