@@ -74,3 +74,15 @@ def test_chat_template_kwargs_reach_the_template(model, tmp_path):
     with pytest.raises(APIError, match="may not set messages") as e:
         parse_chat({**body, "chat_template_kwargs": {"messages": []}}, tok, limits)
     assert e.value.param == "chat_template_kwargs"
+
+
+def test_reasoning_effort_reaches_the_template(model):
+    from ringsched.server.protocol import parse_chat
+    from ringsched.server.request_limits import Limits
+
+    (model / "chat_template.jinja").write_text(SIMPLE + "{% if reasoning_effort is defined %}"
+                                               "[effort {{ reasoning_effort }}]{% endif %}")  # fmt: skip
+    tok = Tokenizer(model)
+    limits = Limits(512, 1 << 20, tok.vocab_size, "m")
+    body = {"messages": CHAT, "max_tokens": 4, "reasoning_effort": "low"}
+    assert tok.decode(parse_chat(body, tok, limits).prompt_ids).endswith("[effort low]")

@@ -172,6 +172,7 @@ PARSED = {
     "best_of": lambda r: r.n == 1 and r.best_of == 2 and r.params.logprobs == 0 and not r.logprobs_asked,
     "tools": lambda r: r.tools.tools[0]["function"]["name"] == "f" and r.tools.choice == "auto",
     "tool_choice": lambda r: r.tools.choice == "auto",
+    "reasoning_effort": lambda r: True,  # a template variable: test_chat_template_sources checks that it arrives
 }  # fmt: skip
 
 

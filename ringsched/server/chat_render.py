@@ -45,6 +45,8 @@ def render_chat(
         raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs")
     if tools is not None:
         extra = {**extra, "tools": tools.tools}
+    if getattr(req, "reasoning_effort", None) is not None:
+        extra = {"reasoning_effort": req.reasoning_effort, **extra}
     try:
         return tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
     except ChatTemplateError as e:  # the model's template is at fault, not the request

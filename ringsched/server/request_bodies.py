@@ -81,7 +81,6 @@ UNSUPPORTED = {
     "functions": (None, []),
     "modalities": (None, ["text"]),
     "prediction": (None,),
-    "reasoning_effort": (None,),
     "service_tier": (None, "auto", "default"),
     "store": (None, False),
     "verbosity": (None,),
@@ -175,6 +174,7 @@ class ChatRequest(SamplingBody):
     tools: list[Tool] | None = Field(default=None, min_length=1)
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None  # to the template (gpt-oss)
     chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template (Qwen3's enable_thinking)
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
