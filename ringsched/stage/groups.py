@@ -1,7 +1,7 @@
 """A rank's process groups: the ranks' `torch.distributed` group (none with one rank; it carries the seams, gloo
-on CPU and NCCL on GPUs), the tokens' way back (a gloo group of rank 0 and the last stage's first rank) and, with
---tp-size or --cp-size > 1, its stage's tensor- or context-parallel group, whose CPU ranks meet in a
-shared-memory segment for their collectives.
+on CPU and NCCL on GPUs), on NCCL the tokens' way back (a gloo group of rank 0 and the last stage's first
+rank) and, with --tp-size or --cp-size > 1, its stage's tensor- or context-parallel group, whose CPU ranks meet in
+a shared-memory segment for their collectives.
 
 Why the tokens have a group of their own: on NCCL every operation of a communicator runs in the order it was
 posted, on one stream, and a send completes only when its receive runs (past NCCL's eager size). Sharing one

@@ -59,7 +59,7 @@ class PeerLost(RuntimeError):
 @dataclass
 class StageIO:
     seam: TensorChannel  # the seams forward (the ranks' process group: gloo on CPU, NCCL on GPUs)
-    back: TensorChannel | None  # the sampled tokens back to stage 0 (a gloo group of their own: `stage/groups.py`)
+    back: TensorChannel | None  # the sampled tokens back to stage 0 (gloo; on GPUs a group of their own, `groups.py`)
     plan_in: Puller | None  # from the previous stage (non-first)
     plan_out: Pusher | Fanout | None  # to the next stage (non-last) and the stage's other ranks (its first rank)
     front_in: Puller | None  # stage 0: new requests and aborts
