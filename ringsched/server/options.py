@@ -48,9 +48,12 @@ class ServerOptions:
         group=_S,
     )
     generation_config: str = _flag(
-        "auto", "auto: the model's generation_config.json gives temperature, top_p, top_k, min_p and "
+        "auto",
+        "auto: the model's generation_config.json gives temperature, top_p, top_k, min_p and "
         "repetition_penalty where a request gives none (as vLLM); vllm: the API's own defaults",
-        choices=["auto", "vllm"], group=_S)  # fmt: skip
+        choices=["auto", "vllm"],
+        group=_S,
+    )
     enable_auto_tool_choice: bool = _flag(
         False,
         "tool_choice auto (the default when a request has tools): the answer's tool calls found by --tool-call-parser",

@@ -195,8 +195,11 @@ def parse_chat(body: dict, tok: Tokenizer, limits: Limits) -> Prepared:
     grammar = asked_grammar(req)
     if tools is not None and tools.constrained:
         if grammar is not None:
-            raise APIError(400, f"tool_choice {tools.choice} and {grammar.field} both constrain the answer; give "
-                           "one", param=grammar.field)  # fmt: skip
+            raise APIError(
+                400,
+                f"tool_choice {tools.choice} and {grammar.field} both constrain the answer; give one",
+                param=grammar.field,
+            )
         grammar = tools.grammar()
     ids = render_chat(req, tok, limits, tools=tools)
     check_ids(ids, limits, "messages")

