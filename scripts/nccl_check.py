@@ -20,6 +20,7 @@ import time
 import traceback
 from pathlib import Path
 
+import gpu_check  # this directory's: `python scripts/nccl_check.py` puts it on the path
 import torch
 
 PROMPTS = [[300 + i, 301, 302 + 2 * i, 303] for i in range(8)]
@@ -37,14 +38,7 @@ def greedy(model: str, prompts: list[list[int]], max_tokens: int, alone: bool = 
 
 
 def matching(ref: list[list[int]], got: list[list[int]]) -> str:
-    """Tokens equal to the reference up to each row's first difference (after it the contexts differ)."""
-    same = 0
-    for a, b in zip(ref, got, strict=True):
-        for x, y in zip(a, b, strict=False):
-            if x != y:
-                break
-            same += 1
-    total = sum(len(a) for a in ref)
+    same, total = gpu_check.matching(ref, got)  # tokens equal up to each row's first difference
     return f"{'ok' if same == total else 'MISMATCH'} {same}/{total} tokens as the CPU"
 
 
