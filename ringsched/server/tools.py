@@ -102,8 +102,8 @@ def tool_use(fields: ChatRequest, parser: str | None) -> ToolUse | None:
     if choice == "auto" and parser is None:
         raise APIError(
             400,
-            "tool_choice auto needs the server's --tool-call-parser (or give tool_choice required, "
-            "a function, or none)",
+            "tool_choice auto (the default with tools) needs the server's --enable-auto-tool-choice and "
+            "--tool-call-parser; or give tool_choice required, a function, or none",
             param="tool_choice",
         )
     return ToolUse(tools, choice, named, fields.parallel_tool_calls)
