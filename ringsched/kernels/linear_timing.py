@@ -5,10 +5,11 @@ Each timed call runs the path over distinct weights of the shape (the stage's la
 vocabulary) until it has read `STREAM_BYTES` or done `FLOP_BUDGET`: the few-row calls stream many layers' weights as
 a step does, not one layer's from a core's cache (a larger last-level cache holds them). First an untimed call over
 every weight (its first touch, page faults of a fresh mmap, charged to no path); then per bucket: a warm-up call,
-one timed call per path, then `ROUNDS - 1` more for the paths within `SCREEN` times the best (interleaved); a path's
-time is its best (processes starting beside the stage only add time); a path whose warm-up took over twice `SCREEN`
-times the best's keeps that time and is not timed again; one far behind at two buckets in a row and falling further
-behind (`retired`) is not timed at the larger buckets.
+one timed call per path, then `ROUNDS - 1` more, interleaved, for each path unless two of its calls were both over
+`SCREEN` times the best; a path's time is its best (processes starting beside the stage only add time); a path whose
+warm-up took over twice `SCREEN` times the best's is warmed again, and if still that far behind keeps its warm-up
+time and is not timed (one call never leaves a path out: a single outlier cannot decide); one far behind at two
+buckets in a row and falling further behind (`retired`) is not timed at the larger buckets.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 from ringsched.kernels.small_linear import NATIVE, Linear
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-METHOD = 2  # how the timings are taken, in the cache key: timings cached by an earlier method are taken again
+METHOD = 3  # how the timings are taken, in the cache key: timings cached by an earlier method are taken again
 STREAM_BYTES = 64 * 2**20  # weights a timed call reads at least (or all the shape's), as a step streams them
 FLOP_BUDGET = 0.25e9  # ... unless a call would do more arithmetic than this: then fewer weights (at least one)
 HEAD_SLICE = 8  # vocabulary chunks (`Linear.vocab_chunk`) of an lm_head slice
@@ -124,19 +125,25 @@ def retired(path: str, times: Times) -> bool:
     return behind and last[path] / prev[path] >= max(best_last / best_prev, RETIRE_GROWTH)
 
 
+def _timed(path: str, x: torch.Tensor, pieces: list[Piece]) -> float:
+    t = time.perf_counter()
+    _call(path, x, pieces)
+    return time.perf_counter() - t
+
+
 def _time_paths(paths: tuple[str, ...], x: torch.Tensor, pieces: list[Piece]) -> dict[str, float]:
-    warm: dict[str, float] = {}
-    for p in paths:  # warm-up: first-call costs (oneDNN's primitives, allocations) stay out of the rounds
-        t = time.perf_counter()
-        _call(p, x, pieces)
-        warm[p] = time.perf_counter() - t
+    # Warm-up: first-call costs (oneDNN's primitives, allocations) stay out of the rounds. A path far behind at its
+    # warm-up is warmed once more before it is left out: one call can land on another process's burst (a 30x
+    # outlier kept a kernel off a shape for good before).
+    warm = {p: _timed(p, x, pieces) for p in paths}
+    for p in paths:
+        if warm[p] > 2 * SCREEN * min(warm.values()):
+            warm[p] = min(warm[p], _timed(p, x, pieces))
     seen: dict[str, list[float]] = {p: [] for p in paths if warm[p] <= 2 * SCREEN * min(warm.values())}
     for rnd in range(ROUNDS):
         best = min(min(v) for v in seen.values()) if rnd else 0.0
         for p in seen:
-            if rnd and min(seen[p]) > SCREEN * best:
-                continue  # far behind after one call: more rounds would not change the choice
-            t = time.perf_counter()
-            _call(p, x, pieces)
-            seen[p].append(time.perf_counter() - t)
+            if len(seen[p]) >= 2 and min(seen[p]) > SCREEN * best:
+                continue  # far behind after two calls: more rounds would not change the choice
+            seen[p].append(_timed(p, x, pieces))
     return {p: min(seen[p]) if p in seen else warm[p] for p in paths}  # others' load only adds time
