@@ -4,11 +4,14 @@ ring."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import ConfigDict, Field
 
 from ringsched.server.chat_render import render_chat
 from ringsched.server.protocol import APIError, Limits, _validate, check_model, shown
-from ringsched.server.request_bodies import ChatMessage, _Strict
+from ringsched.server.request_bodies import ChatMessage, Tool, _Strict
+from ringsched.server.tools import ToolUse
 from ringsched.tokenizer import Tokenizer
 
 
@@ -19,6 +22,8 @@ class TokenizeRequest(_Strict):
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = None  # given to the chat template, as a chat request's
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Strict):
@@ -33,7 +38,8 @@ def tokenize(body: dict, tok: Tokenizer, limits: Limits) -> dict:
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "give either prompt (a text) or messages (a chat), not both or neither", param="prompt")
     if req.messages is not None:
-        ids = render_chat(req, tok, limits, add_generation_prompt=req.add_generation_prompt)
+        tools = ToolUse([t.model_dump(exclude_none=True) for t in req.tools], "none") if req.tools else None
+        ids = render_chat(req, tok, limits, add_generation_prompt=req.add_generation_prompt, tools=tools)
     else:
         ids = tok.encode(req.prompt, add_bos=req.add_special_tokens)
     return {"count": len(ids), "max_model_len": limits.max_len, "tokens": ids}
