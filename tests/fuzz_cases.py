@@ -61,7 +61,7 @@ _BAD_SAMPLING = [
     ("repetition_penalty", 0), ("repetition_penalty", -1.0), ("repetition_penalty", "1"),
     ("min_tokens", -1), ("min_tokens", 1.5), ("min_tokens", HUGE), ("min_tokens", 10**6),
     ("stream", "yes"), ("stream", 1), ("stream_options", "yes"), ("stream_options", {"include_usage": "yes"}),
-    ("n", 0), ("n", 17), ("n", 1.5), ("echo", True), ("suffix", "x"), ("model", 5), ("model", []),
+    ("n", 0), ("n", 17), ("n", 1.5), ("suffix", "x"), ("model", 5), ("model", []),
     ("logprobs", 21), ("logprobs", -1), ("logprobs", "2"), ("logprobs", [1]),
     ("logit_bias", {"1": 500}), ("logit_bias", {"x": 1}), ("logit_bias", {str(OUT_OF_VOCAB): 1}),
     ("logit_bias", [1, 2]), ("logit_bias", {str(i): 1 for i in range(301)}),
@@ -142,6 +142,8 @@ CASES: list[Case] = [
     # -- /v1/completions ----------------------------------------------------------------------------------
     Case(CMPL, {"model": "m"}, 400, "prompt"),
     Case(CMPL, {"prompt": 5}, 400, "prompt"),
+    Case(CMPL, {"prompt": "hi", "echo": "yes"}, 400, "echo"),
+    Case(CMPL, {"prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo"),
     Case(CMPL, {"prompt": None}, 400, "prompt"),
     Case(CMPL, {"prompt": True}, 400, "prompt"),
     Case(CMPL, {"prompt": {"text": "hi"}}, 400, "prompt"),

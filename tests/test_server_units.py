@@ -92,7 +92,7 @@ def test_parse_completion(tok):
     assert "KV" in e.message and "--kv-cache-memory" in e.message
     assert _err(parse_completion, {"prompt": "a", "top_k": -3}, tok, LIMITS).param == "top_k"
     assert _err(parse_completion, {"prompt": "a", "model": "other"}, tok, LIMITS).status == 404
-    assert _err(parse_completion, {"prompt": "a", "echo": True}, tok, LIMITS).param == "echo"
+    assert _err(parse_completion, {"prompt": "a", "echo": True, "logprobs": 1}, tok, LIMITS).param == "echo"
     assert _err(parse_completion, {"prompt": ["a", "b"]}, tok, LIMITS).param == "prompt"
 
 
@@ -172,6 +172,7 @@ PARSED = {
     "best_of": lambda r: r.n == 1 and r.best_of == 2 and r.params.logprobs == 0 and not r.logprobs_asked,
     "tools": lambda r: r.tools.tools[0]["function"]["name"] == "f" and r.tools.choice == "auto",
     "tool_choice": lambda r: r.tools.choice == "auto",
+    "echo": lambda r: r.echo == "hi",
     "reasoning_effort": lambda r: True,  # a template variable: test_chat_template_sources checks that it arrives
 }  # fmt: skip
 

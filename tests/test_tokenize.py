@@ -59,3 +59,18 @@ def test_bad_input_is_a_400_naming_the_field(front, path, body, param):
 def test_another_model_is_a_404(front):
     r = httpx.post(f"{front.url}/tokenize", json={"model": "gpt-9", "prompt": "a"}, timeout=10)
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_completions_echo_the_prompt_whole_and_streamed(front):
+    """`echo`: each choice's text starts with the prompt's (the fake ring answers token 28 every step)."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{front.url}/v1", api_key="x")
+    whole = client.completions.create(model="m", prompt="Once upon", max_tokens=3, echo=True, n=2)
+    assert all(c.text.startswith("Once upon") and len(c.text) > len("Once upon") for c in whole.choices)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="m", prompt="Once upon", max_tokens=3, echo=True, stream=True) if c.choices)  # fmt: skip
+    assert streamed == whole.choices[0].text
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="m", prompt="Once upon", max_tokens=3, echo=True, logprobs=1)
+    assert e.value.body["param"] == "echo"

@@ -154,13 +154,13 @@ async def completions(request: Request, ctx: ServerContext) -> Response:
         return {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name}
 
     def events(rid: str, deltas: list[AsyncIterator[Delta]], req: Prepared) -> AsyncIterator[dict]:
-        return _completion_events(base(rid), deltas, req.include_usage, ctx.tokenizer)
+        return _completion_events(base(rid), deltas, req.include_usage, ctx.tokenizer, req.echo)
 
     def whole(rid: str, results: list[tuple[str, Delta]], every: dict, req: Prepared) -> dict:
         choices = [
             {
                 "index": i,
-                "text": text,
+                "text": (req.echo or "") + text,
                 "logprobs": completion_logprobs(ctx.tokenizer, last.logprobs),
                 "finish_reason": last.finish_reason,
             }
@@ -172,9 +172,11 @@ async def completions(request: Request, ctx: ServerContext) -> Response:
 
 
 async def _completion_events(
-    base: dict, deltas: list[AsyncIterator[Delta]], include_usage: bool, tok: Tokenizer
+    base: dict, deltas: list[AsyncIterator[Delta]], include_usage: bool, tok: Tokenizer, echo: str | None = None
 ) -> AsyncIterator[dict]:
     extra = {"usage": None} if include_usage else {}
+    for i in range(len(deltas) if echo else 0):  # `echo`: each choice starts with the prompt's text
+        yield {**base, "choices": [{"index": i, "text": echo, "logprobs": None, "finish_reason": None}], **extra}
     last: dict[int, Delta] = {}
     offsets = [0] * len(deltas)
     async with contextlib.aclosing(merged(deltas)) as it:

@@ -58,6 +58,7 @@ class Prepared:
     logprobs_asked: bool = True  # False: log-probabilities were added only to rank `best_of`; not returned
     grammar: Asked | None = None  # a structured-output constraint, not yet proven (`grammar_pool.py`)
     tools: ToolUse | None = None  # the chat request's tools (`tools.py`)
+    echo: str | None = None  # completions with `echo`: the prompt's text, put before each choice's
 
     def sequences(self, rid: str) -> list[tuple[str, SamplingParams]]:
         """(request id, params) of each sequence: `rid` alone for one; `rid-i` with seed + i (when seeded) else."""
@@ -176,6 +177,14 @@ def parse_completion(body: dict, tok: Tokenizer, limits: Limits) -> Prepared:
     params = check_stop_ids(_params({**_sampling_fields(req, max_tokens, limits), "logprobs": logprobs}), limits)
     check_context(len(ids), max_tokens, limits, "prompt")
     check_budget(len(ids), max_tokens, n, best_of, limits)
+    if req.echo and req.logprobs is not None:
+        raise APIError(
+            400,
+            "echo with logprobs needs the prompt's log-probabilities, which this server does not "
+            "compute: drop one of them",
+            param="echo",
+        )
+    echo = (prompt if isinstance(prompt, str) else tok.decode(ids, skip_special_tokens=False)) if req.echo else None
     return Prepared(
         ids,
         params,
@@ -185,6 +194,7 @@ def parse_completion(body: dict, tok: Tokenizer, limits: Limits) -> Prepared:
         best_of,
         req.logprobs is not None,
         asked_grammar(req),
+        echo=echo,
     )
 
 

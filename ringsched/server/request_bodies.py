@@ -74,7 +74,6 @@ OPENAI_FIELDS = {
     ),
 }
 UNSUPPORTED = {
-    "echo": (False, None),
     "suffix": (None, ""),
     "audio": (None,),
     "function_call": (None, "none"),
@@ -129,6 +128,7 @@ class SamplingBody(_Strict):
 
 class CompletionRequest(SamplingBody):
     prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool | None = None  # the prompt's text before the completion's
     logprobs: int | None = None  # the sampled token's and this many most likely tokens' log-probabilities
     best_of: int | None = None
 
