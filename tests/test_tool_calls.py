@@ -64,17 +64,20 @@ def _streamed(stream) -> tuple[str, list[tuple[str, str]], str | None]:
     return content, [(c["name"], c["arguments"]) for _, c in sorted(calls.items())], finish
 
 
+def _ask(front, stream: bool, **kw) -> tuple[str | None, list[tuple[str, str]], str | None]:
+    """ASK with `kw` through the openai client: content, calls (name, arguments) and finish reason."""
+    client = openai.OpenAI(base_url=f"{front.url}/v1", api_key="x")
+    if stream:
+        return _streamed(client.chat.completions.create(model="m", messages=ASK, stream=True, **kw))
+    choice = client.chat.completions.create(model="m", messages=ASK, **kw).choices[0]
+    calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+    return choice.message.content, calls, choice.finish_reason
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_auto_reads_the_hermes_calls(front, stream):
     n = _answer(front, 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>')
-    client = openai.OpenAI(base_url=f"{front.url}/v1", api_key="x")
-    ask = {"model": "m", "messages": ASK, "tools": [WEATHER, TIME], "max_tokens": n}
-    if stream:
-        content, calls, finish = _streamed(client.chat.completions.create(**ask, stream=True))
-    else:
-        choice = client.chat.completions.create(**ask).choices[0]
-        content, finish = choice.message.content, choice.finish_reason
-        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    content, calls, finish = _ask(front, stream, tools=[WEATHER, TIME], max_tokens=n)
     assert content.strip() == "Checking." and finish == "tool_calls"
     assert [(name, json.loads(args)) for name, args in calls] == [("get_weather", {"city": "Oslo"})]
 
@@ -90,14 +93,7 @@ def test_required_and_named_calls_come_from_the_constrained_json(front, choice, 
         n = _answer(front, '{"city": "Oslo"}')
         tool_choice = {"type": "function", "function": {"name": "get_weather"}}
         want = [("get_weather", {"city": "Oslo"})]
-    client = openai.OpenAI(base_url=f"{front.url}/v1", api_key="x")
-    ask = {"model": "m", "messages": ASK, "tools": [WEATHER, TIME], "tool_choice": tool_choice, "max_tokens": n}
-    if stream:
-        content, calls, finish = _streamed(client.chat.completions.create(**ask, stream=True))
-    else:
-        c = client.chat.completions.create(**ask).choices[0]
-        content, finish = c.message.content, c.finish_reason
-        calls = [(t.function.name, t.function.arguments) for t in c.message.tool_calls]
+    content, calls, finish = _ask(front, stream, tools=[WEATHER, TIME], tool_choice=tool_choice, max_tokens=n)
     assert not content and [(name, json.loads(args)) for name, args in calls] == want
     assert finish == ("tool_calls" if choice == "required" else "length")  # named: as the sequence ended
 
