@@ -150,13 +150,17 @@ def main() -> int:
         (t_r, s_r), (t_e, s_e) = speeds["ringsched PP=1"], speeds["transformers eager"]
         rows.append(("ringsched / eager", f"TPOT {t_r / t_e:.2f}x; throughput {s_r / s_e:.2f}x"))
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    width = max(len(n) for n, _ in rows)
-    table = "\n".join([f"gpu_check: {args.gpus} x {gpu}, torch {torch.__version__}, model {args.model}"]
-                      + [f"{n:<{width}}  {v}" for n, v in rows])  # fmt: skip
-    print("\n" + table)
-    if args.out:
-        args.out.write_text(table + "\n")
+    report(f"gpu_check: {args.gpus} x {gpu}, torch {torch.__version__}, model {args.model}", rows, args.out)
     return 1 if any(v.startswith("FAILED") for _, v in rows) else 0
+
+
+def report(title: str, rows: list[tuple[str, str]], out: Path | None) -> None:
+    """The rows as one table under `title`, to stdout and to `out` when given."""
+    width = max(len(n) for n, _ in rows)
+    table = "\n".join([title] + [f"{n:<{width}}  {v}" for n, v in rows])
+    print("\n" + table)
+    if out:
+        out.write_text(table + "\n")
 
 
 if __name__ == "__main__":

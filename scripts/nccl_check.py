@@ -104,12 +104,7 @@ def main() -> int:
     check("PP=2 undisturbed streams", lambda: undisturbed.extend(streams(args.model, args.device, None)) or "ok")
     check("PP=2, rank 1 killed mid-stream", lambda: matching(undisturbed, streams(args.model, args.device, 16)))
     name = torch.cuda.get_device_name(0) if gpus else "CPU"
-    width = max(len(n) for n, _ in rows)
-    table = "\n".join([f"nccl_check: {mode} ({name}), torch {torch.__version__}, model {args.model}"]
-                      + [f"{n:<{width}}  {v}" for n, v in rows])  # fmt: skip
-    print("\n" + table)
-    if args.out:
-        args.out.write_text(table + "\n")
+    gpu_check.report(f"nccl_check: {mode} ({name}), torch {torch.__version__}, model {args.model}", rows, args.out)
     return 1 if any("FAILED" in v or "MISMATCH" in v for _, v in rows) else 0
 
 
