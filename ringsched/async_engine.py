@@ -72,11 +72,7 @@ class AsyncEngine:
         try:
             async for o in self.client.generate(rid, ids, params):
                 used = text.add_until_stop(o.token_ids)[1]  # the tokens up to a stop string's end
-                out.token_ids += o.token_ids[:used]
-                out.cached_tokens = o.cached_tokens or out.cached_tokens
-                if o.logprobs:
-                    lps = o.logprobs[:used]
-                    out.logprobs = (out.logprobs or []) + [(lp, [tuple(t) for t in top]) for lp, top in lps]
+                out.add(o, used)
                 if text.stopped:  # returning closes `generate`, which aborts the request on the ring
                     out.finish_reason = "stop"
                 elif o.finish_reason:

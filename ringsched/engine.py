@@ -37,6 +37,20 @@ class RequestOutput:
     # k most likely tokens)
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    # with SamplingParams(prompt_logprobs=k): per prompt token, None for the first, then (its log-probability,
+    # its rank, [(id, log-probability)] of the k most likely tokens at its position)
+    prompt_logprobs: list[tuple[float, int, list[tuple[int, float]]] | None] | None = None
+
+    def add(self, o: TokenOutput, used: int) -> None:
+        """The first `used` of `o`'s tokens, their log-probabilities and the prompt's, where asked for."""
+        self.token_ids += o.token_ids[:used]
+        self.cached_tokens = o.cached_tokens or self.cached_tokens
+        if o.logprobs:
+            lps = o.logprobs[:used]
+            self.logprobs = (self.logprobs or []) + [(lp, [tuple(t) for t in top]) for lp, top in lps]
+        if o.prompt_logprobs is not None:
+            scores = [(lp, rank, [tuple(t) for t in top]) for lp, rank, top in o.prompt_logprobs]
+            self.prompt_logprobs = [None, *scores]
 
     @property
     def finished(self) -> bool:
@@ -167,11 +181,7 @@ class Engine:
                     # the tokens up to a stop string's end (a speculative step's can run past it)
                     used = text.add_until_stop(o.token_ids)[1] if text is not None else len(o.token_ids)
                     stopped = text is not None and text.stopped
-                    r.token_ids += o.token_ids[:used]
-                    r.cached_tokens = o.cached_tokens or r.cached_tokens
-                    if o.logprobs:
-                        lps = o.logprobs[:used]
-                        r.logprobs = (r.logprobs or []) + [(lp, [tuple(t) for t in top]) for lp, top in lps]
+                    r.add(o, used)
                     finish = "stop" if stopped else o.finish_reason
                     if finish:
                         if stopped and not o.finish_reason:

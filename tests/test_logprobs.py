@@ -1,6 +1,6 @@
 """Log-probabilities through the `openai` client against transformers' `log_softmax`, at PP=1 (PP=2: the same
 check on `test_server.py`'s server): the sampled token's and the top 5, for completions (streamed and whole) and
-chat; and through the offline engine at PP=2."""
+chat, the prompt's (`prompt_logprobs`, `echo` with `logprobs`); and through the offline engine at PP=2."""
 
 from __future__ import annotations
 
@@ -31,8 +31,10 @@ def _reference(hf, ids: list[int], n: int) -> tuple[list[int], torch.Tensor]:
 
 
 def references(hf, tok: Tokenizer) -> dict:
+    with torch.no_grad():
+        prompt = torch.log_softmax(hf(torch.tensor([tok.encode(PROMPT)])).logits[0].float(), dim=-1)
     return {"tok": tok, "completion": _reference(hf, tok.encode(PROMPT), N),
-            "chat": _reference(hf, tok.apply_chat_template(CHAT), N)}  # fmt: skip
+            "chat": _reference(hf, tok.apply_chat_template(CHAT), N), "prompt": prompt}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +78,39 @@ def check_server(client: openai.OpenAI, reference: dict) -> None:
 
     plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0)
     assert plain.choices[0].logprobs is None
+    check_prompt_logprobs(client, reference, lp)
+
+
+def check_prompt_logprobs(client: openai.OpenAI, reference: dict, generated) -> None:
+    """vLLM's `prompt_logprobs` (each prompt token's log-probability, rank and the top 3 at the position before it)
+    and `echo` with `logprobs` (the prompt's tokens lead the completion's, whole and streamed) against a forward
+    pass of the prompt; `generated`: the completion's own log-probabilities."""
+    tok, lsm = reference["tok"], reference["prompt"]
+    ids = tok.encode(PROMPT)
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0,
+                                  extra_body={"prompt_logprobs": 3})  # fmt: skip
+    scores = r.choices[0].model_extra["prompt_logprobs"]
+    assert len(scores) == len(ids) and scores[0] is None
+    for p in range(1, len(ids)):
+        own = scores[p][str(ids[p])]
+        assert abs(own["logprob"] - lsm[p - 1, ids[p]].item()) < 1e-4, (p, own)
+        assert own["rank"] == int((lsm[p - 1] > lsm[p - 1, ids[p]]).sum()) + 1
+        assert own["decoded_token"] == tok.decode([ids[p]], skip_special_tokens=False)
+        values, top = lsm[p - 1].topk(3)
+        assert all(abs(scores[p][str(int(i))]["logprob"] - v.item()) < 1e-4 for i, v in zip(top, values, strict=True))
+    e = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=N, temperature=0, echo=True, logprobs=5)
+    lp = e.choices[0].logprobs
+    assert e.choices[0].text == PROMPT + "".join(generated.tokens)
+    assert lp.tokens == [tok.decode([i], skip_special_tokens=False) for i in ids] + generated.tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(abs(lp.token_logprobs[p] - lsm[p - 1, ids[p]].item()) < 1e-4 for p in range(1, len(ids)))
+    assert lp.token_logprobs[len(ids) :] == pytest.approx(generated.token_logprobs, abs=1e-6)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=N, temperature=0, echo=True,
+                                            logprobs=5, stream=True))  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == e.choices[0].text
+    parts = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [x for p in parts for x in p.token_logprobs] == lp.token_logprobs
 
 
 def test_logprobs_equal_transformers_at_pp1(reference):
@@ -93,6 +128,11 @@ def test_offline_engine_returns_logprobs(reference):
     with Engine(MODEL, pp_size=2, threads_per_stage=1, kv_cache_memory="64M", log_level="warning") as llm:
         out = llm.generate([PROMPT], SamplingParams(max_tokens=N, temperature=0, logprobs=3))[0]
         sampled = llm.generate([PROMPT], SamplingParams(max_tokens=N, temperature=0.8, seed=5, logprobs=0))[0]
+        scored = llm.generate([PROMPT], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2))[0]
+    ids, lsm = scored.prompt_token_ids, reference["prompt"]
+    assert scored.prompt_logprobs[0] is None and len(scored.prompt_logprobs) == len(ids)
+    for p, (chosen, rank, top) in enumerate(scored.prompt_logprobs[1:], start=1):
+        assert abs(chosen - lsm[p - 1, ids[p]].item()) < 1e-4 and rank >= 1 and len(top) == 2
     assert out.token_ids == gen and len(out.logprobs) == N
     for i, (chosen, top) in enumerate(out.logprobs):
         assert abs(chosen - lp[i, gen[i]].item()) < 1e-4

@@ -81,10 +81,12 @@ class QueueSocket:
 
 
 def run_ring(model_dir, requests: list[tuple[list[int], SamplingParams]], pp_size: int, depth: int = 0,
-             stats: dict | None = None, channels=None, **cfg_kw) -> dict[str, list[int]]:  # fmt: skip
+             stats: dict | None = None, channels=None, scores: dict | None = None,
+             **cfg_kw) -> dict[str, list[int]]:  # fmt: skip
     """Every request through an in-process ring of `pp_size` stage threads; each request's generated tokens (and
-    stage 0's scheduler stats into `stats`). `channels(rank)`: that stage's (seam, back) tensor channels (default:
-    `QueueChannel`s); a stage that fails fails the call at once."""
+    stage 0's scheduler stats into `stats`, each request's prompt log-probabilities into `scores`).
+    `channels(rank)`: that stage's (seam, back) tensor channels (default: `QueueChannel`s); a stage that fails
+    fails the call at once."""
     cfg = EngineConfig(pp_size=pp_size, pp_async_batch_depth=depth, kv_cache_memory="8M", **cfg_kw)
     mcfg = ModelConfig.from_dir(model_dir)
     ranges = stage_ranges(cfg.partition(mcfg.num_layers))
@@ -97,7 +99,8 @@ def run_ring(model_dir, requests: list[tuple[list[int], SamplingParams]], pp_siz
     loops = []
     for rank, (start, end) in enumerate(ranges):
         stage = StageInfo(rank, pp_size, start, end)
-        blocks = BlockTable(num_blocks, cfg.block_size, follower=not stage.is_first)
+        blocks = BlockTable(num_blocks, cfg.block_size, follower=not stage.is_first,
+                            prefix_caching=cfg.enable_prefix_caching)  # fmt: skip
         planner = None
         if stage.is_first:
             speculator = NO_DRAFTS
@@ -144,6 +147,8 @@ def run_ring(model_dir, requests: list[tuple[list[int], SamplingParams]], pp_siz
         for o in msg.outputs:
             assert o.finish_reason != "error", o.error
             out[o.rid] += o.token_ids
+            if scores is not None and o.prompt_logprobs is not None:
+                scores[o.rid] = o.prompt_logprobs
             if o.finish_reason:
                 done.add(o.rid)
     front_in.send(Shutdown("test"))

@@ -92,7 +92,11 @@ def test_parse_completion(tok):
     assert "KV" in e.message and "--kv-cache-memory" in e.message
     assert _err(parse_completion, {"prompt": "a", "top_k": -3}, tok, LIMITS).param == "top_k"
     assert _err(parse_completion, {"prompt": "a", "model": "other"}, tok, LIMITS).status == 404
-    assert _err(parse_completion, {"prompt": "a", "echo": True, "logprobs": 1}, tok, LIMITS).param == "echo"
+    echoed = parse_completion({"prompt": "a", "echo": True, "logprobs": 2}, tok, LIMITS)
+    assert echoed.params.prompt_logprobs == 2 and not echoed.prompt_logprobs  # for the echo; not returned apart
+    assert _err(parse_completion, {"prompt": "a", "prompt_logprobs": 1, "stream": True}, tok, LIMITS).param == (
+        "prompt_logprobs"
+    )
     assert _err(parse_completion, {"prompt": ["a", "b"]}, tok, LIMITS).param == "prompt"
 
 

@@ -71,6 +71,7 @@ def test_completions_echo_the_prompt_whole_and_streamed(front):
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model="m", prompt="Once upon", max_tokens=3, echo=True, stream=True) if c.choices)  # fmt: skip
     assert streamed == whole.choices[0].text
-    with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="m", prompt="Once upon", max_tokens=3, echo=True, logprobs=1)
-    assert e.value.body["param"] == "echo"
+    with pytest.raises(openai.BadRequestError) as e:  # as vLLM: the prompt's log-probabilities come whole
+        client.completions.create(model="m", prompt="Once upon", max_tokens=3, stream=True,
+                                  extra_body={"prompt_logprobs": 1})  # fmt: skip
+    assert e.value.body["param"] == "prompt_logprobs"

@@ -131,6 +131,7 @@ def _flatten(plan: BatchPlan, blocks: BlockTable, device) -> tuple[ForwardBatch,
             decs.append((row, e.rid, e.start + 1))
         else:
             chunks.append((row, e.rid, e.start + n, n))
+        logit_rows.extend(range(row, row + len(e.scored_ids)))  # prompt positions it scores (`stage/scored_rows.py`)
         if e.samples:  # its last token's row, and with drafts those of the tokens before them too
             logit_rows.extend(range(row + n - 1 - e.drafts, row + n))
         row += n

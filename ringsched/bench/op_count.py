@@ -129,9 +129,7 @@ def device_path(model, fused: bool = True) -> None:
     model.__dict__.pop("decode_layers", None)
 
 
-def count_decode_ops(
-    model_dir: str, rows: int = 4, context: int = 24, fused: bool = True, device: str = "cpu"
-) -> dict:
+def count_decode_ops(model_dir: str, rows: int = 4, context: int = 24, fused: bool = True, device: str = "cpu") -> dict:
     """Counts of one greedy decode step of `rows` requests at `context` tokens each, on the device path (`fused`:
     with the Triton layer ops, as a GPU stage runs; else with torch's operators), on `device` (CPU: Triton
     interpreted; `cuda`: the real launches, `scripts/gpu_check.py`)."""

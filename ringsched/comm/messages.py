@@ -54,6 +54,9 @@ class PlanEntry:
     # Speculative decoding: the last `drafts` of `token_ids` are stage 0's guesses of the next tokens; the last
     # stage samples at each of the entry's last `drafts + 1` positions and keeps the longest run it agrees with
     drafts: int = 0
+    # Prompt log-probabilities (`SamplingParams.prompt_logprobs`): the prompt tokens that follow the entry's first
+    # `len(scored_ids)` positions; the last stage returns each one's log-probability at the position before it
+    scored_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -108,6 +111,9 @@ class TokenOutput:
     # per token of `token_ids`, when the request asked for them: [its log-probability, [[id, log-probability]]
     # of the most likely tokens]
     logprobs: list | None = None
+    # with the first token, when the request asked for them: per prompt token after the first, [its
+    # log-probability, its rank, [[id, log-probability]] of the most likely tokens]
+    prompt_logprobs: list | None = None
 
 
 @dataclass

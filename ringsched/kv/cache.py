@@ -79,6 +79,8 @@ class BlockTable:
     block: still free capacity, taken back by a request with the same prefix, or evicted when the pool has no
     never-used block left."""
 
+    scores_prompts = True  # one rank computes every position of a chunk (`SamplingParams.prompt_logprobs`)
+
     def __init__(self, num_blocks: int, block_size: int, follower: bool = False, prefix_caching: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError("the KV pool holds no block; raise --kv-cache-memory")

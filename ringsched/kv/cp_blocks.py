@@ -60,6 +60,7 @@ class CPBlocks:
     `cp_blocks`. No prefix cache: a cached prefix would have to sit where the placement rule puts its tokens."""
 
     cache = None
+    scores_prompts = False  # a chunk's positions are split over the ranks: no rank has every row to score
 
     def __init__(self, tables: list[BlockTable]) -> None:
         self.tables, self.size = tables, len(tables)

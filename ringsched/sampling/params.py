@@ -80,6 +80,9 @@ class SamplingParams:
     # Log-probabilities to return with each token: None for none, k >= 0 for the sampled token's and the k most
     # likely ones' (the model's own distribution: log_softmax of the raw logits, as vLLM's default)
     logprobs: int | None = None
+    # Prompt log-probabilities (vLLM's `prompt_logprobs`): None for none, k >= 0 for, at every prompt token after
+    # the first, its log-probability and rank given the tokens before it, and the k most likely tokens there
+    prompt_logprobs: int | None = None
     # Structured output: an llguidance grammar (`structured.grammar_for`) the tokens must follow; the last
     # stage masks every other token
     grammar: str | None = None
@@ -118,13 +121,10 @@ class SamplingParams:
         _require(min_ok, "min_tokens", f"an int in [0, max_tokens={self.max_tokens}]", self.min_tokens)
         for name in ("presence_penalty", "frequency_penalty"):
             _require(-2 <= getattr(self, name) <= 2, name, "in [-2, 2]", getattr(self, name))
-        k = self.logprobs
-        _require(
-            k is None or (_is_int(k) and 0 <= k <= MAX_LOGPROBS),
-            "logprobs",
-            f"None or an int in [0, {MAX_LOGPROBS}]",
-            k,
-        )
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            ok = k is None or (_is_int(k) and 0 <= k <= MAX_LOGPROBS)
+            _require(ok, name, f"None or an int in [0, {MAX_LOGPROBS}]", k)
 
     def _check_stops(self) -> None:
         ids = self.stop_token_ids

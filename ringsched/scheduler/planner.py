@@ -1,21 +1,18 @@
 """Stage 0's scheduler: it alone decides what each micro-batch holds.
 
 `plan(slot, seq)` composes a micro-batch: first the running requests with tokens to compute (oldest first: a
-decode costs one token, a prefill chunk up to the token budget), then new requests admitted in arrival
-order. A request's prefill chunks may sit in several in-flight micro-batches at once (chunked pipeline
-prefill): each stage runs micro-batches in order, so chunk k's KV is written on every stage before chunk k+1
-reaches it. Only a step that needs the previous sampled token waits for it: a request whose sampling step is
-in flight has nothing left to compute until the token comes back. It allocates KV blocks and writes the block
-numbers into the plan, so the other stages never run an allocator of their own. When the pool is short, the
-newest running request with nothing in flight is preempted: its KV is freed and it is recomputed later
-(nothing is lost).
+decode costs one token, a prefill chunk up to the token budget), then new requests admitted in arrival order. A
+request's prefill chunks may sit in several in-flight micro-batches at once (chunked pipeline prefill): each stage
+runs micro-batches in order, so chunk k's KV is written on every stage before chunk k+1 reaches it. Only a step
+that needs the previous sampled token waits for it. Stage 0 allocates KV blocks and writes their numbers into the
+plan (no other stage runs an allocator). When the pool is short, the newest running request with nothing in flight
+is preempted: its KV is freed and it is recomputed later.
 
 `on_output(seq, values)` takes a micro-batch's sampled tokens when they come back around the ring (a drafted
 decode's kept ones: `speculation.py`), decides finishes and returns what the front end should see. KV of a finished
 or aborted request is freed in the next plan, which every stage applies before that plan's batch: no in-flight
-batch still holds it, as a request is freed only when none of its micro-batches is in flight.
-
-Prefix caching is `prefix.py`'s part of planning (`PrefixIndex`).
+batch still holds it, as a request is freed only when none of its micro-batches is in flight. Prefix caching is
+`prefix.py`'s part of planning (`PrefixIndex`).
 """
 
 from __future__ import annotations
@@ -92,6 +89,7 @@ class Planner:
             capacity_tokens=self.blocks.capacity_tokens,
             vocab_size=self.vocab_size,
             in_use=new.rid in self.requests,
+            scores_prompts=self.blocks.scores_prompts,
         )
         if error:
             return TokenOutput(new.rid, [], "error", error, len(new.token_ids), len(new.output_ids))
@@ -204,7 +202,8 @@ class Planner:
         samples = start + n == r.num_tokens
         if cached:
             blocks.update(cached_blocks=cached, cached_ids=r.ids(0, start))
-        plan.entries.append(PlanEntry(r.rid, start, r.ids(start, start + n), samples, **blocks))
+        scored = r.scored_ids(start, n)
+        plan.entries.append(PlanEntry(r.rid, start, r.ids(start, start + n), samples, scored_ids=scored, **blocks))
         r.num_computed = start + n
         if r.in_flight:  # its earlier chunks are still on the ring
             plan.reads.extend(s for s in r.in_flight if s not in plan.reads)
@@ -242,7 +241,7 @@ class Planner:
     def on_output(self, seq: int, values: list[int]) -> list[TokenOutput]:
         """`values`: what the last stage sampled for micro-batch `seq` (`returns.split`)."""
         entries = self.flight.pop(seq, [])
-        sampled = split(seq, entries, values, lambda rid: self.requests[rid].params.logprobs)
+        sampled, scores = split(seq, entries, values, lambda rid: self.requests[rid].params)
         outs: list[TokenOutput] = []
         for i, e in enumerate(entries):
             r = self.requests[e.rid]
@@ -253,6 +252,7 @@ class Planner:
                 if not r.in_flight:  # its last micro-batch passed every stage
                     self._finish(r, free_now=True)
                 continue
+            r.keep_scores(e.start, scores.get(i, []))
             if e.samples:
                 tokens, logprobs = sampled[i]
                 if tokens[0] >= 0:

@@ -2,7 +2,8 @@
 blocks a micro-batch computes, and when computed blocks are indexed.
 
 At admission a request takes the longest cached prefix of its tokens (whole blocks, never its last token, which must
-run to give logits) and computes from there; its first plan entry names those blocks, so the other stages follow
+run to give logits) and computes from there (one asking for prompt log-probabilities takes none: it needs every
+position's logits); its first plan entry names those blocks, so the other stages follow
 without hashing anything. A request whose next block another request computes in the same micro-batch waits one
 micro-batch and finds it cached. Hashes are kept on the request: its tokens never change.
 
@@ -37,7 +38,7 @@ class PrefixIndex:
 
     def cached_prefix(self, r: Request) -> list[int]:
         """The cached blocks `r` can start from: its longest cached prefix of whole blocks short of its last token."""
-        if self.cache is None:
+        if self.cache is None or r.params.prompt_logprobs is not None:  # a cached position gives no logits to score
             return []
         return self.cache.lookup(self.hashes(r, (r.num_tokens - 1) // self.blocks.block_size))
 

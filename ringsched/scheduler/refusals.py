@@ -6,12 +6,25 @@ from __future__ import annotations
 from ringsched.comm.messages import NewRequest
 from ringsched.sampling.params import SamplingParams
 
+PROMPT_LOGPROBS_WITH_CP = (
+    "prompt_logprobs is not computed with --cp-size > 1 (a prompt chunk's positions are split over the "
+    "context-parallel ranks); drop prompt_logprobs, or serve with --cp-size 1"
+)
+
 
 def refusal(
-    new: NewRequest, params: SamplingParams, *, max_len: int, capacity_tokens: int, vocab_size: int | None, in_use: bool
+    new: NewRequest,
+    params: SamplingParams,
+    *,
+    max_len: int,
+    capacity_tokens: int,
+    vocab_size: int | None,
+    in_use: bool,
+    scores_prompts: bool = True,
 ) -> str | None:
     """The error message for a request that can never be served, or None. `in_use`: its id is taken. A replay
-    (`new.output_ids`) is checked as its first submission was, on its prompt: `max_tokens` counts its outputs."""
+    (`new.output_ids`) is checked as its first submission was, on its prompt: `max_tokens` counts its outputs.
+    `scores_prompts`: False where prompt log-probabilities cannot be computed (`--cp-size` > 1)."""
     ids, vocab = new.token_ids, vocab_size
     need = len(ids) + params.max_tokens
     if not ids:
@@ -23,6 +36,8 @@ def refusal(
             f"the request needs {need} tokens of KV but the pool holds {capacity_tokens}; raise "
             "--kv-cache-memory, or spread a request's KV over more ranks with --cp-size"
         )
+    if params.prompt_logprobs is not None and not scores_prompts:
+        return PROMPT_LOGPROBS_WITH_CP
     if in_use:
         return f"request id {new.rid!r} is already in use"
     if vocab is not None:

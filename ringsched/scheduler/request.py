@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from ringsched.sampling.params import SamplingParams
+from ringsched.sampling.prompt_logprobs import Scored, prompt_targets
 
 
 class Status(enum.Enum):
@@ -35,6 +36,7 @@ class Request:
     # admitted with outputs an earlier ring delivered (`NewRequest.output_ids`): the front end already holds
     # its first admission's `cached_tokens`
     replay: bool = False
+    prompt_scores: dict[int, Scored] = field(default_factory=dict)  # by the position of the prompt token scored
 
     @property
     def all_ids(self) -> list[int]:
@@ -48,6 +50,25 @@ class Request:
         if end <= p:
             return self.prompt_ids[start:end]
         return self.prompt_ids[start:] + self.output_ids[: end - p]
+
+    def scored_ids(self, start: int, n: int) -> list[int]:
+        """The prompt tokens an entry of positions `[start, start + n)` scores: with `prompt_logprobs`, until the first
+        output token (a replay's or a preempted request's recomputed prompt is not scored again)."""
+        if self.params.prompt_logprobs is None or self.output_ids:
+            return []
+        return prompt_targets(self.prompt_ids, start, n)
+
+    def keep_scores(self, start: int, scores: list[Scored]) -> None:
+        """The scores of an entry that starts at `start`: those of the prompt tokens after it, in order."""
+        self.prompt_scores.update(zip(range(start + 1, start + 1 + len(scores)), scores, strict=True))
+
+    def take_scores(self) -> list | None:
+        """With the first output token: the prompt's scores in order (`TokenOutput.prompt_logprobs`), once."""
+        if self.params.prompt_logprobs is None or self.output_ids:
+            return None
+        scores = [list(self.prompt_scores[p]) for p in range(1, len(self.prompt_ids))]
+        self.prompt_scores = {}
+        return scores
 
     @property
     def num_tokens(self) -> int:

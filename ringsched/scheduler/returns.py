@@ -2,7 +2,8 @@
 
 The values are, per sampling entry in plan order, its `1 + drafts` sampled values (a verified entry's kept tokens
 padded with `verify.FILLER`; a failed row's first value is negative), then the log-probabilities asked for, one
-set per sampled position (`sampler.logprob_values`).
+set per sampled position (`sampler.logprob_values`), then the scores of the prompt positions entries score, one per
+scored id (`prompt_logprobs.score_values`).
 """
 
 from __future__ import annotations
@@ -10,32 +11,43 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ringsched.comm.messages import PlanEntry, TokenOutput
+from ringsched.sampling.params import SamplingParams
+from ringsched.sampling.prompt_logprobs import Scored, score_width, unpack_scores
 from ringsched.sampling.sampler import Logprobs, logprob_width, unpack_logprobs
 from ringsched.scheduler.request import Request
 from ringsched.speculative.verify import unpadded
 
+Sampled = dict[int, tuple[list[int], list[Logprobs | None]]]
+
 
 def split(
-    seq: int, entries: list[PlanEntry], values: list[int], logprobs_of: Callable[[str], int | None]
-) -> dict[int, tuple[list[int], list[Logprobs | None]]]:
+    seq: int, entries: list[PlanEntry], values: list[int], params_of: Callable[[str], SamplingParams]
+) -> tuple[Sampled, dict[int, list[Scored]]]:
     """Per sampling entry (by its index in `entries`): its tokens (the kept ones, or one negative for a failed row)
-    and each one's log-probabilities (None where not asked for)."""
+    and each one's log-probabilities (None where not asked for); per scoring entry, its prompt positions' scores."""
     sampled = [(i, e) for i, e in enumerate(entries) if e.samples]
     rows = sum(1 + e.drafts for _, e in sampled)
-    ks = [logprobs_of(e.rid) for _, e in sampled for _ in range(1 + e.drafts)]
-    if rows + logprob_width(ks) != len(values):
+    ks = [params_of(e.rid).logprobs for _, e in sampled for _ in range(1 + e.drafts)]
+    scoring = [(i, e, params_of(e.rid).prompt_logprobs or 0) for i, e in enumerate(entries) if e.scored_ids]
+    score_ks = [k for _, e, k in scoring for _ in e.scored_ids]
+    width = logprob_width(ks)
+    if rows + width + score_width(score_ks) != len(values):
         raise RuntimeError(
-            f"micro-batch {seq}: expected {rows} sampled tokens and {logprob_width(ks)} log-probability values, got "
-            f"{len(values)} values"
+            f"micro-batch {seq}: expected {rows} sampled tokens, {width} log-probability values and "
+            f"{score_width(score_ks)} prompt score values, got {len(values)} values"
         )
-    logprobs = unpack_logprobs(values[rows:], ks)
+    logprobs = unpack_logprobs(values[rows : rows + width], ks)
     out, at = {}, 0
     for i, e in sampled:
         n = 1 + e.drafts
         tokens = unpadded(values[at : at + n])
         out[i] = (tokens, logprobs[at : at + len(tokens)])
         at += n
-    return out
+    scores, flat, at = {}, unpack_scores(values[rows + width :], score_ks), 0
+    for i, e, _ in scoring:
+        scores[i] = flat[at : at + len(e.scored_ids)]
+        at += len(e.scored_ids)
+    return out, scores
 
 
 def take(
@@ -46,6 +58,7 @@ def take(
     if tokens[0] < 0:  # the last stage could not sample it (sampler_state.FAILED): this request alone ends
         error = "the request failed on the last stage while sampling its next token (see that stage's log)"
         return TokenOutput(r.rid, [], "error", error, len(r.prompt_ids), len(r.output_ids), "request_failed")
+    prompt_logprobs = r.take_scores()
     reason, n = None, 0
     while reason is None and n < len(tokens):
         r.output_ids.append(tokens[n])
@@ -62,4 +75,5 @@ def take(
         len(r.output_ids),
         cached_tokens=r.cached_tokens,
         logprobs=lps,
+        prompt_logprobs=prompt_logprobs,
     )

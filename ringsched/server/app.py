@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ringsched.server import endpoints
+from ringsched.server import endpoints, sglang_generate
 from ringsched.server.protocol import APIError
 from ringsched.server.responses import serve_responses
 from ringsched.server.serving import ServerContext
@@ -92,7 +92,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
-        return await endpoints.generate(request, ctx)
+        return await sglang_generate.generate(request, ctx)
 
     _add_token_routes(app, ctx)
     return app

@@ -1,4 +1,5 @@
-"""The generation endpoints: `/v1/completions`, `/v1/chat/completions` (OpenAI) and `/generate` (SGLang).
+"""The generation endpoints: `/v1/completions`, `/v1/chat/completions` (OpenAI); SGLang's `/generate` serves
+through the same `_serve` (`sglang_generate.py`).
 
 Each handler takes the request in (intake.py: the body read within its limits, validated and tokenized off the event
 loop, its grammar proven), admits it (the open count is taken here, before any await: 503 when shutting down, unhealthy
@@ -28,8 +29,14 @@ from ringsched.server.choices import best, collect_all, combined_usage, merged
 from ringsched.server.engine_client import EngineError
 from ringsched.server.intake import ClientGone, prepare, read_body
 from ringsched.server.json_body import load_json
-from ringsched.server.logprobs_shapes import chat_logprobs, completion_logprobs
-from ringsched.server.protocol import APIError, Prepared, parse_chat, parse_completion, parse_generate
+from ringsched.server.logprobs_shapes import (
+    chat_logprobs,
+    completion_logprobs,
+    echoed_logprobs,
+    joined,
+    prompt_logprobs,
+)
+from ringsched.server.protocol import APIError, Prepared, parse_chat, parse_completion
 from ringsched.server.serving import Delta, ServerContext, sse, text_deltas
 from ringsched.tokenizer import Tokenizer
 
@@ -154,39 +161,52 @@ async def completions(request: Request, ctx: ServerContext) -> Response:
         return {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name}
 
     def events(rid: str, deltas: list[AsyncIterator[Delta]], req: Prepared) -> AsyncIterator[dict]:
-        return _completion_events(base(rid), deltas, req.include_usage, ctx.tokenizer, req.echo)
+        return _completion_events(base(rid), deltas, req, ctx.tokenizer)
 
     def whole(rid: str, results: list[tuple[str, Delta]], every: dict, req: Prepared) -> dict:
-        choices = [
-            {
-                "index": i,
-                "text": (req.echo or "") + text,
-                "logprobs": completion_logprobs(ctx.tokenizer, last.logprobs),
-                "finish_reason": last.finish_reason,
-            }
-            for i, (text, last) in enumerate(results)
-        ]
+        choices = []
+        for i, (text, last) in enumerate(results):
+            logprobs = _echoed(ctx.tokenizer, req, last, 0)[1]
+            choice = {"index": i, "text": (req.echo or "") + text, "logprobs": logprobs}
+            choice["finish_reason"] = last.finish_reason
+            if req.prompt_logprobs:
+                choice["prompt_logprobs"] = prompt_logprobs(ctx.tokenizer, req.prompt_ids, last.prompt_logprobs)
+            choices.append(choice)
         return {**base(rid), "choices": choices, "usage": every}
 
     return await _serve(request, ctx, parse_completion, "cmpl", events, whole)
 
 
+def _echoed(tok: Tokenizer, req: Prepared, d: Delta, offset: int) -> tuple[int, dict | None]:
+    """A completion delta's log-probabilities from character `offset` on, led by the echoed prompt's where `echo`
+    and `logprobs` were asked for and `d` is the first; and the offset after them."""
+    head = None
+    if req.echo is not None and req.logprobs_asked and d.prompt_logprobs is not None:
+        head = echoed_logprobs(tok, req.prompt_ids, d.prompt_logprobs, req.params.logprobs or 0)
+        offset = head["text_offset"][-1] + len(head["tokens"][-1])
+    rest = completion_logprobs(tok, d.logprobs, offset)
+    offset += sum(len(t) for t in rest["tokens"]) if rest else 0
+    return offset, joined(head, rest) if head else rest
+
+
 async def _completion_events(
-    base: dict, deltas: list[AsyncIterator[Delta]], include_usage: bool, tok: Tokenizer, echo: str | None = None
+    base: dict, deltas: list[AsyncIterator[Delta]], req: Prepared, tok: Tokenizer
 ) -> AsyncIterator[dict]:
-    extra = {"usage": None} if include_usage else {}
-    for i in range(len(deltas) if echo else 0):  # `echo`: each choice starts with the prompt's text
-        yield {**base, "choices": [{"index": i, "text": echo, "logprobs": None, "finish_reason": None}], **extra}
+    extra = {"usage": None} if req.include_usage else {}
+    # `echo`: each choice starts with the prompt's text (with `logprobs`, in its first delta, which has the prompt's)
+    lead = req.echo is not None and not req.logprobs_asked
+    for i in range(len(deltas) if lead else 0):
+        yield {**base, "choices": [{"index": i, "text": req.echo, "logprobs": None, "finish_reason": None}], **extra}
     last: dict[int, Delta] = {}
     offsets = [0] * len(deltas)
     async with contextlib.aclosing(merged(deltas)) as it:
         async for i, d in it:
+            text = d.text if lead or req.echo is None or i in last else req.echo + d.text
             last[i] = d
-            logprobs = completion_logprobs(tok, d.logprobs, offsets[i])
-            offsets[i] += sum(len(t) for t in logprobs["tokens"]) if logprobs else 0
-            choice = {"index": i, "text": d.text, "logprobs": logprobs, "finish_reason": d.finish_reason}
+            offsets[i], logprobs = _echoed(tok, req, d, offsets[i])
+            choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": d.finish_reason}
             yield {**base, "choices": [choice], **extra}
-    if include_usage and last:
+    if req.include_usage and last:
         yield {**base, "choices": [], "usage": combined_usage(list(last.values()))}
 
 
@@ -210,7 +230,10 @@ async def chat_completions(request: Request, ctx: ServerContext) -> Response:
             message, finish = answer(req).message(text, last.finish_reason)
             logprobs = chat_logprobs(ctx.tokenizer, last.logprobs)
             choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish})
-        return {**base(rid, "chat.completion"), "choices": choices, "usage": every}
+        out = {**base(rid, "chat.completion"), "choices": choices, "usage": every}
+        if req.prompt_logprobs:  # vLLM's: the one prompt's, beside the choices
+            out["prompt_logprobs"] = prompt_logprobs(ctx.tokenizer, req.prompt_ids, results[0][1].prompt_logprobs)
+        return out
 
     return await _serve(request, ctx, parse_chat, "chatcmpl", events, whole)
 
@@ -241,41 +264,3 @@ async def _chat_events(
                 yield chunk(i, {}, finish)
     if include_usage and last:
         yield {**base, "choices": [], "usage": combined_usage(list(last.values()))}
-
-
-# -- /generate (SGLang) ------------------------------------------------------------------------------------------
-async def generate(request: Request, ctx: ServerContext) -> Response:
-    arrival = time.monotonic()
-
-    def events(rid: str, deltas: list[AsyncIterator[Delta]], req: Prepared) -> AsyncIterator[dict]:
-        return _generate_events(rid, arrival, deltas[0])
-
-    def whole(rid: str, results: list[tuple[str, Delta]], every: dict, req: Prepared) -> dict:
-        text, last = results[0]
-        return {"text": text, "meta_info": _meta(rid, arrival, last)}
-
-    return await _serve(request, ctx, parse_generate, "gen", events, whole)
-
-
-def _meta(rid: str, arrival: float, d: Delta) -> dict:
-    finish = None
-    if d.finish_reason == "length":
-        finish = {"type": "length", "length": d.completion_tokens}
-    elif d.finish_reason:
-        finish = {"type": d.finish_reason, "matched": d.matched_stop}
-    return {
-        "id": rid,
-        "finish_reason": finish,
-        "prompt_tokens": d.prompt_tokens,
-        "completion_tokens": d.completion_tokens,
-        "e2e_latency": time.monotonic() - arrival,
-    }
-
-
-async def _generate_events(rid: str, arrival: float, deltas: AsyncIterator[Delta]) -> AsyncIterator[dict]:
-    """SGLang streams the text so far in every chunk, not the increment."""
-    text = ""
-    async with contextlib.aclosing(deltas) as it:
-        async for d in it:
-            text += d.text
-            yield {"text": text, "meta_info": _meta(rid, arrival, d)}

@@ -37,3 +37,41 @@ def chat_logprobs(tok: Tokenizer, lps: list) -> dict | None:
 
     content = [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top]} for t, lp, top in lps]
     return {"content": content, "refusal": None}
+
+
+def prompt_logprobs(tok: Tokenizer, prompt_ids: list[int], scores: list | None) -> list | None:
+    """vLLM's `prompt_logprobs`: None for the first prompt token, then per token a map from token id (a string, as
+    JSON keys are) to its log-probability, rank and text: the prompt token's own, and the most likely ones'."""
+    if scores is None:
+        return None
+    out: list[dict | None] = [None]
+    for token_id, (logprob, rank, top) in zip(prompt_ids[1:], scores, strict=True):
+        entry = {str(token_id): {"logprob": logprob, "rank": rank, "decoded_token": _piece(tok, token_id)}}
+        for r, (i, v) in enumerate(top, start=1):
+            entry.setdefault(str(i), {"logprob": v, "rank": r, "decoded_token": _piece(tok, i)})
+        out.append(entry)
+    return out
+
+
+def echoed_logprobs(tok: Tokenizer, prompt_ids: list[int], scores: list, k: int) -> dict:
+    """Completions with `echo` and `logprobs`: the completions shape of the prompt's tokens (the first has no
+    log-probability, None as OpenAI's), its `k` most likely tokens at each; `completion_logprobs` continues it."""
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    offset = 0
+    for j, token_id in enumerate(prompt_ids):
+        piece = _piece(tok, token_id)
+        logprob, top = None, None
+        if j:
+            logprob, _, best = scores[j - 1]
+            top = {**{_piece(tok, i): v for i, v in best[:k]}, piece: logprob}
+        out["tokens"].append(piece)
+        out["token_logprobs"].append(logprob)
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(offset)
+        offset += len(piece)
+    return out
+
+
+def joined(first: dict, then: dict | None) -> dict:
+    """Two pieces of the completions shape, one after the other."""
+    return {key: first[key] + (then[key] if then else []) for key in first}

@@ -59,6 +59,7 @@ class Prepared:
     grammar: Asked | None = None  # a structured-output constraint, not yet proven (`grammar_pool.py`)
     tools: ToolUse | None = None  # the chat request's tools (`tools.py`)
     echo: str | None = None  # completions with `echo`: the prompt's text, put before each choice's
+    prompt_logprobs: bool = False  # the response carries `prompt_logprobs` (vLLM's field)
 
     def sequences(self, rid: str) -> list[tuple[str, SamplingParams]]:
         """(request id, params) of each sequence: `rid` alone for one; `rid-i` with seed + i (when seeded) else."""
@@ -143,7 +144,12 @@ def _sampling_fields(req: SamplingBody, max_tokens: int, limits: Limits) -> dict
         "presence_penalty": req.presence_penalty,
         "frequency_penalty": req.frequency_penalty,
         "logit_bias": req.logit_bias,
+        "prompt_logprobs": req.prompt_logprobs,
     }
+    if req.prompt_logprobs is not None and req.stream:  # as vLLM: the prompt's come whole, not streamed
+        raise APIError(
+            400, "prompt_logprobs are not returned when streaming: drop one of them", param="prompt_logprobs"
+        )
     return fields | {k: v for k, v in limits.sampling_defaults if fields[k] is None}
 
 
@@ -174,16 +180,12 @@ def parse_completion(body: dict, tok: Tokenizer, limits: Limits) -> Prepared:
     max_tokens = req.max_tokens if req.max_tokens is not None else 16  # OpenAI's default for completions
     n, best_of = _counts(req.n, req.best_of, req.stream)
     logprobs = req.logprobs if req.logprobs is not None or best_of == n else 0  # best_of ranks by them
-    params = check_stop_ids(_params({**_sampling_fields(req, max_tokens, limits), "logprobs": logprobs}), limits)
+    fields = {**_sampling_fields(req, max_tokens, limits), "logprobs": logprobs}
+    if req.echo and req.logprobs is not None:  # the echoed prompt's tokens come with theirs
+        fields["prompt_logprobs"] = max(req.prompt_logprobs or 0, req.logprobs)
+    params = check_stop_ids(_params(fields), limits)
     check_context(len(ids), max_tokens, limits, "prompt")
     check_budget(len(ids), max_tokens, n, best_of, limits)
-    if req.echo and req.logprobs is not None:
-        raise APIError(
-            400,
-            "echo with logprobs needs the prompt's log-probabilities, which this server does not "
-            "compute: drop one of them",
-            param="echo",
-        )
     echo = (prompt if isinstance(prompt, str) else tok.decode(ids, skip_special_tokens=False)) if req.echo else None
     return Prepared(
         ids,
@@ -195,6 +197,7 @@ def parse_completion(body: dict, tok: Tokenizer, limits: Limits) -> Prepared:
         req.logprobs is not None,
         asked_grammar(req),
         echo=echo,
+        prompt_logprobs=req.prompt_logprobs is not None,
     )
 
 
@@ -236,6 +239,7 @@ def parse_chat(body: dict, tok: Tokenizer, limits: Limits) -> Prepared:
         n,
         grammar=grammar,
         tools=tools,
+        prompt_logprobs=req.prompt_logprobs is not None,
     )
 
 

@@ -118,6 +118,7 @@ class SamplingBody(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int | None = None
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's log-probability and the most likely there
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None

@@ -65,6 +65,9 @@ class Delta:
     # (token id, its log-probability, [(id, log-probability)] of the most likely) for each token since the
     # previous delta, when the request asked for log-probabilities
     logprobs: list[tuple[int, float, list]] = field(default_factory=list)
+    # with the first delta, when the request asked for them: per prompt token after the first, (its
+    # log-probability, its rank, [(id, log-probability)] of the most likely)
+    prompt_logprobs: list | None = None
 
 
 async def text_deltas(ctx: ServerContext, rid: str, req: Prepared) -> AsyncIterator[Delta]:
@@ -72,6 +75,7 @@ async def text_deltas(ctx: ServerContext, rid: str, req: Prepared) -> AsyncItera
     arrival, first, n, reason = time.monotonic(), None, 0, "abort"  # "abort" unless it ends otherwise
     cached = 0
     lps: list[tuple[int, float, list]] = []  # log-probabilities not yet handed out with a delta
+    scores = None  # the prompt's log-probabilities, until handed out
     try:
         async with contextlib.aclosing(ctx.client.generate(rid, req.prompt_ids, req.params)) as outs:
             async for out in outs:
@@ -81,19 +85,22 @@ async def text_deltas(ctx: ServerContext, rid: str, req: Prepared) -> AsyncItera
                 cached = out.cached_tokens or cached
                 if out.logprobs:
                     lps += [(t, lp, top) for t, (lp, top) in zip(out.token_ids[:used], out.logprobs, strict=False)]
+                scores = out.prompt_logprobs if out.prompt_logprobs is not None else scores
                 if stream.stopped:  # a stop string: leaving the loop closes `outs`, which aborts the request
                     reason = "stop"
-                    yield Delta(text, len(req.prompt_ids), n, "stop", stream.stops.matched, cached, lps)
+                    yield Delta(text, len(req.prompt_ids), n, "stop", stream.stops.matched, cached, lps, scores)
                     return
                 if out.finish_reason:
                     text += stream.finish()
                     reason = out.finish_reason
                     matched = out.token_ids[-1] if reason == "stop" and out.token_ids else None
-                    yield Delta(text, len(req.prompt_ids), n, reason, matched, cached, lps)
+                    yield Delta(text, len(req.prompt_ids), n, reason, matched, cached, lps, scores)
                     return
                 if text:
-                    yield Delta(text, len(req.prompt_ids), n, cached_tokens=cached, logprobs=lps)
-                    lps = []
+                    yield Delta(
+                        text, len(req.prompt_ids), n, cached_tokens=cached, logprobs=lps, prompt_logprobs=scores
+                    )
+                    lps, scores = [], None
     except EngineError:
         reason = "error"
         raise
@@ -106,14 +113,15 @@ async def collect(deltas: AsyncIterator[Delta]) -> tuple[str, Delta]:
     token's log-probabilities."""
     parts: list[str] = []
     lps: list = []
-    last = None
+    last, scores = None, None
     async with contextlib.aclosing(deltas) as it:
         async for d in it:
             parts.append(d.text)
             lps += d.logprobs
+            scores = d.prompt_logprobs if d.prompt_logprobs is not None else scores
             last = d
     assert last is not None and last.finish_reason, "the engine ended a request without a finish reason"
-    last.logprobs = lps
+    last.logprobs, last.prompt_logprobs = lps, scores
     return "".join(parts), last
 
 

@@ -20,6 +20,7 @@ from ringsched.models.llama import StageModel
 from ringsched.models.tp import TPGroup
 from ringsched.stage.flex_ring import FixedCut, FlexRing
 from ringsched.stage.sampler_state import SamplerState
+from ringsched.stage.scored_rows import ScoredRows
 from ringsched.stage.times import StageTimes
 
 PeerCall = Callable[..., object]  # (peer, fn, *args): a tensor-channel call whose failure names the peer
@@ -100,13 +101,18 @@ class SamplingHead:
         if not self.active:
             return self.empty()
         with self.times.measure("head") as took:
-            if self.sampler.greedy_only(plan):
+            scored = ScoredRows.of(plan, self.sampler.params)
+            if scored is None and self.sampler.greedy_only(plan):
                 tokens = self.sampler.keep(plan, self.model.greedy_tokens(out))  # on the device: no wait here
             else:
                 logits = self.model.compute_logits(out)
+                scores = torch.empty(0, dtype=torch.long)
+                if scored is not None:
+                    logits, scores = scored.split(logits)
                 targets, tokens = self.sampler.sample(plan, logits)
-                # The sampled ids, then any log-probabilities asked for (stage 0 knows how many to expect).
-                tokens = torch.cat([tokens, self.sampler.logprobs(plan, logits, targets)])
+                # The sampled ids, then any log-probabilities asked for, then the prompt's scores (stage 0 knows
+                # how many of each to expect).
+                tokens = torch.cat([tokens, self.sampler.logprobs(plan, logits, targets), scores])
         self.cut.head_took(plan.sample_rows, took.seconds)
         self.times.sample_rows += plan.sample_rows
         return tokens
