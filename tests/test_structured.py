@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import jsonschema
 import openai
@@ -91,8 +92,10 @@ def check_server(url: str) -> None:
 
 
 def test_greedy_structured_output_is_the_same_at_pp1_and_pp2():
-    """(PP=2 with speculative drafts: the grammar masks each drafted row and cuts drafts it refuses.)"""
+    """(PP=2 with speculative drafts: the grammar masks each drafted row and cuts drafts it refuses.) A grammar
+    after a tag applies from the token after it, at both."""
     params = SamplingParams(max_tokens=64, temperature=0, grammar=structured.grammar_for(json_schema=SCHEMA))
+    late: dict = {}
     texts, spec = {}, {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
                        "adaptive": False}  # drafts on every step, however fast this host's rows are
     for pp in (1, 2):
@@ -100,11 +103,21 @@ def test_greedy_structured_output_is_the_same_at_pp1_and_pp2():
                     speculative_config=spec if pp == 2 else None) as llm:  # fmt: skip
             chats = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts()[:6]]
             texts[pp] = [o.text for o in llm.generate(chats, params)]
+            # A grammar after a tag (a reasoning model's end of thinking): the token the bias forces comes first,
+            # unconstrained; once it is out, the grammar takes over (the bias then loses to its mask) and ends it.
+            forced = llm.tokenizer.encode(" Sure", add_bos=False)[0]
+            after = SamplingParams(max_tokens=12, temperature=0, grammar=structured.grammar_for(regex="[0-9]{3}"),
+                                   grammar_after=(forced,), logit_bias={forced: 100})  # fmt: skip
+            late[pp] = llm.generate([chats[0]], after)[0]
             accepted = llm.wait_idle().get("spec_accepted_tokens", 0)
     assert texts[1] == texts[2]
     assert accepted > 0
     for t in texts[1]:
         jsonschema.validate(json.loads(t), SCHEMA)
+    for out in late.values():
+        assert out.token_ids[0] == forced and out.finish_reason == "stop", out
+        assert re.fullmatch("[0-9]{3}", llm.tokenizer.decode(out.token_ids[1:])), out.text
+    assert late[1].token_ids == late[2].token_ids
 
 
 def test_a_grammar_cuts_speculative_drafts_at_the_first_it_refuses_and_keeps_its_state(smollm2_dir):

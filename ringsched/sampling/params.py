@@ -86,6 +86,9 @@ class SamplingParams:
     # Structured output: an llguidance grammar (`structured.grammar_for`) the tokens must follow; the last
     # stage masks every other token
     grammar: str | None = None
+    # The grammar applies only after the output holds these tokens (a reasoning model's end-of-thinking tag: the
+    # server sets it with --reasoning-parser), every token admitted before them
+    grammar_after: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         # JSON and msgpack hand us lists (and the OpenAI API a bare string or null for `stop`).
@@ -95,6 +98,10 @@ class SamplingParams:
         _require(isinstance(ids, (list, tuple)), "stop_token_ids", "a list of token ids", ids)
         object.__setattr__(self, "stop", tuple(stop))
         object.__setattr__(self, "stop_token_ids", tuple(ids))
+        after = self.grammar_after
+        _require(isinstance(after, (list, tuple)) and len(after) <= 16, "grammar_after", "up to 16 token ids", after)
+        _require(all(_is_int64(i) and i >= 0 for i in after), "grammar_after", "token ids (ints >= 0)", after)
+        object.__setattr__(self, "grammar_after", tuple(after))
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         # Numbers become floats here, so an int too large for a float is refused now, not on a stage.
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
@@ -179,6 +186,7 @@ class SamplingParams:
         d["stop_token_ids"] = list(self.stop_token_ids)
         d["stop"] = list(self.stop)
         d["logit_bias"] = [list(pair) for pair in self.logit_bias]
+        d["grammar_after"] = list(self.grammar_after)
         return d
 
     @classmethod

@@ -87,16 +87,17 @@ class Grammars:
         self._tokenizer = None
         self._worker: ThreadPoolExecutor | None = None
 
-    def build(self, grammar: str) -> Future[Constraint]:
-        """`constraint(grammar)` with its first mask computed, on this stage's grammar thread."""
+    def build(self, grammar: str, after: tuple[int, ...] = ()) -> Future[Constraint]:
+        """`constraint(grammar)` with its first mask computed, on this stage's grammar thread; with `after`, one
+        that applies only once the output has those tokens (`AfterTokens`)."""
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="grammar")
-        return self._worker.submit(self._ready, grammar)
+        return self._worker.submit(self._ready, grammar, after)
 
-    def _ready(self, grammar: str) -> Constraint:
+    def _ready(self, grammar: str, after: tuple[int, ...]) -> Constraint:
         c = self.constraint(grammar)
         c.mask()
-        return c
+        return AfterTokens(c, after) if after else c
 
     def constraint(self, grammar: str) -> Constraint:
         llg = _llguidance()
@@ -137,6 +138,10 @@ class Constraint:
         if not self.matcher.consume_token(token):
             raise GrammarError(f"token {token} broke the grammar: {self.matcher.get_error()}")
 
+    def admits(self, tokens: list[int]) -> int:
+        """How many of `tokens` in a row the grammar admits from here (its state unchanged)."""
+        return self.matcher.validate_tokens(tokens)
+
     def masks_along(self, tokens: list[int]) -> tuple[int, list[torch.Tensor]]:
         """Speculative drafts `tokens`: how many of them in a row the grammar admits (`v`), and its `allowed()` before
         each of those and after them (`v + 1` masks); the state is left as it was."""
@@ -149,3 +154,57 @@ class Constraint:
             self._next = None
             self.matcher.rollback(v)
         return v, masks
+
+
+class AfterTokens:
+    """A grammar that applies once the output holds `after` (`SamplingParams.grammar_after`: a reasoning parser's
+    end tag): every token is admitted before, the grammar's from the token after them on. It has `Constraint`'s
+    methods, so the sampler does not ask which it holds."""
+
+    def __init__(self, inner: Constraint, after: tuple[int, ...]) -> None:
+        self.inner, self.after = inner, tuple(after)
+        self.active = False
+        self.tail: list[int] = []  # the last tokens before the grammar applies, up to len(after)
+        self._all = np.ones(inner.vocab_size, dtype=bool)
+
+    def mask(self) -> np.ndarray:
+        return self.inner.mask() if self.active else self._all
+
+    def allowed(self) -> torch.Tensor:
+        import torch
+
+        return torch.from_numpy(self.mask())
+
+    def advance(self, token: int) -> None:
+        if self.active:
+            self.inner.advance(token)
+            return
+        self.tail = (self.tail + [token])[-len(self.after) :]
+        self.active = tuple(self.tail) == self.after
+
+    def admits(self, tokens: list[int]) -> int:
+        return self._along(tokens, masks=None)
+
+    def masks_along(self, tokens: list[int]) -> tuple[int, list[torch.Tensor]]:
+        masks = [self.allowed()]
+        return self._along(tokens, masks), masks
+
+    def _along(self, tokens: list[int], masks: list | None) -> int:
+        """How many of `tokens` in a row are admitted (with `masks`, the mask after each is appended); the state
+        is left as it was."""
+        active, tail, inner = self.active, list(self.tail), 0
+        n = 0
+        for tok in tokens:
+            if self.active:
+                if not self.inner.admits([tok]):
+                    break
+                inner += 1
+            self.advance(tok)
+            n += 1
+            if masks is not None:
+                masks.append(self.allowed())
+        if inner:
+            self.inner._next = None
+            self.inner.matcher.rollback(inner)
+        self.active, self.tail = active, tail
+        return n

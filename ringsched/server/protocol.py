@@ -19,6 +19,7 @@ from ringsched.sampling.params import SamplingParams
 from ringsched.server.chat_render import render_chat
 from ringsched.server.errors import APIError, shown
 from ringsched.server.grammar_request import Asked, asked_grammar
+from ringsched.server.reasoning import grammar_after as reasoning_grammar_after
 from ringsched.server.request_bodies import (
     ACCEPTED,
     MAX_N,
@@ -226,6 +227,8 @@ def parse_chat(body: dict, tok: Tokenizer, limits: Limits) -> Prepared:
         {**_sampling_fields(req, max_tokens, limits), "logprobs": logprobs},
         {"max_tokens": name, "logprobs": "top_logprobs"},
     )
+    if grammar is not None and limits.reasoning_parser:  # the grammar constrains the answer, not the reasoning
+        params = replace(params, grammar_after=reasoning_grammar_after(tok, ids))
     params = check_stop_ids(params, limits)
     check_context(len(ids), max_tokens, limits, "messages")
     n, _ = _counts(req.n, None, req.stream)

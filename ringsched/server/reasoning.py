@@ -70,3 +70,24 @@ def split_whole(parser: str, text: str) -> tuple[str | None, str]:
     r1, c1 = s.feed(text)
     r2, c2 = s.finish()
     return (r1 + r2) or None, c1 + c2
+
+
+def grammar_after(tok, prompt_ids: list[int]) -> tuple[int, ...]:
+    """The tokens after which a reasoning answer's grammar applies (`SamplingParams.grammar_after`): the end tag's,
+    or none where the prompt itself ends with a closed reasoning block (Qwen3's template with `enable_thinking:
+    false` ends it with an empty one), so the answer starts at once."""
+    end = tuple(tok.encode(END, add_bos=False))
+    start = tuple(tok.encode(START, add_bos=False))
+    at, opened = _last(prompt_ids, end), _last(prompt_ids, start)
+    if at >= 0 and at > opened and not tok.decode(prompt_ids[at + len(end) :]).strip():
+        return ()
+    return end
+
+
+def _last(ids: list[int], tag: tuple[int, ...]) -> int:
+    """Where `tag` last starts in `ids`, or -1."""
+    n = len(tag)
+    for i in range(len(ids) - n, -1, -1):
+        if tuple(ids[i : i + n]) == tag:
+            return i
+    return -1

@@ -25,6 +25,7 @@ class Limits:
     sampling_defaults: tuple[
         tuple[str, float], ...
     ] = ()  # --generation-config auto: the model's, where a request is silent
+    reasoning_parser: str | None = None  # --reasoning-parser: a chat grammar applies after the reasoning
 
     @property
     def request_budget(self) -> int:

@@ -125,7 +125,9 @@ def _context(spec: ModelSpec, opts: ServerOptions, client: EngineClient, tokeniz
     if defaults:
         logger.info("sampling defaults from the model's generation_config.json: %s", dict(defaults))
     vocab, kv = spec.config.vocab_size, client.kv_capacity_tokens()
-    limits = Limits(spec.context_len, kv, vocab, name, opts.max_request_tokens, auto_tools, defaults)
+    limits = Limits(
+        spec.context_len, kv, vocab, name, opts.max_request_tokens, auto_tools, defaults, opts.reasoning_parser
+    )
     grammars = None
     if opts.grammar_workers:
         grammars = GrammarPool(

@@ -62,7 +62,7 @@ class SamplerState:
             self.history[new.rid] = []
             self.prompt_len[new.rid] = new.prompt_len
             if p.grammar is not None:
-                self.constraints[new.rid] = self._build(p.grammar)
+                self.constraints[new.rid] = self._build(p.grammar, p.grammar_after)
                 self._unsampled.add(new.rid)
         for e in plan.entries:
             h = self.history[e.rid]
@@ -71,9 +71,9 @@ class SamplerState:
             del h[e.start :]
             h.extend(e.token_ids)
 
-    def _build(self, grammar: str) -> Future[Constraint]:
+    def _build(self, grammar: str, after: tuple[int, ...]) -> Future[Constraint]:
         if self.grammars is not None:
-            return self.grammars.build(grammar)
+            return self.grammars.build(grammar, after)
         return _failed("this stage was started without structured-output support")
 
     def greedy_only(self, plan: BatchPlan) -> bool:
@@ -129,10 +129,10 @@ class SamplerState:
         if built is None:
             return e
         try:
-            matcher = self._caught_up(e.rid, built.result(), self._before(e)).matcher
+            constraint = self._caught_up(e.rid, built.result(), self._before(e))
         except Exception:
             return e
-        return e._replace(drafts=e.drafts[: matcher.validate_tokens(e.drafts)])
+        return e._replace(drafts=e.drafts[: constraint.admits(e.drafts)])
 
     def _keep(self, entries: list[Sampled], targets: torch.Tensor) -> torch.Tensor:
         """Per entry the tokens it keeps (`verify.accept`), padded to its rows; each structured request's grammar
