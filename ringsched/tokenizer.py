@@ -119,11 +119,11 @@ def template_of(model_dir: Path, config: dict, given: str | None) -> tuple[str |
     tokenizer_config.json's `chat_template` (a string, or named templates of which "default"), else the
     chat_template.jinja file recent transformers write beside it."""
     if given is not None:
+        if "{{" in given or "{%" in given:  # a template's text (a long one is no path the OS would take)
+            return given, "--chat-template (inline)"
         path = Path(given).expanduser()
         if path.is_file():
             return path.read_text(), f"--chat-template {path}"
-        if "{{" in given or "{%" in given:
-            return given, "--chat-template (inline)"
         raise ValueError(f"--chat-template {given!r} is neither a file nor a template (no {{{{ or {{% in it)")
     named = config.get("chat_template")
     if isinstance(named, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]

@@ -47,6 +47,8 @@ def test_the_flag_wins_as_a_file_or_inline(model, tmp_path):
     f.write_text(SIMPLE.replace("<a>", "<assistant>"))
     assert Tokenizer(model, str(f)).render_chat(CHAT) == "<user>hi<assistant>"
     assert Tokenizer(model, SIMPLE).render_chat(CHAT) == "<user>hi<a>"
+    long = "{# " + "a long comment " * 40 + "#}" + SIMPLE  # longer than a file name may be
+    assert Tokenizer(model, long).render_chat(CHAT) == "<user>hi<a>"
 
 
 @pytest.mark.parametrize(

@@ -98,6 +98,16 @@ def test_required_and_named_calls_come_from_the_constrained_json(front, choice, 
     assert finish == ("tool_calls" if choice == "required" else "length")  # named: as the sequence ended
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_calls_cut_by_max_tokens_keep_the_complete_ones(front, stream):
+    """A small model may add calls until max_tokens: the complete calls before the cut, finish reason `length`."""
+    text = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}, {"name": "get_time", "parameters": {}}, '
+    n = _answer(front, text + '{"name": "get_weather", "parameters": {"city": "Osl')
+    content, calls, finish = _ask(front, stream, tools=[WEATHER, TIME], tool_choice="required", max_tokens=n)
+    assert not content and finish == "length"
+    assert [(name, json.loads(args)) for name, args in calls] == [("get_weather", {"city": "Oslo"}), ("get_time", {})]
+
+
 def test_a_two_turn_loop_renders_the_call_and_its_result_through_the_template(front):
     import httpx
 
@@ -140,3 +150,72 @@ def test_bad_tools_are_a_400_naming_the_field(front, extra, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(**{"model": "m", "messages": ASK, "max_tokens": 4, **extra})
     assert e.value.body["param"] == param, e.value.body
+
+
+# -- on a real ring (run on test_server.py's server: SmolLM2 with tests/templates/smollm2_tools.jinja) ----------
+RING_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                         "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "convert", "description": "Convert an amount between currencies",
+     "parameters": {"type": "object", "properties": {"amount": {"type": "number"},
+                                                     "from": {"type": "string", "maxLength": 8},
+                                                     "to": {"type": "string", "maxLength": 8}},
+                    "required": ["amount", "from", "to"], "additionalProperties": False}}},
+]  # fmt: skip
+RING_ASKS = ["What's the weather in Oslo?", "Is it raining in Lima right now?", "How warm is Cairo today?",
+             "Convert 25 dollars to euros.", "How many yen is 300 pounds?", "Weather for Reykjavik, in fahrenheit.",
+             "I need 12.5 CHF in USD.", "Should I take an umbrella in Seattle?", "Turn 1000 rupees into dollars.",
+             "What's it like outside in Nairobi?"]  # fmt: skip
+
+
+def check_real_ring(client: openai.OpenAI, url: str, headers: dict, model: str) -> None:
+    """20 varied requests (10 asks, `required` and each tool by name, whole and streamed, parallel calls or one)
+    all end in calls whose arguments are valid under their tool's schema; a two-turn loop renders the model's own
+    call and the tool's result through the template and is answered."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    import jsonschema
+
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in RING_TOOLS}
+
+    def one(i: int) -> tuple[list[tuple[str, str]], str | None, str | dict]:
+        named = RING_TOOLS[i % 2]["function"]["name"]
+        choice = "required" if i < 10 else {"type": "function", "function": {"name": named}}
+        kw = dict(model=model, messages=[{"role": "user", "content": RING_ASKS[i % 10]}], tools=RING_TOOLS,
+                  tool_choice=choice, max_tokens=256, temperature=0, parallel_tool_calls=i % 3 != 0)  # fmt: skip
+        if i % 2:
+            _, calls, finish = _streamed(client.chat.completions.create(stream=True, **kw))
+        else:
+            msg = client.chat.completions.create(**kw).choices[0]
+            calls, finish = [(c.function.name, c.function.arguments) for c in msg.message.tool_calls or []], None
+            finish = msg.finish_reason
+        return calls, finish, choice
+
+    with ThreadPoolExecutor(20) as pool:
+        results = list(pool.map(one, range(20)))
+    for calls, finish, choice in results:
+        assert calls and finish in ("tool_calls", "stop", "length"), (calls, finish, choice)
+        for name, args in calls:
+            assert name in schemas and (choice == "required" or name == choice["function"]["name"]), (name, choice)
+            jsonschema.validate(json.loads(args), schemas[name])
+
+    ask = [{"role": "user", "content": RING_ASKS[0]}]
+    first = client.chat.completions.create(model=model, messages=ask, tools=RING_TOOLS, tool_choice="required",
+                                           max_tokens=256, temperature=0).choices[0].message  # fmt: skip
+    call = first.tool_calls[0]
+    turns = ask + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                   {"role": "tool", "tool_call_id": call.id, "content": "-3 C, snow"}]  # fmt: skip
+    r = httpx.post(f"{url}/tokenize", json={"messages": turns, "tools": RING_TOOLS}, headers=headers, timeout=30)
+    assert r.status_code == 200, r.text
+    ids = r.json()["tokens"]
+    rendered = httpx.post(f"{url}/detokenize", json={"tokens": ids}, headers=headers, timeout=30).json()["prompt"]
+    name, args = call.function.name, call.function.arguments
+    assert f'<tool_call>{{"name": "{name}", "arguments": {args}}}</tool_call>' in rendered
+    assert "<tool_response>-3 C, snow</tool_response>" in rendered and '"name": "convert"' in rendered
+    answer = client.chat.completions.create(model=model, messages=turns, tools=RING_TOOLS, max_tokens=24,
+                                            temperature=0).choices[0]  # fmt: skip
+    assert answer.finish_reason in ("stop", "length", "tool_calls")
+    assert answer.message.content or answer.message.tool_calls

@@ -24,6 +24,7 @@ class ChatAnswer:
         self.split = ReasoningSplit(reasoning_parser) if reasoning_parser else None
         self.calls = StreamedCalls(self.parser) if self.tools is not None and not self.tools.constrained else None
         self.held = ""  # a constrained answer's text, parsed at the end
+        self.cut = False  # the constrained answer did not parse whole: max_tokens cut it
 
     # -- whole ---------------------------------------------------------------------------------------------------
     def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
@@ -44,12 +45,15 @@ class ChatAnswer:
         if self.tools is None:
             return Parsed(content)
         if self.tools.constrained:
-            calls = self.tools.constrained_calls(content)
+            calls, self.cut = self.tools.constrained_calls(content)
             return Parsed(None, calls) if calls else Parsed(content)
         return self.parser.parse(content)
 
     def _finish(self, finish_reason: str | None) -> str | None:
-        """A named function ends as OpenAI's do (`stop`); `required` and `auto` calls end with `tool_calls`."""
+        """A named function ends as OpenAI's do (`stop`); `required` and `auto` calls end with `tool_calls`, unless
+        max_tokens cut a constrained answer (`length`: the calls are those complete before the cut)."""
+        if self.cut:
+            return finish_reason
         return finish_reason if self.tools.choice == "named" else "tool_calls"
 
     # -- streamed ------------------------------------------------------------------------------------------------

@@ -57,17 +57,36 @@ class ToolUse:
         array = {"type": "array", "items": item, "minItems": 1, **({} if self.parallel else {"maxItems": 1})}
         return Asked("tool_choice", {"json_schema": array})
 
-    def constrained_calls(self, text: str) -> list[tuple[str, str]] | None:
-        """The calls in a constrained answer, or None when it does not parse (cut off by max_tokens)."""
+    def constrained_calls(self, text: str) -> tuple[list[tuple[str, str]] | None, bool]:
+        """The calls in a constrained answer, or None when it does not parse (cut off by max_tokens): of `required`
+        calls cut off, the complete ones before the cut; and whether it was cut."""
         try:
-            found = json.loads(text)
+            return self._calls(json.loads(text)), False
         except ValueError:
-            return None
+            found = _whole_items(text) if self.choice == "required" else None
+            return (self._calls(found) if found else None), True
+
+    def _calls(self, found: object) -> list[tuple[str, str]] | None:
         if self.choice == "named":
             return [(self.named, json.dumps(found, ensure_ascii=False))] if isinstance(found, dict) else None
         if not isinstance(found, list) or not all(isinstance(c, dict) and "name" in c for c in found):
             return None
         return [(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False)) for c in found]
+
+
+def _whole_items(text: str) -> list:
+    """The complete items at the start of a JSON array cut short."""
+    decoder, items = json.JSONDecoder(), []
+    at = text.find("[") + 1
+    while at > 0:
+        while at < len(text) and text[at] in " \t\n\r,":
+            at += 1
+        try:
+            item, at = decoder.raw_decode(text, at)
+        except ValueError:
+            break
+        items.append(item)
+    return items
 
 
 def tool_use(fields: ChatRequest, parser: str | None) -> ToolUse | None:
