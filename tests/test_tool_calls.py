@@ -48,8 +48,9 @@ def _answer(front, text: str) -> int:
     return len(front.ring.script)
 
 
-def _streamed(stream) -> tuple[str, list[tuple[str, str]], str | None]:
-    """Content, the calls assembled from `delta.tool_calls` pieces by index, and the finish reason."""
+def _streamed(stream, id_ok=lambda i: i.startswith("call_")) -> tuple[str, list[tuple[str, str]], str | None]:
+    """Content, the calls assembled from `delta.tool_calls` pieces by index (each id passing `id_ok`), and the
+    finish reason."""
     content, calls, finish = "", {}, None
     for chunk in stream:
         for choice in chunk.choices:
@@ -60,7 +61,7 @@ def _streamed(stream) -> tuple[str, list[tuple[str, str]], str | None]:
                 call["name"] += piece.function.name or "" if piece.function else ""
                 call["arguments"] += piece.function.arguments or "" if piece.function else ""
             finish = choice.finish_reason or finish
-    assert all(c["id"] and c["id"].startswith("call_") for c in calls.values())
+    assert all(c["id"] and id_ok(c["id"]) for c in calls.values())
     return content, [(c["name"], c["arguments"]) for _, c in sorted(calls.items())], finish
 
 

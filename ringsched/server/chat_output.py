@@ -5,15 +5,9 @@ arguments)."""
 
 from __future__ import annotations
 
-import uuid
-
 from ringsched.server.reasoning import ReasoningSplit, split_whole
-from ringsched.server.tool_parsers import PARSERS, Parsed, StreamedCalls
+from ringsched.server.tool_parsers import PARSERS, Parsed, StreamedCalls, openai_call_id
 from ringsched.server.tools import ToolUse
-
-
-def _call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 class ChatAnswer:
@@ -21,6 +15,7 @@ class ChatAnswer:
         self.reasoning_parser = reasoning_parser
         self.tools = tools if tools is not None and tools.choice != "none" else None
         self.parser = PARSERS[tool_parser]() if self.tools is not None and tool_parser else None
+        self.call_id = self.parser.call_id if self.parser else openai_call_id
         self.split = ReasoningSplit(reasoning_parser) if reasoning_parser else None
         self.calls = StreamedCalls(self.parser) if self.tools is not None and not self.tools.constrained else None
         self.held = ""  # a constrained answer's text, parsed at the end
@@ -36,7 +31,8 @@ class ChatAnswer:
             message["reasoning_content"] = reasoning
         if found.calls:
             message["tool_calls"] = [
-                {"id": _call_id(), "type": "function", "function": {"name": n, "arguments": a}} for n, a in found.calls
+                {"id": self.call_id(), "type": "function", "function": {"name": n, "arguments": a}}
+                for n, a in found.calls
             ]
             finish_reason = self._finish(finish_reason)
         return message, finish_reason
@@ -75,7 +71,12 @@ class ChatAnswer:
             deltas.append(
                 {
                     "tool_calls": [
-                        {"index": k, "id": _call_id(), "type": "function", "function": {"name": name, "arguments": ""}}
+                        {
+                            "index": k,
+                            "id": self.call_id(),
+                            "type": "function",
+                            "function": {"name": name, "arguments": ""},
+                        }
                     ]
                 }
             )

@@ -4,7 +4,8 @@
   before the first block is the content.
 - `llama3_json` (Llama 3.1-3.3): the answer is one JSON object `{"name": ..., "parameters": {...}}` (or several
   joined by `;`), after an optional `<|python_tag|>`.
-- `mistral`: `[TOOL_CALLS]` then a JSON array of `{"name": ..., "arguments": {...}}`; the text before is content.
+- `mistral`: `[TOOL_CALLS]` then a JSON array of `{"name": ..., "arguments": {...}}`; the text before is content;
+  call ids of 9 letters and digits (Mistral's templates refuse others when the call comes back).
 - `pythonic` (Llama 4, some small models): the answer is a Python list of calls, `[get_weather(city="Oslo")]`,
   literal arguments only (read with `ast`, never run).
 
@@ -18,6 +19,9 @@ from __future__ import annotations
 import ast
 import json
 import re
+import secrets
+import string
+import uuid
 from dataclasses import dataclass, field
 
 
@@ -38,10 +42,21 @@ def _call(obj: object, args_key: tuple[str, ...] = ("arguments", "parameters")) 
     return obj["name"], json.dumps(args, ensure_ascii=False)
 
 
+def openai_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def nine_char_call_id() -> str:
+    """Mistral's templates refuse any tool call id but 9 letters and digits."""
+    return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+
+
 class Parser:
-    """`opens(text)`: where in `text` a call may begin (its index; len(text) when none may); `parse(text)`."""
+    """`opens(text)`: where in `text` a call may begin (its index; len(text) when none may); `parse(text)`;
+    `call_id()`: a new call's id, in the form the family's chat template takes back."""
 
     marker = ""
+    call_id = staticmethod(openai_call_id)
 
     def opens(self, text: str) -> int:
         at = text.find(self.marker)
@@ -72,6 +87,7 @@ class Hermes(Parser):
 
 
 class Mistral(Parser):
+    call_id = staticmethod(nine_char_call_id)
     marker = "[TOOL_CALLS]"
 
     def parse(self, text: str) -> Parsed:
