@@ -70,26 +70,26 @@ def _check(scores: list, ids: list[int], k: int, lsm: torch.Tensor) -> None:
         assert [v for _, v in top] == pytest.approx(want.values.tolist(), abs=1e-4)
 
 
-@pytest.mark.parametrize(
-    "pp_size, kw",
-    [(1, {}), (2, {"chunked_prefill_size": 7, "pp_max_micro_batch_size": 2}), (3, {"chunked_prefill_size": 5})],
-)
-def test_scores_equal_a_forward_pass(tiny_llama_dir, forward, pp_size, kw):
-    """Prompts over several chunks, beside requests that do not ask (their tokens unchanged), sampled and greedy;
-    with prefix caching on, a second request of the same prompt is scored whole (no cached position skipped)."""
-    vocab = ModelConfig.from_dir(tiny_llama_dir).vocab_size
+def _requests(vocab: int) -> list:
     prompt = [(7 * i + 3) % vocab for i in range(23)]
-    reqs = [
+    return [
         (prompt, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, prompt_logprobs=3)),
         ([5, 6, 7, 8], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)),
         (prompt, SamplingParams(max_tokens=3, temperature=0.8, seed=1, ignore_eos=True, prompt_logprobs=0)),
         ([9], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=2)),
     ]
+
+
+@pytest.mark.parametrize("pp_size, kw", [(1, {}), (3, {"chunked_prefill_size": 7, "pp_max_micro_batch_size": 2})])
+def test_scores_equal_a_forward_pass(tiny_llama_dir, forward, pp_size, kw):
+    """Prompts over several chunks, beside requests that do not ask (their tokens unchanged), sampled and greedy;
+    with prefix caching on, a second request of the same prompt is scored whole (no cached position skipped)."""
+    reqs = _requests(ModelConfig.from_dir(tiny_llama_dir).vocab_size)
     scores: dict = {}
     got = run_ring(str(tiny_llama_dir), reqs, pp_size=pp_size, scores=scores, enable_prefix_caching=True, **kw)
-    plain = run_ring(str(tiny_llama_dir), [(ids, SamplingParams(**{**p.to_dict(), "prompt_logprobs": None}))
-                                           for ids, p in reqs], pp_size=1)  # fmt: skip
-    assert got == plain  # scoring a prompt changes no token
+    unscored = [(ids, SamplingParams(**{**p.to_dict(), "prompt_logprobs": None})) for ids, p in reqs]
+    assert got == run_ring(str(tiny_llama_dir), unscored, pp_size=pp_size, **kw)  # scoring changes no token
+    prompt = reqs[0][0]
     lsm = forward(prompt)
     _check(scores["r0"], prompt, 3, lsm)
     _check(scores["r2"], prompt, 0, lsm)
