@@ -73,22 +73,28 @@ def test_the_kernel_multiplies_as_the_dequantized_weight(qtype, rows, dtype, exa
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * want.abs().max().item())
 
 
-@pytest.mark.skipif(gguf_linear.library() is None or not gguf_linear.library().gguf_has_integer(),
-                    reason="no AVX512-VNNI: the float path serves these types")  # fmt: skip
-@pytest.mark.parametrize("qtype", [2, 3, 6, 7, 8], ids=["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
-@pytest.mark.parametrize("rows", [1, 2])  # the rows it takes (INTEGER_ROWS in gguf_linear.c)
-def test_the_integer_path_is_the_float_one_within_the_activations_rounding(qtype, rows):
+INTEGER = 0 if gguf_linear.library() is None else gguf_linear.library().gguf_has_integer()
+# where an integer path runs: VNNI (1) the 32-value-block types below 3 rows; AVX2 (2) every type at any rows
+INTEGER_CASES = [(t, rows) for t in sorted(TYPES) for rows in (1, 2, 5, 17) if (INTEGER == 2 or
+                 (INTEGER == 1 and TYPES[t][1] == 32 and rows < 3))]  # fmt: skip
+
+
+@pytest.mark.skipif(not INTEGER_CASES, reason="no AVX512-VNNI or AVX2: the float path serves these types")
+@pytest.mark.parametrize("qtype, rows", INTEGER_CASES or [(2, 1)], ids=[f"{TYPES[t][0]}-{r}" for t, r in INTEGER_CASES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_integer_path_is_the_float_one_within_the_activations_rounding(qtype, rows, dtype):
     """Activations rounded to int8 per block of 32 (each off by at most its block's max|x| / 254): each output
-    within what that rounding can move it."""
+    within what that rounding can move it (bias added), whatever the rows and outputs (37: not a whole tile)."""
     n, k = 37, 768
     raw = random_blocks(qtype, n, k, seed=rows)
-    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(2))
-    w = reference(raw, qtype)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(2)).to(dtype).float()
+    w, bias = reference(raw, qtype), torch.randn(n)
     amax = x.abs().view(rows, k // 32, 32).amax(dim=2).repeat_interleave(32, dim=1)  # each value's block's
     bound = (amax @ w.abs().T) / 254 + 1e-4
-    got = gguf_matmul(x, raw, qtype, None)
-    assert ((got - x @ w.T).abs() <= bound).all()
-    assert not torch.equal(got, x @ w.T)  # it is the other path
+    got = gguf_matmul(x.to(dtype), raw, qtype, bias).float()
+    slack = 0.0 if dtype == torch.float32 else 1e-2 * (x @ w.T).abs().max().item()  # a bfloat16 output's rounding
+    assert ((got - x @ w.T - bias).abs() <= bound + slack).all()
+    assert not torch.equal(got, x @ w.T + bias)  # it is the other path
 
 
 needs_amx = pytest.mark.skipif(gguf_linear.library() is None or not gguf_linear.library().gguf_has_amx(),

@@ -305,11 +305,11 @@ def test_a_node_started_again_or_a_rank_replaced_on_node_1_every_stream_goes_on(
 
 
 def test_a_partition_longer_than_the_stage_timeout_heals(net):
-    """PP=2 over two hosts, four streams open, node 1's link down for 15 s with --stage-timeout 10: both nodes wait
+    """PP=2 over two hosts, four streams open, node 1's link down for 9 s with --stage-timeout 5: both nodes wait
     for each other (up to --rejoin-timeout), the ring is rebuilt once the link is back, and every stream ends with
     exactly the text of an undisturbed run."""
     args = ("--rejoin-timeout", "60", "--max-restarts", "3", "--enable-deterministic-inference")
-    nodes = [launch(net, r, 2, *args) for r in (0, 1)]
+    nodes = [launch(net, r, 2, *args, stage_timeout=5) for r in (0, 1)]
     wait_ready(net, nodes)
     streams_args = ("--sampled", "--max-tokens", "96")
     if not UNDISTURBED:
@@ -317,7 +317,7 @@ def test_a_partition_longer_than_the_stage_timeout_heals(net):
     streams = open_streams(net, nodes, 4, *streams_args)
     time.sleep(1.5)  # some tokens delivered
     net.cut(1)
-    time.sleep(15)
+    time.sleep(9)
     net.heal(1)
     results = stream_results(streams, net, timeout=180)
     for r, u in zip(results, UNDISTURBED, strict=True):

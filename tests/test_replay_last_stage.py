@@ -37,7 +37,7 @@ class FakeGrammars:
         self.expected = expected
         self.built: list[RecordingConstraint] = []
 
-    def build(self, grammar: str) -> Future:
+    def build(self, grammar: str, after: tuple[int, ...] = ()) -> Future:
         c = RecordingConstraint(self.expected)
         self.built.append(c)
         f: Future = Future()

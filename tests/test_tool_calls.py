@@ -172,7 +172,8 @@ RING_ASKS = ["What's the weather in Oslo?", "Is it raining in Lima right now?", 
 
 
 def check_real_ring(client: openai.OpenAI, url: str, headers: dict, model: str) -> None:
-    """20 varied requests (10 asks, `required` and each tool by name, whole and streamed, parallel calls or one)
+    """20 varied requests (10 asks, `required` and each tool by name, whole and streamed, parallel calls (a small
+    model may add calls until max_tokens: the complete ones come back) or one)
     all end in calls whose arguments are valid under their tool's schema; a two-turn loop renders the model's own
     call and the tool's result through the template and is answered."""
     from concurrent.futures import ThreadPoolExecutor
@@ -186,7 +187,7 @@ def check_real_ring(client: openai.OpenAI, url: str, headers: dict, model: str) 
         named = RING_TOOLS[i % 2]["function"]["name"]
         choice = "required" if i < 10 else {"type": "function", "function": {"name": named}}
         kw = dict(model=model, messages=[{"role": "user", "content": RING_ASKS[i % 10]}], tools=RING_TOOLS,
-                  tool_choice=choice, max_tokens=256, temperature=0, parallel_tool_calls=i % 3 != 0)  # fmt: skip
+                  tool_choice=choice, max_tokens=128, temperature=0, parallel_tool_calls=i % 5 == 0)  # fmt: skip
         if i % 2:
             _, calls, finish = _streamed(client.chat.completions.create(stream=True, **kw))
         else:
