@@ -378,14 +378,51 @@ INLINE void tile(const void *x, int64_t ldx, const int xb, int64_t m0, const int
     if (x_bf16) TILE_MB(T, 1); else TILE_MB(T, 0);                                                             \
     break
 
+/* One activation row quantized to int8 per block of 32, for the integer paths (as llama.cpp does): codes q, the
+ * same + 128 as unsigned u (VNNI's Q8_0; NULL where unused), per block a scale d (max|x| / 127) and d * (the sum
+ * of its codes) s, and per 16 values d * (the sum of their codes) s16 (NULL where unused). */
+typedef struct {
+  int8_t *q;
+  uint8_t *u;
+  float *d, *s, *s16;
+} xrow_t;
+
+__attribute__((unused)) static void quantize_row(const void *x, int xb, int64_t K, xrow_t *r) {
+  for (int64_t b = 0; b < K / 32; b++) {
+    float v[32], amax = 0.0f;
+    for (int j = 0; j < 32; j++) {
+      v[j] = load_act(x, xb, 32 * b + j);
+      const float a = v[j] < 0 ? -v[j] : v[j];
+      amax = a > amax ? a : amax;
+    }
+    const float d = amax / 127.0f, id = amax > 0 ? 127.0f / amax : 0.0f;
+    int sum[2] = {0, 0};
+    for (int j = 0; j < 32; j++) {
+      const int q = (int)__builtin_roundf(v[j] * id);
+      r->q[32 * b + j] = (int8_t)q;
+      if (r->u) r->u[32 * b + j] = (uint8_t)(q + 128);
+      sum[j / 16] += q;
+    }
+    r->d[b] = d;
+    r->s[b] = d * (float)(sum[0] + sum[1]);
+    if (r->s16) {
+      r->s16[2 * b] = d * (float)sum[0];
+      r->s16[2 * b + 1] = d * (float)sum[1];
+    }
+  }
+}
+
 #include "gguf_linear_vnni.h"
+#include "gguf_linear_avx2dot.h"
 #include "gguf_linear_amx.h"
 
 static int integer_path = 1; /* gguf_set_integer: the VNNI and AMX paths where they run (tests compare them all) */
 
 void gguf_set_integer(int64_t on) { integer_path = (int)on; }
 
-int gguf_has_integer(void) { return HAVE_VNNI; }
+/* 1: the VNNI path (the 32-value-block types, below INTEGER_ROWS rows); 2: the AVX2 one (every type, every row
+ * count); 0: none */
+int gguf_has_integer(void) { return HAVE_VNNI ? 1 : HAVE_AVX2DOT ? 2 : 0; }
 
 int gguf_has_amx(void) { /* 1 where the tile path runs (built for AMX tiles and bfloat16, permitted by the kernel) */
 #if HAVE_AMX
@@ -424,7 +461,7 @@ static int linear_vnni(const void *x, int64_t ldx, int64_t x_bf16, int64_t M, in
   }
   for (int64_t m = 0; m < M; m++) {
     char *p = buf + m * (2 * K + 2 * (K / 32) * (int64_t)sizeof(float));
-    xr[m] = (xrow_t){(int8_t *)p, (uint8_t *)(p + K), (float *)(p + 2 * K), (float *)(p + 2 * K) + K / 32};
+    xr[m] = (xrow_t){(int8_t *)p, (uint8_t *)(p + K), (float *)(p + 2 * K), (float *)(p + 2 * K) + K / 32, NULL};
     quantize_row((const char *)x + m * ldx * (x_bf16 ? 2 : 4), (int)x_bf16, K, &xr[m]);
   }
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
@@ -471,6 +508,9 @@ static int linear_into(const void *x, int64_t ldx, int64_t x_bf16, int64_t M, in
   if (integer_path && M < INTEGER_ROWS && block_values(type) == 32 && (K / 32) % 2 == 0 &&
       linear_vnni(x, ldx, x_bf16, M, K, w, type, N, bias, y, ldy, y_bf16, nthreads) == 0)
     return 0;
+#endif
+#if HAVE_AVX2DOT
+  if (integer_path && linear_dot(x, ldx, x_bf16, M, K, w, type, N, bias, y, ldy, y_bf16, nthreads) == 0) return 0;
 #endif
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
   for (int64_t ti = 0; ti < tiles; ti++) {

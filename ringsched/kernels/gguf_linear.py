@@ -29,8 +29,10 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("gguf_linear.c")
 HEADER = SOURCE.with_name("gguf_linear_vnni.h")  # included by SOURCE: its hash is a flag, so a change rebuilds
 AMX_HEADER = SOURCE.with_name("gguf_linear_amx.h")  # likewise (hashed with HEADER)
-SOURCES = (SOURCE, HEADER, AMX_HEADER)  # what the built library is made of (a tuning cache is keyed by them)
-_HEADERS_HASH = hashlib.sha256(HEADER.read_bytes() + AMX_HEADER.read_bytes()).hexdigest()[:16]
+DOT_HEADER = SOURCE.with_name("gguf_linear_avx2dot.h")  # likewise
+# what the built library is made of (a tuning cache is keyed by them)
+SOURCES = (SOURCE, HEADER, AMX_HEADER, DOT_HEADER)
+_HEADERS_HASH = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES[1:])).hexdigest()[:16]
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", f"-DHEADERS_HASH={_HEADERS_HASH}", "-c"]
 LINK_FLAGS = ["-shared", "-fopenmp"]
 ENV_SWITCH = "RINGSCHED_NATIVE_LINEAR"

@@ -14,35 +14,6 @@
 #if HAVE_AVX512 && defined(__AVX512VNNI__) && defined(__AVX512DQ__)
 #define HAVE_VNNI 1
 
-/* One activation row quantized: int8 codes q, the same + 128 as unsigned u (for Q8_0), per block of 32 a scale d
- * and d * (the sum of its codes) s. */
-typedef struct {
-  int8_t *q;
-  uint8_t *u;
-  float *d, *s;
-} xrow_t;
-
-static void quantize_row(const void *x, int xb, int64_t K, xrow_t *r) {
-  for (int64_t b = 0; b < K / 32; b++) {
-    float v[32], amax = 0.0f;
-    for (int j = 0; j < 32; j++) {
-      v[j] = load_act(x, xb, 32 * b + j);
-      const float a = v[j] < 0 ? -v[j] : v[j];
-      amax = a > amax ? a : amax;
-    }
-    const float d = amax / 127.0f, id = amax > 0 ? 127.0f / amax : 0.0f;
-    int sum = 0;
-    for (int j = 0; j < 32; j++) {
-      const int q = (int)__builtin_roundf(v[j] * id);
-      r->q[32 * b + j] = (int8_t)q;
-      r->u[32 * b + j] = (uint8_t)(q + 128);
-      sum += q;
-    }
-    r->d[b] = d;
-    r->s[b] = d * (float)sum;
-  }
-}
-
 /* the 64 codes of blocks b and b + 1 of a row of type t, in value order; c0, c1: each block's constant term per unit
  * of activation sum (-offset * d or the minimum); d0, d1: its scale */
 INLINE __m512i codes64(const uint8_t *row, const int t, int64_t b, float *d0, float *d1, float *c0, float *c1) {
