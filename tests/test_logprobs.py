@@ -98,6 +98,11 @@ def check_prompt_logprobs(client: openai.OpenAI, reference: dict, generated) -> 
         assert own["decoded_token"] == tok.decode([ids[p]], skip_special_tokens=False)
         values, top = lsm[p - 1].topk(3)
         assert all(abs(scores[p][str(int(i))]["logprob"] - v.item()) < 1e-4 for i, v in zip(top, values, strict=True))
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1, extra_body={"prompt_logprobs": 0})
+    chat_ids = tok.apply_chat_template(CHAT)
+    listed = chat.model_extra["prompt_logprobs"]  # beside the choices, as vLLM's
+    assert len(listed) == len(chat_ids) and listed[0] is None
+    assert [next(iter(e)) for e in listed[1:]] == [str(i) for i in chat_ids[1:]]  # each the prompt token's own
     e = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=N, temperature=0, echo=True, logprobs=5)
     lp = e.choices[0].logprobs
     assert e.choices[0].text == PROMPT + "".join(generated.tokens)

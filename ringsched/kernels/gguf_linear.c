@@ -9,10 +9,11 @@
  * result does not depend on its batch. Outputs are split over OpenMP threads (torch's own thread team: the library
  * links the same libgomp).
  *
- * With `gguf_set_integer` on (the default), the 32-value-block types take two other paths where the CPU has them:
+ * With `gguf_set_integer` on (the default), other paths run where the CPU has them: for the 32-value-block types
  * below INTEGER_ROWS rows, integer dot products with int8-quantized activations (AVX512-VNNI, gguf_linear_vnni.h);
  * from AMX_ROWS rows on, AMX tiles multiplying the codes by the activations split into two bfloat16 halves, to
- * float32's accuracy (gguf_linear_amx.h).
+ * float32's accuracy (gguf_linear_amx.h); on AVX2 without AVX-512, integer dot products for every type at every
+ * row count (gguf_linear_avx2dot.h).
  *
  * `gguf_dequant` writes rows as float32 (a step of many rows multiplies those with MKL; the embedding looks up its
  * rows). Built by gguf_linear.py with -O3 -march=native; AVX-512 (F, BW, VL) gets intrinsics, AVX2 with FMA keeps the

@@ -36,9 +36,10 @@ _HEADERS_HASH = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES[1:])).he
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", f"-DHEADERS_HASH={_HEADERS_HASH}", "-c"]
 LINK_FLAGS = ["-shared", "-fopenmp"]
 ENV_SWITCH = "RINGSCHED_NATIVE_LINEAR"
-# The 32-value-block types by integer dot products with int8 activations where the CPU has AVX512-VNNI (as
-# llama.cpp multiplies them), and from 8 rows by AMX tiles where it has them (activations as two bfloat16 halves:
-# float32's accuracy, in another order); 0: in float32, exactly as the dequantized weights
+# Integer dot products with int8 activations, as llama.cpp multiplies: the 32-value-block types at few rows where
+# the CPU has AVX512-VNNI, every type at any rows where it has AVX2 and no AVX-512; from 8 rows AMX tiles where it
+# has them (activations as two bfloat16 halves: float32's accuracy, in another order); 0: in float32, exactly as
+# the dequantized weights
 INTEGER_SWITCH = "RINGSCHED_GGUF_INTEGER"
 
 # ggml's type number -> (name, values per block, bytes per block)
