@@ -3,9 +3,9 @@ blocks a micro-batch computes, and when computed blocks are indexed.
 
 At admission a request takes the longest cached prefix of its tokens (whole blocks, never its last token, which must
 run to give logits) and computes from there (one asking for prompt log-probabilities takes none: it needs every
-position's logits); its first plan entry names those blocks, so the other stages follow
-without hashing anything. A request whose next block another request computes in the same micro-batch waits one
-micro-batch and finds it cached. Hashes are kept on the request: its tokens never change.
+position's logits); its first plan entry names those blocks, so the other stages follow without hashing anything.
+A request whose next block another request computes in the same micro-batch waits one micro-batch and finds it
+cached. Hashes are kept on the request: its tokens never change.
 
 A block is indexed once the micro-batch computing its KV is planned: every stage runs micro-batches in order, so a
 request in a later micro-batch reads it after it is written. With a flexible cut a shared layer's KV reaches stage 0
