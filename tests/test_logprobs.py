@@ -1,6 +1,7 @@
-"""Log-probabilities through the `openai` client against transformers' `log_softmax`, at PP=1 (PP=2: the same
-check on `test_server.py`'s server): the sampled token's and the top 5, for completions (streamed and whole) and
-chat, the prompt's (`prompt_logprobs`, `echo` with `logprobs`); and through the offline engine at PP=2."""
+"""Log-probabilities through the `openai` client against transformers' `log_softmax` (`check_server`, run on
+`test_server.py`'s PP=2 server): the sampled token's and the top 5, for completions (streamed and whole) and chat,
+the prompt's (`prompt_logprobs`, `echo` with `logprobs`); and through the offline engine at PP=2. (PP=1's last
+stage is the same code: `test_loop_in_process.py` and `test_prompt_logprobs.py` check it against transformers.)"""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import openai
 import pytest
 import torch
 
-from ringsched.bench.server_process import ServerProcess
 from ringsched.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
@@ -116,13 +116,6 @@ def check_prompt_logprobs(client: openai.OpenAI, reference: dict, generated) -> 
     assert "".join(c.choices[0].text for c in chunks if c.choices) == e.choices[0].text
     parts = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
     assert [x for p in parts for x in p.token_logprobs] == lp.token_logprobs
-
-
-def test_logprobs_equal_transformers_at_pp1(reference):
-    """PP=1 here; PP=2 in `test_server.py`, on its server."""
-    args = ["--pp-size", "1", "--threads-per-stage", "1", "--kv-cache-memory", "64M"]
-    with ServerProcess(args) as srv:
-        check_server(openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0, timeout=120), reference)
 
 
 def test_offline_engine_returns_logprobs(reference):
