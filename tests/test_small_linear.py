@@ -177,8 +177,8 @@ def test_a_rows_result_does_not_depend_on_its_batch_in_the_kn_layout():
     """float32 weights laid out [K, N]: up to 4 rows stream the halves of K, more rows go through buffered blocks
     of k (64 rows a pass); a row gets the same bits alone, in either form, past a pass and on any thread count."""
     torch.manual_seed(1)
-    w = cpu_layout("model.layers.0.mlp.down_proj.weight", torch.randn(200, 150))
-    x, bias = torch.randn(80, 150), torch.randn(200)
+    w = cpu_layout("model.layers.0.mlp.down_proj.weight", torch.randn(200, 600))  # K: several blocks of k
+    x, bias = torch.randn(80, 600), torch.randn(200)
     alone = small_linear.native_linear(x[69:70], w, bias)
     for rows in (4, 9, 70):
         assert torch.equal(small_linear.native_linear(x[70 - rows : 70], w, bias)[-1:], alone), rows
@@ -190,4 +190,4 @@ def test_a_rows_result_does_not_depend_on_its_batch_in_the_kn_layout():
             assert torch.equal(small_linear.native_linear(x[60:70], w, bias)[-1:], alone), n
     finally:
         torch.set_num_threads(threads)
-    torch.testing.assert_close(small_linear.native_linear(x, w, bias), F.linear(x, w, bias), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(small_linear.native_linear(x, w, bias), F.linear(x, w, bias), rtol=1e-4, atol=1e-4)

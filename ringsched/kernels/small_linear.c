@@ -87,12 +87,15 @@ static inline float load_act(const void *x, int x_bf16, int64_t i) {
 #define INLINE static inline __attribute__((always_inline))
 #define NB 4 /* outputs per tile of linear_nk */
 
-#include "small_linear_avx2.h"
-
 static inline int64_t kn_half(int64_t K) {
   const int64_t kh = (K / 2 + 15) / 16 * 16;
   return kh < K ? kh : K;
 }
+
+/* Rows from which AVX2 takes kn_blocked_avx2: at 5-8 rows kn_stream was as fast or faster (SmolLM2's shapes, 2 threads,
+ * AMD EPYC), at 16 the blocked path took half its time on the gate/up projection. */
+#define KN2_MIN 8
+#include "small_linear_avx2.h"
 
 /* acc[m * N + c] for c in [c0, c1) += the chains over k in [k0, k1); inlined with constant `xb`. */
 INLINE void kn_stream_x(const void *x, int64_t ldx, const int xb, int64_t M, int64_t k0, int64_t k1, const float *w,
@@ -233,6 +236,11 @@ int linear_kn(const void *x, int64_t ldx, int64_t x_bf16, int64_t M, int64_t K, 
 #if HAVE_AVX512
   if (M > MB) {
     kn_blocked(x, ldx, x_bf16, M, K, w, ldw, N, bias, y, y_bf16, nthreads);
+    return 0;
+  }
+#elif HAVE_AVX2
+  if (M > KN2_MIN) {
+    kn_blocked_avx2(x, ldx, x_bf16, M, K, w, ldw, N, bias, y, y_bf16, nthreads);
     return 0;
   }
 #endif
