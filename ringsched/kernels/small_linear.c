@@ -368,6 +368,18 @@ int linear_nk(const void *x, int64_t ldx, int64_t x_bf16, int64_t M, int64_t K, 
   if (wtype < W_F32 || wtype > W_INT4_G128) return 1;
   const int q4 = wtype == W_INT4_G32 || wtype == W_INT4_G128;
   if (q4 && (!scales || K % (wtype == W_INT4_G32 ? 32 : 128) != 0)) return 1;
+#if !HAVE_AVX512
+  /* bfloat16 activations widened once, not at every output's every load (a shuffle and a shift per 8 values bound
+   * the 16-row step on AVX2: 23 against 31 ms for SmolLM2's 30 gate/up projections); exact, so the same sums */
+  float *wide = NULL;
+  if (x_bf16 && M > 1) {
+    wide = malloc((size_t)(M * K) * sizeof(float));
+    if (!wide) return 1;
+    for (int64_t m = 0; m < M; m++)
+      for (int64_t k = 0; k < K; k++) wide[m * K + k] = bf16_to_f32(((const uint16_t *)x)[m * ldx + k]);
+    x = wide, ldx = K, x_bf16 = 0;
+  }
+#endif
   const int64_t tiles = (N + NB - 1) / NB;
   if (nthreads > tiles) nthreads = tiles;
   if (nthreads < 1) nthreads = 1;
@@ -397,5 +409,8 @@ int linear_nk(const void *x, int64_t ldx, int64_t x_bf16, int64_t M, int64_t K, 
         }
     }
   }
+#if !HAVE_AVX512
+  free(wide);
+#endif
   return 0;
 }
