@@ -63,10 +63,40 @@ def test_the_paths_follow_the_timings_and_the_cache_is_read_back(tiny, tmp_path)
     whole = model.__dict__["decode_layers"]
     assert whole.ok and whole.rows == frozenset(range(1, 17))  # the one call follows the linear layers' choice
 
-    again = tiny()
-    linear_tuning.tune_stage(again, "auto", torch.float32, measure=fake(0, calls), root=tmp_path, cpu=CPU)
+    again, rechecked = tiny(), []
+
+    def holds(shape, paths, layers, times):
+        rechecked.append(shape)
+        return True
+
+    kw = {"measure": fake(0, calls), "recheck": holds, "root": tmp_path, "cpu": CPU}
+    linear_tuning.tune_stage(again, "auto", torch.float32, **kw)
     assert len(calls) == 5  # the second start read every shape's timings instead of measuring
+    assert set(rechecked) == shapes  # ... and spot-checked each
     assert [lin.paths for lin in again.linears()] == [lin.paths for lin in model.linears()]
+
+
+def test_a_cached_choice_that_loses_its_spot_check_is_measured_again(tiny, tmp_path, monkeypatch):
+    """A cache spoiled by one bad measurement (torch timed fastest at every bucket while another process ran
+    beside the kernel's calls) is not kept for good: at the next start the spot check (fake timings: the kernel
+    3x faster than torch at one row) finds the choice losing, so the shape is measured again and the cache
+    rewritten; a choice that holds (the second start after) is kept without measuring."""
+    layers = tiny().linears()[:1]
+    shape = linear_tuning.shape_of(layers[0], torch.float32)
+    linear_tuning.tune(layers, torch.float32, measure=fake(0), root=tmp_path, cpu=CPU)  # the spoiled cache
+    assert layers[0].paths.path(1) == TORCH
+    checked = []
+
+    def fake_time_paths(paths, x, pieces):
+        checked.append((paths, x.shape[0]))
+        return {p: {NATIVE: 1e-6, TORCH: 3e-6}[p] for p in paths}
+
+    monkeypatch.setattr(linear_timing, "_time_paths", fake_time_paths)
+    calls: list = []
+    linear_tuning.tune(layers, torch.float32, measure=fake(16, calls), root=tmp_path, cpu=CPU)
+    assert checked == [((TORCH, NATIVE), 1)] and calls == [shape] and layers[0].paths.path(1) == NATIVE
+    linear_tuning.tune(layers, torch.float32, measure=fake(0, calls), root=tmp_path, cpu=CPU)
+    assert calls == [shape] and layers[0].paths.path(1) == NATIVE  # the rewritten cache holds its check
 
 
 @needs_kernel

@@ -112,6 +112,23 @@ def measure_shape(shape: Shape, paths: tuple[str, ...], layers: list[Linear]) ->
     return times
 
 
+def still_holds(shape: Shape, paths: tuple[str, ...], layers: list[Linear], times: Times) -> bool:
+    """Whether cached `times` still choose right at the smallest bucket: its chosen path and the fastest other are
+    timed again (warm-up, then `ROUNDS` interleaved calls each, the best of them); False when the chosen one now
+    takes over `SCREEN` times the other's (a measurement spoiled by another process's burst, or a machine that
+    changed under the same name), so the shape is measured again rather than kept on a bad choice for good."""
+    rows = BUCKETS[0]
+    ranked = sorted(paths, key=lambda p: (times[rows][p], paths.index(p)))
+    if len(ranked) < 2:
+        return True
+    pieces = _pieces(layers)
+    count = min(len(pieces), math.ceil(STREAM_BYTES / pieces[0].nbytes))
+    x = torch.randn(rows, shape.k, dtype=getattr(torch, shape.act))
+    with torch.inference_mode():
+        again = _time_paths(tuple(ranked[:2]), x, pieces[:count])
+    return again[ranked[0]] <= SCREEN * again[ranked[1]]
+
+
 def retired(path: str, times: Times) -> bool:
     """Whether `path` need not be timed at larger buckets: at each of the last two it took over `RETIRE` times
     the best, and between them its time grew with the rows (by `RETIRE_GROWTH` of their doubling at least) and

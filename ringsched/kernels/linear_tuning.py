@@ -13,7 +13,9 @@ How the timings are taken: `kernels/linear_timing.py`.
 
 The timings are cached in `$RINGSCHED_CACHE/tuning/` (`cache_dir.cache_dir()`), one JSON file per CPU model and
 flags, dtypes, threads, shape and layout, torch version, kernel source and timing method (`cache_key`): a stage that
-finds its file does not measure, and the same cache always gives the same choice (ties: the order of `PATHS`).
+finds its file does not measure all again: it times its cached choice at the smallest bucket against the fastest
+other path (`linear_timing.still_holds`), and measures the shape again if the choice lost by `SCREEN` times, so a
+measurement spoiled by another process is not kept for good. Ties go to the order of `PATHS`.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch
 
 from ringsched.cache_dir import cache_dir
 from ringsched.kernels import gguf_linear, layer_ops, native_build, small_linear
-from ringsched.kernels.linear_timing import BUCKETS, METHOD, Shape, Times, measure_shape
+from ringsched.kernels.linear_timing import BUCKETS, METHOD, Shape, Times, measure_shape, still_holds
 from ringsched.kernels.small_linear import INT8PACK, NATIVE, PATHS, TORCH, WIDEN, Linear
 
 logger = logging.getLogger(__name__)
@@ -183,6 +185,7 @@ def write_times(path: Path, shape: Shape, times: Times, cpu: tuple[str, str], th
 
 
 Measure = Callable[[Shape, tuple[str, ...], list[Linear]], Times]
+Recheck = Callable[[Shape, tuple[str, ...], list[Linear], Times], bool]
 
 
 def tune(
@@ -190,13 +193,15 @@ def tune(
     act: torch.dtype,
     *,
     measure: Measure = measure_shape,
+    recheck: Recheck = still_holds,
     root: Path | None = None,
     threads: int | None = None,
     cpu: tuple[str, str] | None = None,
 ) -> dict[Shape, PathTable]:
     """Give each of `layers` (CPU, prepared; `act`: the model's dtype) the `PathTable` of its shape, from the
     timings cached under `root` (default `cache_dir()`) or measured there and then (`measure`) and cached; one INFO
-    line per shape. Returns the tables by shape."""
+    line per shape. Cached timings whose choice fails `recheck` (timed again at the smallest bucket) are measured
+    again and the cache rewritten. Returns the tables by shape."""
     root = (root or cache_dir()) / TUNING_DIR
     threads = threads or torch.get_num_threads()
     cpu = cpu or cpu_identity()
@@ -208,11 +213,14 @@ def tune(
         paths[shape] = candidates(shape)
         file = root / f"{cache_key(shape, threads, cpu)}.json"
         start = time.perf_counter()
-        times[shape], source[shape] = read_times(file, paths[shape]), "cached"
-        if times[shape] is None:
+        cached = read_times(file, paths[shape])
+        if cached is not None and recheck(shape, paths[shape], group, cached):
+            times[shape], source[shape] = cached, "cached"
+        else:
             times[shape] = measure(shape, paths[shape], group)
             write_times(file, shape, times[shape], cpu, threads)
-            source[shape] = f"measured in {time.perf_counter() - start:.2f} s"
+            again = "" if cached is None else "its cached choice lost a spot check: re-"
+            source[shape] = f"{again}measured in {time.perf_counter() - start:.2f} s"
     heads = {s for s, g in groups.items() if g[0].vocab_chunk}  # the head is not in the one call
     tables = choose_layers({s: t for s, t in times.items() if s not in heads}, paths)
     tables |= {s: choose(times[s], paths[s]) for s in heads}
