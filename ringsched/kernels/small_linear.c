@@ -77,9 +77,7 @@ static inline float load_act(const void *x, int x_bf16, int64_t i) {
 #define KN_COLS 64
 #define KN_BLOCK 64
 #define KN_ROWS 64 /* rows per pass of kn_blocked: their sums stay in the first-level cache */
-#ifndef KN_RK
 #define KN_RK 8    /* k per step of kn_stream */
-#endif
 #ifndef KN_PREFETCH
 #define KN_PREFETCH 16384 /* bytes ahead of kn_stream's reads */
 #endif

@@ -63,9 +63,10 @@ INLINE void kn_stream_avx2(const void *x, int64_t ldx, const int xb, int64_t M, 
  * Each thread takes its columns in panels of KN2_COLS; a panel is walked in blocks of KN2_BLOCK values of k, each
  * copied once into a contiguous buffer (zero past the panel's last column) and then used by every 4-row tile: the
  * weights are read from memory once, not once per tile, and a tile holds 4 x 3 sums in registers, so a weight
- * vector loaded serves 4 rows and an activation broadcast 3 vectors. While a block computes, its first tile prefetches
- * the next block's rows (without, the copies waited on memory: ~25% slower at 16 rows). Every sum is the same two chains of fused
- * multiply-adds as kn_stream's, in the same order, so a row's result is kn_stream's bit for bit. */
+ * vector loaded serves 4 rows and an activation broadcast 3 vectors. While a block computes, its first tile
+ * prefetches the next block's rows (without, the copies waited on memory: ~25% slower at 16 rows). Every sum is the
+ * same two chains of fused multiply-adds as kn_stream's, in the same order, so a row's result is kn_stream's bit for
+ * bit. */
 #define KN2_COLS 24
 #define KN2_BLOCK 128
 
@@ -79,7 +80,8 @@ INLINE void kn2_tile(const float *buf, int kn, const void *x, int64_t ldx, const
   for (int k = 0; k < kn; k++) {
     __m256 w0 = _mm256_load_ps(buf + k * KN2_COLS), w1 = _mm256_load_ps(buf + k * KN2_COLS + 8),
            w2 = _mm256_load_ps(buf + k * KN2_COLS + 16);
-    __asm__("" : "+x"(w0), "+x"(w1), "+x"(w2)); /* in registers: GCC folded them into each multiply-add, 12 loads a k, not 3 */
+    /* kept in registers: GCC folded them into each multiply-add, 12 loads a k instead of 3 */
+    __asm__("" : "+x"(w0), "+x"(w1), "+x"(w2));
     if (k < npf) { /* the next block's rows on their way while this one computes */
       _mm_prefetch((const char *)(next + k * ldw), _MM_HINT_T0);
       _mm_prefetch((const char *)(next + k * ldw + 16), _MM_HINT_T0);
