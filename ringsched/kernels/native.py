@@ -26,8 +26,9 @@ ENV_SWITCH = "RINGSCHED_NATIVE_ATTENTION"
 SOURCE = Path(__file__).with_name("paged_decode.c")
 # -ffast-math lets gcc vectorise expf (glibc's libmvec) and the dot products; it is given to the compile step
 # only: on the link line gcc < 13 would add crtfastmath.o, which turns on flush-to-zero for the whole process.
-COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC", "-c"]
-LINK_FLAGS = ["-shared", "-lm", "-lpthread"]
+# -fopenmp on both lines: the rows are split over torch's own thread team (libgomp.so.1, already loaded).
+COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c"]
+LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]
 
 
 @dataclass

@@ -4,13 +4,13 @@
  * keys and values and no padding to the longest context in the batch (what the torch path does). Per row it
  * walks the context once for the scores (every query head of a key-value head shares the key read), takes
  * the softmax in a small scratch buffer, and walks it once more for the values. Rows are split over
- * `nthreads` threads. Queries, scores and outputs are float32 in both cases; a bfloat16 cache is widened as
+ * `nthreads` threads of torch's own OpenMP team (the library links the libgomp torch has loaded, as the linear
+ * kernels do: a thread created per call instead ran beside that team's spinning worker, on 2 cores at half speed). Queries, scores and outputs are float32 in both cases; a bfloat16 cache is widened as
  * it is read (its 16 bits are a float32's top half), so it costs half the memory traffic of a float32 one.
  * Built by ringsched/kernels/native.py; compiled with -ffast-math (vectorised expf and dot products) but
  * linked without it, so loading it does not switch the process to flush-to-zero.
  */
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -104,14 +104,12 @@ static void softmax_rows(float *sc, int64_t H, int64_t len, float *lse) {
 DEFINE_ATTEND_ROW(attend_row_f32, float, f32_of_f32)
 DEFINE_ATTEND_ROW(attend_row_bf16, uint16_t, f32_of_bf16)
 
-static void *run_job(void *arg) {
-  job_t *j = (job_t *)arg;
+static void run_job(job_t *j) {
   float *sc = (float *)malloc(sizeof(float) * j->H * j->max_len);
-  if (!sc) return NULL;
+  if (!sc) return;
   for (int64_t r = j->r0; r < j->r1; r++) (j->kv_bf16 ? attend_row_bf16 : attend_row_f32)(j, r, sc);
   free(sc);
   j->ok = 1;
-  return NULL;
 }
 
 /* `paged_decode` for a sliding (`window` > 0) or soft-capped (`softcap` > 0) layer. Returns 0 on success, -1 if a
@@ -125,8 +123,6 @@ int paged_decode_window(const float *q, const void *kc, const void *vc, const in
   if (nthreads > MAX_THREADS) nthreads = MAX_THREADS;
   if (nthreads < 1) nthreads = 1;
   job_t jobs[MAX_THREADS];
-  pthread_t threads[MAX_THREADS];
-  int started[MAX_THREADS] = {0};
   const int64_t per = (b + nthreads - 1) / nthreads;
   for (int64_t i = 0; i < nthreads; i++) {
     const int64_t r0 = i * per, r1 = (i + 1) * per < b ? (i + 1) * per : b;
@@ -134,16 +130,10 @@ int paged_decode_window(const float *q, const void *kc, const void *vc, const in
                      (int)kv_bf16, 0};
     jobs[i] = j;
   }
-  for (int64_t i = 1; i < nthreads; i++) started[i] = pthread_create(&threads[i], NULL, run_job, &jobs[i]) == 0;
-  run_job(&jobs[0]);
-  int ok = jobs[0].ok;
-  for (int64_t i = 1; i < nthreads; i++) {
-    if (started[i])
-      pthread_join(threads[i], NULL);
-    else
-      run_job(&jobs[i]); /* no thread to be had: do its rows here */
-    ok = ok && jobs[i].ok;
-  }
+#pragma omp parallel for schedule(static, 1) num_threads(nthreads) if (nthreads > 1)
+  for (int64_t i = 0; i < nthreads; i++) run_job(&jobs[i]);
+  int ok = 1;
+  for (int64_t i = 0; i < nthreads; i++) ok = ok && jobs[i].ok;
   return ok ? 0 : -1;
 }
 
