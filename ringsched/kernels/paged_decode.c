@@ -5,8 +5,9 @@
  * walks the context once for the scores (every query head of a key-value head shares the key read), takes
  * the softmax in a small scratch buffer, and walks it once more for the values. Rows are split over
  * `nthreads` threads of torch's own OpenMP team (the library links the libgomp torch has loaded, as the linear
- * kernels do: a thread created per call instead ran beside that team's spinning worker, on 2 cores at half speed). Queries, scores and outputs are float32 in both cases; a bfloat16 cache is widened as
- * it is read (its 16 bits are a float32's top half), so it costs half the memory traffic of a float32 one.
+ * kernels do: a thread created per call ran beside that team's spinning worker, on 2 cores at half speed).
+ * Queries, scores and outputs are float32 in both cases; a bfloat16 cache is widened as it is read (its 16 bits
+ * are a float32's top half), so it costs half the memory traffic of a float32 one.
  * Built by ringsched/kernels/native.py; compiled with -ffast-math (vectorised expf and dot products) but
  * linked without it, so loading it does not switch the process to flush-to-zero.
  */
