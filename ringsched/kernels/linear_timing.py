@@ -99,34 +99,43 @@ def measure_shape(shape: Shape, paths: tuple[str, ...], layers: list[Linear]) ->
     times: Times = {}
     live = paths
     with torch.inference_mode():
-        # The weights' first touch (a fresh mmap's page faults) would count as the first path's warm-up, and a path
-        # far behind at its warm-up is not timed again: every weight is read once before anything is timed.
-        _call(paths[0], torch.zeros(1, shape.k, dtype=getattr(torch, shape.act)), pieces)
+        _first_touch(paths[0], shape, pieces)
         for rows in BUCKETS:
-            flops = 2 * rows * pieces[0].values
-            count = min(len(pieces), math.ceil(STREAM_BYTES / pieces[0].nbytes), max(1, int(FLOP_BUDGET // flops)))
-            x = torch.randn(rows, shape.k, dtype=getattr(torch, shape.act))
-            timed = {p: t * per_layer / count for p, t in _time_paths(live, x, pieces[:count]).items()}
+            timed = {p: t * per_layer for p, t in _time_bucket(live, shape, pieces, rows).items()}
             times[rows] = {p: timed.get(p, math.inf) for p in paths}
             live = tuple(p for p in live if not retired(p, times))
     return times
 
 
 def still_holds(shape: Shape, paths: tuple[str, ...], layers: list[Linear], times: Times) -> bool:
-    """Whether cached `times` still choose right at the smallest bucket: its chosen path and the fastest other are
-    timed again (warm-up, then `ROUNDS` interleaved calls each, the best of them); False when the chosen one now
-    takes over `SCREEN` times the other's (a measurement spoiled by another process's burst, or a machine that
-    changed under the same name), so the shape is measured again rather than kept on a bad choice for good."""
+    """Whether cached `times` still rank right at the smallest bucket: the two paths they rank fastest there are
+    timed again as `measure_shape` times them; False when the first now takes over `SCREEN` times the second's
+    (a measurement spoiled by another process's burst, or a machine that changed under the same name), so the
+    shape is measured again rather than kept on a bad choice for good."""
     rows = BUCKETS[0]
     ranked = sorted(paths, key=lambda p: (times[rows][p], paths.index(p)))
     if len(ranked) < 2:
         return True
     pieces = _pieces(layers)
-    count = min(len(pieces), math.ceil(STREAM_BYTES / pieces[0].nbytes))
-    x = torch.randn(rows, shape.k, dtype=getattr(torch, shape.act))
     with torch.inference_mode():
-        again = _time_paths(tuple(ranked[:2]), x, pieces[:count])
+        _first_touch(ranked[0], shape, pieces)
+        again = _time_bucket(tuple(ranked[:2]), shape, pieces, rows)
     return again[ranked[0]] <= SCREEN * again[ranked[1]]
+
+
+def _first_touch(path: str, shape: Shape, pieces: list[Piece]) -> None:
+    """Every weight read once, untimed: its first touch (a fresh mmap's page faults) would count as the first
+    path's warm-up, and a path far behind at its warm-up is not timed again."""
+    _call(path, torch.zeros(1, shape.k, dtype=getattr(torch, shape.act)), pieces)
+
+
+def _time_bucket(paths: tuple[str, ...], shape: Shape, pieces: list[Piece], rows: int) -> dict[str, float]:
+    """Seconds per piece of each of `paths` at `rows` rows, over as many pieces as `STREAM_BYTES` and
+    `FLOP_BUDGET` allow (`_time_paths`' rounds)."""
+    flops = 2 * rows * pieces[0].values
+    count = min(len(pieces), math.ceil(STREAM_BYTES / pieces[0].nbytes), max(1, int(FLOP_BUDGET // flops)))
+    x = torch.randn(rows, shape.k, dtype=getattr(torch, shape.act))
+    return {p: t / count for p, t in _time_paths(paths, x, pieces[:count]).items()}
 
 
 def retired(path: str, times: Times) -> bool:

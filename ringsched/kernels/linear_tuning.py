@@ -13,9 +13,9 @@ How the timings are taken: `kernels/linear_timing.py`.
 
 The timings are cached in `$RINGSCHED_CACHE/tuning/` (`cache_dir.cache_dir()`), one JSON file per CPU model and
 flags, dtypes, threads, shape and layout, torch version, kernel source and timing method (`cache_key`): a stage that
-finds its file does not measure all again: it times its cached choice at the smallest bucket against the fastest
-other path (`linear_timing.still_holds`), and measures the shape again if the choice lost by `SCREEN` times, so a
-measurement spoiled by another process is not kept for good. Ties go to the order of `PATHS`.
+finds its file does not measure all again: it times the two paths its timings rank fastest at the smallest bucket
+(`linear_timing.still_holds`), and measures the shape again if the first lost by `SCREEN` times, so a measurement
+spoiled by another process is not kept for good. Ties go to the order of `PATHS`.
 """
 
 from __future__ import annotations
@@ -219,7 +219,7 @@ def tune(
         else:
             times[shape] = measure(shape, paths[shape], group)
             write_times(file, shape, times[shape], cpu, threads)
-            again = "" if cached is None else "its cached choice lost a spot check: re-"
+            again = "" if cached is None else "its cached timings failed a spot check: re-"
             source[shape] = f"{again}measured in {time.perf_counter() - start:.2f} s"
     heads = {s for s, g in groups.items() if g[0].vocab_chunk}  # the head is not in the one call
     tables = choose_layers({s: t for s, t in times.items() if s not in heads}, paths)
